@@ -1,0 +1,517 @@
+"""aether: the host-side half of the in-sandbox agent.
+
+It lives outside the sandbox (in the edge's process) and reaches inside only through
+dsec-init's socket, the sandbox's /proc/PID/root (opened with RESOLVE_IN_ROOT) and its
+network namespace. Nothing of it is visible to the workload: no file, socket or log
+inside the sandbox's mount namespace.
+
+chronus, the shell-session half, is :class:`ShellSession`: a long-lived shell inside
+the sandbox fed commands on stdin; results come back on a private control pipe (fd 3
+of the shell, closed for the command itself) tagged with a per-command random nonce,
+so command output can never be mistaken for, or forge, a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import http.client
+import os
+import secrets
+import shlex
+import signal
+import stat as statmod
+import struct
+import termios
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dsec.agent.initclient import SETSID, ChannelLost, InitClient, boottime_ticks, exit_code
+from dsec.edge import linux
+from dsec.errors import InvalidRequest, NotFound, SandboxError
+from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
+
+OnData = Callable[[str, bytes], None]
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class _Capture:
+    """Drains one pipe into a bounded buffer; past the bound it keeps draining (so the
+    writer never blocks on a full pipe) but stores nothing."""
+
+    def __init__(self, fd: int, name: str, limit: int, on_data: OnData | None) -> None:
+        self.fd, self.name, self.limit, self.on_data = fd, name, limit, on_data
+        self.buf = bytearray()
+        self.truncated = False
+        self.eof = asyncio.Event()
+        self.active = True
+        os.set_blocking(fd, False)
+        asyncio.get_running_loop().add_reader(fd, self.drain)
+
+    def reset(self, limit: int, on_data: OnData | None) -> None:
+        self.buf = bytearray()
+        self.truncated = False
+        self.limit, self.on_data = limit, on_data
+
+    def drain(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.close()
+                return
+            room = self.limit - len(self.buf)
+            if room > 0:
+                self.buf += chunk[:room]
+                if self.on_data is not None:
+                    self.on_data(self.name, chunk[:room])
+            if len(chunk) > room:
+                self.truncated = True
+
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            asyncio.get_running_loop().remove_reader(self.fd)
+            os.close(self.fd)
+            self.eof.set()
+
+    def text(self) -> str:
+        return self.buf.decode("utf-8", errors="replace")
+
+
+def _pipe() -> tuple[int, int]:
+    return os.pipe2(os.O_CLOEXEC)
+
+
+@dataclass
+class AgentContext:
+    """What aether needs to know about its sandbox."""
+
+    sandbox_id: str
+    init_pid: int  # host pid of dsec-init
+    env: dict[str, str]
+    workdir: str
+    shell: str = "/bin/sh"
+    sessions: dict[str, ShellSession] = field(default_factory=dict)
+
+
+class ShellSession:
+    """chronus: one persistent shell; cwd, env and background jobs persist."""
+
+    def __init__(self, agent: Aether, name: str) -> None:
+        self.agent, self.name = agent, name
+        self.pid = 0
+        self.cwd = agent.ctx.workdir
+        self._lock = asyncio.Lock()
+        self._alive = False
+
+    async def _start(self) -> None:
+        init = self.agent.init
+        in_r, self._stdin = _pipe()
+        out_r, out_w = _pipe()
+        err_r, err_w = _pipe()
+        self._ctl_r, ctl_w = _pipe()
+        try:
+            self.pid, self._exit = await init.spawn(
+                [self.agent.ctx.shell], self.agent.ctx.env, self.cwd, [in_r, out_w, err_w, ctl_w], SETSID)
+        finally:
+            for fd in (in_r, out_w, err_w, ctl_w):
+                os.close(fd)
+        self._out = _Capture(out_r, "stdout", 0, None)
+        self._err = _Capture(err_r, "stderr", 0, None)
+        os.set_blocking(self._ctl_r, False)
+        self._ctl_buf = b""
+        self._alive = True
+
+    def _teardown(self) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        for fd in (self._stdin, self._ctl_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._out.close()
+        self._err.close()
+
+    async def close(self) -> None:
+        if self._alive:
+            with contextlib.suppress(ChannelLost):
+                await self.agent.init.kill_tree(self.pid, signal.SIGKILL, 0, include_self=True)
+            self._teardown()
+
+    async def _read_marker(self, nonce: bytes) -> tuple[int, str] | None:
+        """Wait for this command's result line on the control pipe; None if the shell died."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while b"\n" in self._ctl_buf:
+                line, self._ctl_buf = self._ctl_buf.split(b"\n", 1)
+                parts = line.split(b" ", 2)
+                if len(parts) == 3 and parts[0] == nonce:
+                    return int(parts[1]), parts[2].decode(errors="replace")
+            ready = loop.create_future()
+            loop.add_reader(self._ctl_r, lambda: ready.done() or ready.set_result(None))
+            exited = self._exit
+            try:
+                await asyncio.wait([ready, exited], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                loop.remove_reader(self._ctl_r)
+            try:
+                chunk = os.read(self._ctl_r, 4096)
+            except BlockingIOError:
+                chunk = None
+            if chunk:
+                self._ctl_buf += chunk
+            elif chunk == b"" or exited.done():
+                return None
+
+    async def run(self, req: ExecRequest, on_data: OnData | None) -> ExecResult:
+        async with self._lock:
+            if not self._alive:
+                await self._start()
+            assert req.cmd is not None
+            t0 = time.monotonic()
+            since = boottime_ticks()
+            self._out.reset(req.max_output_bytes, on_data)
+            self._err.reset(req.max_output_bytes, on_data)
+            nonce = secrets.token_hex(12).encode()
+            prefix = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in req.env.items())
+            if req.cwd:
+                prefix += f"cd {shlex.quote(req.cwd)}\n"
+            script = (f"{prefix}eval {shlex.quote(req.cmd)} </dev/null 3>&-\n"
+                      f"printf '%s %d %s\\n' {nonce.decode()} \"$?\" \"$PWD\" >&3\n")
+            try:
+                os.write(self._stdin, script.encode())
+            except OSError:
+                self._teardown()
+                raise SandboxError(f"session {self.name!r} shell is gone") from None
+            timed_out = False
+            try:
+                marker = await asyncio.wait_for(self._read_marker(nonce), req.timeout_s)
+            except TimeoutError:
+                timed_out = True
+                await self.agent.init.kill_tree(self.pid, signal.SIGKILL, since)
+                try:
+                    marker = await asyncio.wait_for(self._read_marker(nonce), 1.0)
+                except TimeoutError:
+                    # a busy loop in the shell itself: only restarting the shell stops it
+                    marker = None
+            self._out.drain()
+            self._err.drain()
+            if marker is None:
+                if self._exit.done():
+                    code = exit_code(self._exit.result())
+                else:
+                    await self.agent.init.kill_tree(self.pid, signal.SIGKILL, 0, include_self=True)
+                    code = 137
+                res = self._result(code, timed_out, t0)
+                self._teardown()
+                return res
+            code, self.cwd = marker
+            return self._result(code, timed_out, t0)
+
+    def _result(self, code: int, timed_out: bool, t0: float) -> ExecResult:
+        return ExecResult(
+            exit_code=code, stdout=self._out.text(), stderr=self._err.text(), timed_out=timed_out,
+            stdout_truncated=self._out.truncated, stderr_truncated=self._err.truncated,
+            duration_ms=(time.monotonic() - t0) * 1000)
+
+
+class Aether:
+    """The agent of one sandbox: exec, sessions, files, HTTP and TTY."""
+
+    def __init__(self, ctx: AgentContext, init: InitClient) -> None:
+        self.ctx = ctx
+        self.init = init
+
+    @property
+    def root(self) -> str:
+        return f"/proc/{self.ctx.init_pid}/root"
+
+    async def close(self) -> None:
+        for s in list(self.ctx.sessions.values()):
+            await s.close()
+        self.ctx.sessions.clear()
+        self.init.close()
+
+    # ---- exec -------------------------------------------------------------
+    async def exec(self, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:
+        if req.session is not None:
+            sess = self.ctx.sessions.get(req.session)
+            if sess is None:
+                if len(self.ctx.sessions) >= 64:
+                    raise InvalidRequest("at most 64 sessions per sandbox", field="session")
+                sess = self.ctx.sessions[req.session] = ShellSession(self, req.session)
+            return await sess.run(req, on_data)
+        return await self._exec_once(req, on_data)
+
+    async def _exec_once(self, req: ExecRequest, on_data: OnData | None) -> ExecResult:
+        argv = req.argv if req.argv is not None else [self.ctx.shell, "-c", req.cmd or ""]
+        env = {**self.ctx.env, **req.env}
+        t0 = time.monotonic()
+        in_r, in_w = _pipe()
+        out_r, out_w = _pipe()
+        err_r, err_w = _pipe()
+        try:
+            pid, exited = await self.init.spawn(argv, env, req.cwd or self.ctx.workdir, [in_r, out_w, err_w])
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        out = _Capture(out_r, "stdout", req.max_output_bytes, on_data)
+        err = _Capture(err_r, "stderr", req.max_output_bytes, on_data)
+        feeder = asyncio.create_task(self._feed(in_w, (req.stdin or "").encode()))
+        timed_out = False
+        try:
+            status = await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
+        except TimeoutError:
+            timed_out = True
+            await self.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True)
+            status = await exited
+        finally:
+            feeder.cancel()
+        # output held open by a background grandchild must not hold the caller
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(out.eof.wait(), err.eof.wait()), 0.2)
+        out.drain()
+        err.drain()
+        out.close()
+        err.close()
+        return ExecResult(
+            exit_code=137 if timed_out else exit_code(status), stdout=out.text(), stderr=err.text(),
+            timed_out=timed_out, stdout_truncated=out.truncated, stderr_truncated=err.truncated,
+            duration_ms=(time.monotonic() - t0) * 1000)
+
+    @staticmethod
+    async def _feed(fd: int, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        os.set_blocking(fd, False)
+        try:
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                except BlockingIOError:
+                    ready = loop.create_future()
+                    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                    try:
+                        await ready
+                    finally:
+                        loop.remove_writer(fd)
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            os.close(fd)
+
+    # ---- TTY --------------------------------------------------------------
+    async def open_tty(self, cols: int, rows: int, argv: list[str] | None = None
+                       ) -> tuple[int, int, asyncio.Future[int]]:
+        """Start an interactive shell on a new pty; returns (master fd, pid, exit future)."""
+        from dsec.agent.initclient import CTTY
+
+        master, slave = os.openpty()
+        os.set_inheritable(master, False)
+        set_winsize(master, cols, rows)
+        env = {**self.ctx.env, "TERM": "xterm-256color"}
+        try:
+            pid, exited = await self.init.spawn(argv or [self.ctx.shell, "-i"], env, self.ctx.workdir,
+                                                [slave, slave, slave], SETSID | CTTY)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        return master, pid, exited
+
+    # ---- files ------------------------------------------------------------
+    def _rootfd(self) -> int:
+        return os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _open_in_root(self, path: str, flags: int, mode: int = 0o644) -> int:
+        rootfd = self._rootfd()
+        try:
+            return linux.openat2(rootfd, path, flags, mode)
+        finally:
+            os.close(rootfd)
+
+    def _open_parent(self, path: str, create: bool = False) -> tuple[int, str]:
+        """An O_PATH fd of ``path``'s parent (made, with its parents, if ``create``)
+        and the last component. Every lookup is scoped to the sandbox's root."""
+        if not path.startswith("/"):
+            raise InvalidRequest("path must be absolute", field="path")
+        parent, name = os.path.split(os.path.normpath(path))
+        if not name:
+            raise InvalidRequest("path names the root directory", field="path")
+        flags = os.O_PATH | os.O_DIRECTORY
+        try:
+            return self._open_in_root(parent, flags), name
+        except FileNotFoundError:
+            if not create:
+                raise
+        prefix = "/"
+        for part in [p for p in parent.split("/") if p]:
+            here = os.path.join(prefix, part)
+            try:
+                os.close(self._open_in_root(here, flags))
+            except FileNotFoundError:
+                up = self._open_in_root(prefix, flags)
+                try:
+                    os.mkdir(part, 0o755, dir_fd=up)
+                except FileExistsError:
+                    pass
+                finally:
+                    os.close(up)
+            prefix = here
+        return self._open_in_root(parent, flags), name
+
+    def _wrap_fs(self, fn: Callable[[], object], path: str) -> object:
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise NotFound(f"no such file or directory: {path}", field="path") from None
+        except NotADirectoryError:
+            raise InvalidRequest(f"a component of {path} is not a directory", field="path") from None
+        except IsADirectoryError:
+            raise InvalidRequest(f"{path} is a directory", field="path") from None
+        except OSError as e:
+            raise InvalidRequest(f"{path}: {e.strerror}", field="path") from None
+
+    def exists(self, path: str) -> bool:
+        try:
+            os.close(self._open_in_root(path, os.O_PATH))
+            return True
+        except OSError:
+            return False
+
+    def mkdirs(self, path: str) -> None:
+        os.close(self._open_parent(os.path.join(path, "x"), create=True)[0])
+
+    def read_file(self, path: str, limit: int) -> bytes:
+        def go() -> bytes:
+            if not path.startswith("/"):
+                raise InvalidRequest("path must be absolute", field="path")
+            with os.fdopen(self._open_in_root(path, os.O_RDONLY), "rb") as f:
+                st = os.fstat(f.fileno())
+                if not statmod.S_ISREG(st.st_mode):
+                    raise InvalidRequest(f"{path} is not a regular file", field="path")
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise InvalidRequest(f"{path} is larger than the {limit}-byte read limit", field="path")
+            return data
+        return self._wrap_fs(go, path)  # type: ignore[return-value]
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        def go() -> None:
+            os.close(self._open_parent(path, create=True)[0])
+            fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        self._wrap_fs(go, path)
+
+    def stat(self, path: str) -> FileStat:
+        def go() -> FileStat:
+            if os.path.normpath(path) == "/":
+                st = os.stat(self.root)
+                return _filestat("/", "/", st, None)
+            d, name = self._open_parent(path)
+            try:
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+                target = os.readlink(name, dir_fd=d) if statmod.S_ISLNK(st.st_mode) else None
+            finally:
+                os.close(d)
+            return _filestat(os.path.normpath(path), name, st, target)
+        return self._wrap_fs(go, path)  # type: ignore[return-value]
+
+    def list_dir(self, path: str) -> list[FileStat]:
+        def go() -> list[FileStat]:
+            fd = self._open_in_root(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                out = []
+                for name in sorted(os.listdir(fd)):
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    target = os.readlink(name, dir_fd=fd) if statmod.S_ISLNK(st.st_mode) else None
+                    out.append(_filestat(os.path.join(path, name), name, st, target))
+                return out
+            finally:
+                os.close(fd)
+        if not path.startswith("/"):
+            raise InvalidRequest("path must be absolute", field="path")
+        return self._wrap_fs(go, path)  # type: ignore[return-value]
+
+    def remove(self, path: str, recursive: bool) -> None:
+        import shutil
+
+        def go() -> None:
+            d, name = self._open_parent(path)
+            try:
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+                if statmod.S_ISDIR(st.st_mode):
+                    if recursive:
+                        shutil.rmtree(name, dir_fd=d)
+                    else:
+                        os.rmdir(name, dir_fd=d)
+                else:
+                    os.unlink(name, dir_fd=d)
+            finally:
+                os.close(d)
+        self._wrap_fs(go, path)
+
+    # ---- HTTP -------------------------------------------------------------
+    def http_request(self, port: int, method: str, path: str, headers: list[tuple[str, str]],
+                     body: bytes, timeout: float) -> HttpResponse:
+        """One HTTP/1.1 request to 127.0.0.1:port inside the sandbox's network namespace."""
+        sock = linux.socket_in_netns(f"/proc/{self.ctx.init_pid}/ns/net")
+        sock.settimeout(timeout)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except OSError as e:
+            sock.close()
+            raise SandboxError(f"nothing answers on port {port} in the sandbox: {e.strerror}") from None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        conn.sock = sock
+        try:
+            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+            names = {k.lower() for k, _ in headers}
+            if "host" not in names:
+                conn.putheader("Host", f"127.0.0.1:{port}")
+            for k, v in headers:
+                conn.putheader(k, v)
+            if body or method in ("POST", "PUT", "PATCH"):
+                conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body or None)
+            resp = conn.getresponse()
+            data = resp.read()
+            return HttpResponse(status=resp.status, headers=resp.getheaders(), body=data)
+        except (OSError, http.client.HTTPException) as e:
+            raise SandboxError(f"HTTP to port {port} in the sandbox failed: {e}") from None
+        finally:
+            conn.close()
+
+
+def _filestat(path: str, name: str, st: os.stat_result, target: str | None) -> FileStat:
+    if statmod.S_ISREG(st.st_mode):
+        kind = "file"
+    elif statmod.S_ISDIR(st.st_mode):
+        kind = "dir"
+    elif statmod.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    else:
+        kind = "other"
+    return FileStat(path=path, name=name, type=kind, size=st.st_size, mode=statmod.S_IMODE(st.st_mode),  # type: ignore[arg-type]
+                    mtime=st.st_mtime, link_target=target)
+
+
+def set_winsize(fd: int, cols: int, rows: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

@@ -1,0 +1,155 @@
+"""Async client for dsec-init, the PID 1 spawner inside each container sandbox.
+
+One SOCK_SEQPACKET connection per sandbox carries every request; replies to requests
+come back in order, exit notices ("X pid status") come whenever a child ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import socket
+import time
+
+from dsec.errors import SandboxError
+
+SETSID = 1
+CTTY = 2
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def boottime_ticks() -> int:
+    """Now, in the units of /proc/PID/stat's starttime."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK)
+
+
+class ChannelLost(SandboxError):
+    """The connection to the sandbox's init is gone: the sandbox has died."""
+
+
+class SpawnFailed(SandboxError):
+    def __init__(self, err: int, argv0: str) -> None:
+        super().__init__(f"cannot run {argv0!r}: {os.strerror(err)}")
+        self.errno = err
+
+
+class InitClient:
+    def __init__(self, sock_path: str) -> None:
+        self.sock_path = sock_path
+        self._sock: socket.socket | None = None
+        # each reply carries the exit future of the pid it announces ("P"), made before
+        # the exit notice can arrive
+        self._pending: collections.deque[asyncio.Future[tuple[list[bytes], asyncio.Future[int] | None]]] = (
+            collections.deque())
+        self._exits: dict[int, asyncio.Future[int]] = {}
+        self._lock = asyncio.Lock()
+        self.closed = asyncio.Event()
+
+    async def connect(self, timeout: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                sock.connect(self.sock_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if loop.time() > deadline:
+                    sock.close()
+                    raise ChannelLost(f"sandbox init socket unreachable: {e}") from e
+                await asyncio.sleep(0.005)
+        self._sock = sock
+        loop.add_reader(sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data = self._sock.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            fields = data.split(b"\0")
+            if fields[0] == b"X":
+                fut = self._exits.pop(int(fields[1]), None)
+                if fut and not fut.done():
+                    fut.set_result(int(fields[2]))
+                continue
+            exit_fut = None
+            if fields[0] == b"P":
+                exit_fut = self._exits[int(fields[1])] = asyncio.get_running_loop().create_future()
+            if self._pending:
+                f = self._pending.popleft()
+                if not f.done():
+                    f.set_result((fields, exit_fut))
+
+    def _lost(self) -> None:
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        err = ChannelLost("connection to the sandbox init was lost")
+        for f in list(self._pending) + list(self._exits.values()):
+            if not f.done():
+                f.set_exception(err)
+                f.exception()  # mark retrieved: nobody may be waiting
+        self._pending.clear()
+        self._exits.clear()
+        self.closed.set()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._lost()
+
+    async def _request(self, fields: list[str], fds: list[int] | None = None
+                       ) -> tuple[list[bytes], asyncio.Future[int] | None]:
+        if self._sock is None:
+            raise ChannelLost("sandbox init is not connected")
+        msg = b"\0".join(f.encode() for f in fields)
+        fut: asyncio.Future[tuple[list[bytes], asyncio.Future[int] | None]] = (
+            asyncio.get_running_loop().create_future())
+        async with self._lock:
+            self._pending.append(fut)
+            try:
+                if fds:
+                    socket.send_fds(self._sock, [msg], fds)
+                else:
+                    self._sock.send(msg)
+            except OSError as e:
+                self._pending.remove(fut)
+                self._lost()
+                raise ChannelLost(f"sandbox init unreachable: {e}") from e
+        return await fut
+
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
+                    flags: int = SETSID) -> tuple[int, asyncio.Future[int]]:
+        """Start ``argv`` in the sandbox; returns its pid (in the sandbox) and a future
+        of its wait status."""
+        envl = [f"{k}={v}" for k, v in env.items()]
+        reply, exited = await self._request(
+            ["S", str(flags), cwd, str(len(argv)), *argv, str(len(envl)), *envl], fds)
+        if reply[0] == b"E" or exited is None:
+            raise SpawnFailed(int(reply[1]), argv[0])
+        return int(reply[1]), exited
+
+    async def kill_tree(self, pid: int, sig: int, since_ticks: int = 0, include_self: bool = False) -> int:
+        reply, _ = await self._request(["T", str(pid), str(sig), str(since_ticks), "1" if include_self else "0"])
+        return int(reply[1])
+
+    async def kill_group(self, pgid: int, sig: int) -> None:
+        await self._request(["G", str(pgid), str(sig)])
+
+    async def ping(self) -> None:
+        await self._request(["W"])
+
+
+def exit_code(status: int) -> int:
+    """Shell-style exit code from a wait status: 128+N for a signal."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)

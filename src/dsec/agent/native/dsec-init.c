@@ -1,0 +1,318 @@
+/*
+ * dsec-init: PID 1 of every dsec container sandbox.
+ *
+ * It owns three things and nothing else:
+ *   - reaping every process of the sandbox (it is the pid namespace's init);
+ *   - spawning processes on request of the host-side agent, with the stdio fds
+ *     the agent passes over SCM_RIGHTS;
+ *   - killing process trees on request (per-command timeouts).
+ *
+ * Why a static C binary: it must run in images with no Python and no libc of
+ * their own, and it must not depend on anything inside the image. The binary is
+ * executed through /proc/self/fd/3 (crun --preserve-fds), so no path inside the
+ * sandbox holds it; its only channel is a listening unix socket inherited as
+ * fd 4, bound to a path on the host that the sandbox's mount namespace cannot
+ * see. It marks itself non-dumpable, so root in the sandbox without
+ * CAP_SYS_PTRACE can neither ptrace it nor open files under /proc/1/fd, and as the
+ * namespace's init it cannot be killed from inside.
+ *
+ * Wire protocol (SOCK_SEQPACKET, one request per message, fields NUL-separated):
+ *   "S" flags cwd argc argv... envc env...   + SCM_RIGHTS fds -> child fds 0..n-1
+ *        reply "P" pid | "E" errno message
+ *        later, on the same connection: "X" pid wait-status
+ *   "T" pid sig since_ticks include_self  kill descendants of pid started at or after
+ *        since_ticks (/proc/PID/stat starttime); reply "K" count
+ *   "G" pgid sig                          kill(-pgid, sig); reply "K" 0|errno
+ *   "W"                                   ping; reply "O"
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_CLIENTS 256
+#define MAX_TRACKED 4096
+#define MAX_MSG 262144
+#define MAX_FDS 8
+#define MAX_ARGS 4096
+
+#define F_SETSID 1
+#define F_CTTY 2
+
+extern char **environ;
+
+static int clients[MAX_CLIENTS];
+static int nclients;
+static struct { pid_t pid; int client; } tracked[MAX_TRACKED];
+static char msgbuf[MAX_MSG + 1];
+
+static void send_str(int fd, const char *s, size_t n) {
+    if (fd >= 0) (void)send(fd, s, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+static void replyf(int fd, const char *fmt, long a, long b) {
+    char out[128];
+    int n = snprintf(out, sizeof out, fmt, a, b);
+    /* fields are NUL-separated on the wire, printf uses spaces */
+    for (int i = 0; i < n; i++) if (out[i] == ' ') out[i] = '\0';
+    send_str(fd, out, (size_t)n);
+}
+
+static void track(pid_t pid, int client) {
+    for (int i = 0; i < MAX_TRACKED; i++)
+        if (tracked[i].pid == 0) { tracked[i].pid = pid; tracked[i].client = client; return; }
+}
+
+static void on_exit_status(pid_t pid, int status) {
+    for (int i = 0; i < MAX_TRACKED; i++) {
+        if (tracked[i].pid == pid) {
+            replyf(tracked[i].client, "X %ld %ld", pid, status);
+            tracked[i].pid = 0;
+            return;
+        }
+    }
+}
+
+static void drop_client(int idx) {
+    int fd = clients[idx];
+    for (int i = 0; i < MAX_TRACKED; i++)
+        if (tracked[i].pid && tracked[i].client == fd) tracked[i].client = -1;
+    close(fd);
+    clients[idx] = clients[--nclients];
+}
+
+/* Split msg into NUL-terminated fields; returns count. */
+static int split(char *msg, size_t len, char **fields, int max) {
+    int n = 0;
+    size_t start = 0;
+    msg[len] = '\0';
+    for (size_t i = 0; i <= len && n < max; i++) {
+        if (msg[i] == '\0') {
+            fields[n++] = msg + start;
+            start = i + 1;
+        }
+    }
+    return n;
+}
+
+static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
+    if (nf < 4) { replyf(client, "E %ld %ld", EINVAL, 0); return; }
+    int flags = atoi(f[1]);
+    const char *cwd = f[2];
+    int argc = atoi(f[3]);
+    if (argc < 1 || 4 + argc >= nf) { replyf(client, "E %ld %ld", EINVAL, 1); return; }
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    for (int i = 0; i < argc; i++) argv[i] = f[4 + i];
+    int envc = atoi(f[4 + argc]);
+    if (envc < 0 || 5 + argc + envc > nf) { free(argv); replyf(client, "E %ld %ld", EINVAL, 2); return; }
+    char **envp = calloc((size_t)envc + 1, sizeof(char *));
+    for (int i = 0; i < envc; i++) envp[i] = f[5 + argc + i];
+
+    int errpipe[2];
+    if (pipe2(errpipe, O_CLOEXEC) < 0) { free(argv); free(envp); replyf(client, "E %ld %ld", errno, 3); return; }
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigset_t all;
+        sigfillset(&all);
+        for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL);
+        sigprocmask(SIG_UNBLOCK, &all, NULL);
+        /* move passed fds out of the way, then onto 0..n-1 */
+        int tmp[MAX_FDS];
+        for (int i = 0; i < nfds; i++) tmp[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 64);
+        for (int i = 0; i < nfds; i++) { dup2(tmp[i], i); }
+        if (nfds == 0) {
+            int nul = open("/dev/null", O_RDWR);
+            dup2(nul, 0); dup2(nul, 1); dup2(nul, 2);
+        }
+        if (flags & (F_SETSID | F_CTTY)) setsid();
+        if (flags & F_CTTY) ioctl(0, TIOCSCTTY, 0);
+        if (chdir(cwd) < 0) { int e = errno; (void)!write(errpipe[1], &e, sizeof e); _exit(126); }
+        environ = envp;
+        execvp(argv[0], argv);
+        int e = errno;
+        (void)!write(errpipe[1], &e, sizeof e);
+        _exit(127);
+    }
+    close(errpipe[1]);
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    free(argv);
+    free(envp);
+    if (pid < 0) { close(errpipe[0]); replyf(client, "E %ld %ld", errno, 4); return; }
+    int childerr = 0;
+    ssize_t r;
+    do { r = read(errpipe[0], &childerr, sizeof childerr); } while (r < 0 && errno == EINTR);
+    close(errpipe[0]);
+    if (r == (ssize_t)sizeof childerr) {
+        /* the child already exited (or will): it is reaped by the SIGCHLD path untracked */
+        replyf(client, "E %ld %ld", childerr, 5);
+        return;
+    }
+    track(pid, client);
+    replyf(client, "P %ld %ld", pid, 0);
+}
+
+/* Read /proc/PID/stat for ppid and starttime. */
+static int proc_stat(pid_t pid, pid_t *ppid, unsigned long long *start) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (!p) return -1;
+    /* after ") " : state(3) ppid(4) ... starttime(22) */
+    int field = 3;
+    char *tok = strtok(p + 2, " ");
+    while (tok) {
+        if (field == 4) *ppid = (pid_t)atoi(tok);
+        if (field == 22) { *start = strtoull(tok, NULL, 10); return 0; }
+        tok = strtok(NULL, " ");
+        field++;
+    }
+    return -1;
+}
+
+static int kill_tree(pid_t root, int sig, unsigned long long since, int include_self) {
+    static pid_t pids[65536], ppids[65536];
+    static unsigned long long starts[65536];
+    static char mark[65536];
+    int n = 0;
+    DIR *d = opendir("/proc");
+    if (!d) return 0;
+    struct dirent *de;
+    while ((de = readdir(d)) && n < 65536) {
+        pid_t p = (pid_t)atoi(de->d_name);
+        if (p <= 1) continue;
+        if (proc_stat(p, &ppids[n], &starts[n]) == 0) pids[n++] = p;
+    }
+    closedir(d);
+    memset(mark, 0, (size_t)n);
+    /* fixed point: mark descendants of root */
+    int changed = 1;
+    while (changed) {
+        changed = 0;
+        for (int i = 0; i < n; i++) {
+            if (mark[i]) continue;
+            int parent_marked = ppids[i] == root;
+            for (int j = 0; j < n && !parent_marked; j++)
+                if (mark[j] && pids[j] == ppids[i]) parent_marked = 1;
+            if (parent_marked) { mark[i] = 1; changed = 1; }
+        }
+    }
+    int killed = 0;
+    for (int i = 0; i < n; i++) {
+        if (mark[i] && starts[i] >= since) { kill(pids[i], SIGSTOP); }
+    }
+    for (int i = 0; i < n; i++) {
+        if (mark[i] && starts[i] >= since) { kill(pids[i], sig); kill(pids[i], SIGCONT); killed++; }
+    }
+    if (include_self) { kill(root, sig); killed++; }
+    return killed;
+}
+
+static void handle(int idx) {
+    int client = clients[idx];
+    struct iovec iov = { msgbuf, MAX_MSG };
+    char cbuf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+    struct msghdr mh = { 0 };
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf;
+    mh.msg_controllen = sizeof cbuf;
+    ssize_t n = recvmsg(client, &mh, MSG_CMSG_CLOEXEC);
+    if (n <= 0) { drop_client(idx); return; }
+    int fds[MAX_FDS], nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int cnt = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < cnt; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                if (nfds < MAX_FDS) fds[nfds++] = fd; else close(fd);
+            }
+        }
+    }
+    static char *f[MAX_ARGS * 2 + 8];
+    int nf = split(msgbuf, (size_t)n, f, MAX_ARGS * 2 + 8);
+    if (nf < 1) goto done;
+    switch (f[0][0]) {
+    case 'S':
+        do_spawn(client, f, nf, fds, nfds);
+        return;
+    case 'T':
+        if (nf >= 5) {
+            int k = kill_tree((pid_t)atoi(f[1]), atoi(f[2]), strtoull(f[3], NULL, 10), atoi(f[4]));
+            replyf(client, "K %ld %ld", k, 0);
+        }
+        break;
+    case 'G':
+        if (nf >= 3) {
+            int r = kill(-(pid_t)atoi(f[1]), atoi(f[2]));
+            replyf(client, "K %ld %ld", r < 0 ? errno : 0, 0);
+        }
+        break;
+    case 'W':
+        send_str(client, "O", 1);
+        break;
+    default:
+        break;
+    }
+done:
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+}
+
+int main(void) {
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    close(3); /* our own binary, passed by crun --preserve-fds */
+    int lfd = 4;
+    fcntl(lfd, F_SETFD, FD_CLOEXEC);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGHUP);
+    sigaddset(&mask, SIGPIPE);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (nul >= 0) { dup2(nul, 0); dup2(nul, 1); dup2(nul, 2); }
+
+    struct pollfd pfd[MAX_CLIENTS + 2];
+    for (;;) {
+        pfd[0].fd = lfd; pfd[0].events = POLLIN;
+        pfd[1].fd = sfd; pfd[1].events = POLLIN;
+        for (int i = 0; i < nclients; i++) { pfd[2 + i].fd = clients[i]; pfd[2 + i].events = POLLIN; }
+        int r = poll(pfd, (nfds_t)(2 + nclients), -1);
+        if (r < 0) { if (errno == EINTR) continue; return 1; }
+        if (pfd[1].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {}
+            int status;
+            pid_t p;
+            while ((p = waitpid(-1, &status, WNOHANG)) > 0) on_exit_status(p, status);
+        }
+        for (int i = nclients - 1; i >= 0; i--)
+            if (pfd[2 + i].revents & (POLLIN | POLLHUP | POLLERR)) handle(i);
+        if (pfd[0].revents & POLLIN) {
+            int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (c >= 0) {
+                if (nclients < MAX_CLIENTS) clients[nclients++] = c; else close(c);
+            }
+        }
+    }
+}

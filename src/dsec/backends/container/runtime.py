@@ -1,0 +1,185 @@
+"""The OCI runtime under the container backend: crun, driven through its CLI.
+
+Owns the OCI config (namespaces, cgroup limits, capabilities, seccomp, masked paths)
+and the crun lifecycle (run, kill, delete, state). dsec-init is executed through
+``/proc/self/fd/3`` with crun's ``--preserve-fds``, and its listening socket arrives
+as fd 4, so nothing of the agent exists inside the container's filesystem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+from dsec.errors import SandboxError
+
+CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_SETGID", "CAP_SETUID",
+    "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
+MASKED_PATHS = [
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+    "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup", "/proc/kpageflags",
+    "/proc/kpagecount", "/proc/sysrq-trigger", "/proc/kmsg", "/proc/kallsyms", "/proc/vmallocinfo",
+    "/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug", "/sys/kernel/tracing",
+]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
+# Denied outright (EPERM): kernel-wide state, module and kexec loading, tracing and
+# BPF, keyrings, new mounts, raw handles. Allowed-by-default keeps ordinary workloads
+# (compilers, package managers, test runners) working.
+DENIED_SYSCALLS = [
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "create_module",
+    "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "userfaultfd", "mount", "umount2",
+    "pivot_root", "swapon", "swapoff", "reboot", "open_by_handle_at", "name_to_handle_at", "acct",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm", "quotactl", "syslog",
+    "vhangup", "lookup_dcookie", "unshare", "setns", "fsopen", "fsmount", "fsconfig", "move_mount",
+    "open_tree", "mount_setattr", "process_vm_readv", "process_vm_writev", "ptrace", "personality",
+    "fanotify_init", "nfsservctl", "get_kernel_syms", "query_module", "uselib", "kcmp",
+]
+CLONE_NEWUSER = 0x10000000
+
+
+def seccomp_profile() -> dict[str, object]:
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [
+            {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
+            # new user namespaces would hand the workload a full capability set
+            {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+             "args": [{"index": 0, "value": CLONE_NEWUSER, "valueTwo": CLONE_NEWUSER,
+                       "op": "SCMP_CMP_MASKED_EQ"}]},
+            # clone3 passes flags in memory seccomp cannot read; glibc falls back to clone
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int
+    cpu_cores: float
+    pids: int
+
+
+def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str) -> dict[str, object]:
+    period = 100_000
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/proc/self/fd/3"],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": True,
+            "oomScoreAdj": 500,
+        },
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": sandbox_id,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ],
+        "linux": {
+            "cgroupsPath": cgroup_path,
+            "resources": {
+                "memory": {"limit": limits.memory_mb * 1024 * 1024},
+                "cpu": {"quota": int(limits.cpu_cores * period), "period": period},
+                "pids": {"limit": limits.pids},
+            },
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
+            "seccomp": seccomp_profile(),
+        },
+    }
+
+
+class CrunRuntime:
+    """Runs containers with crun under a private state root."""
+
+    def __init__(self, state_root: str, cgroup_parent: str = "dsec") -> None:
+        self.state_root = state_root
+        self.cgroup_parent = cgroup_parent
+        os.makedirs(state_root, exist_ok=True)
+        crun = shutil.which("crun")
+        if crun is None:
+            raise RuntimeError("crun is not installed (run scripts/setup.sh)")
+        self.crun = crun
+
+    def cgroup_path(self, sandbox_id: str) -> str:
+        return f"/{self.cgroup_parent}/{sandbox_id}"
+
+    def _argv(self, *args: str) -> list[str]:
+        return [self.crun, "--root", self.state_root, *args]
+
+    async def _run(self, *args: str, check: bool = True) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(*args), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        text = out.decode(errors="replace").strip()
+        if check and proc.returncode != 0:
+            raise SandboxError(f"crun {args[0]} failed: {text}")
+        return proc.returncode or 0, text
+
+    async def run(self, sandbox_id: str, bundle: str, init_fd: int, sock_fd: int) -> int:
+        """Start the container detached; returns dsec-init's host pid."""
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        err_path = os.path.join(bundle, "crun.err")
+        pid_path = os.path.join(bundle, "init.pid")
+        err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            pid = os.posix_spawn(
+                self.crun, self._argv("run", "-d", "--preserve-fds", "2", "--pid-file", pid_path,
+                                       "--bundle", bundle, sandbox_id),
+                dict(os.environ),
+                file_actions=[(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1),
+                              (os.POSIX_SPAWN_DUP2, err, 2), (os.POSIX_SPAWN_DUP2, init_fd, 3),
+                              (os.POSIX_SPAWN_DUP2, sock_fd, 4)])
+        finally:
+            os.close(null)
+            os.close(err)
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            with open(err_path, errors="replace") as f:
+                msg = f.read().strip()
+            raise SandboxError(f"crun run failed for {sandbox_id}: {msg}")
+        try:
+            with open(pid_path) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError) as e:
+            raise SandboxError(f"container {sandbox_id} did not start: {e}") from None
+
+    async def state(self, sandbox_id: str) -> dict[str, object] | None:
+        rc, out = await self._run("state", sandbox_id, check=False)
+        if rc != 0:
+            return None
+        try:
+            return json.loads(out)  # type: ignore[no-any-return]
+        except json.JSONDecodeError:
+            return None
+
+    async def list(self) -> list[str]:
+        rc, out = await self._run("list", "-q", check=False)
+        return out.split() if rc == 0 else []
+
+    async def kill(self, sandbox_id: str, sig: str = "KILL") -> None:
+        await self._run("kill", sandbox_id, sig, check=False)
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._run("delete", "--force", sandbox_id, check=False)

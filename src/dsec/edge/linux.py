@@ -1,0 +1,89 @@
+"""Thin ctypes bindings for the kernel calls the edge needs and Python lacks:
+mount(2), umount2(2), setns(2) on 3.11, and openat2(2) with RESOLVE_IN_ROOT, which is
+what lets the host touch a sandbox's files without following its symlinks out."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import struct
+import threading
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
+
+MS_RDONLY = 1
+MNT_DETACH = 2
+CLONE_NEWNET = 0x40000000
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def mount(source: str, target: str, fstype: str, flags: int = 0, data: str | None = None) -> None:
+    ret = _libc.mount(source.encode(), target.encode(), fstype.encode(), flags,
+                      data.encode() if data is not None else None)
+    _check(ret, f"mount {fstype} {source} on {target}")
+
+
+def umount(target: str, detach: bool = False) -> None:
+    _check(_libc.umount2(target.encode(), MNT_DETACH if detach else 0), f"umount {target}")
+
+
+def mounted_under(prefix: str) -> list[str]:
+    """Mount points at or below ``prefix`` in this mount namespace, deepest first."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp == prefix or mp.startswith(prefix.rstrip("/") + "/"):
+                out.append(mp)
+    return sorted(out, key=len, reverse=True)
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0o644,
+            resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
+    """open ``path`` relative to ``dirfd`` as if ``dirfd`` were ``/``."""
+    how = struct.pack("QQQ", flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve)
+    buf = ctypes.create_string_buffer(how)
+    while True:
+        fd = _libc.syscall(SYS_OPENAT2, dirfd, path.encode(), buf, len(how))
+        if fd >= 0:
+            return int(fd)
+        e = ctypes.get_errno()
+        if e != errno.EINTR:
+            raise OSError(e, os.strerror(e), path)
+
+
+_netns_lock = threading.Lock()
+
+
+def socket_in_netns(netns_path: str, family: int = socket.AF_INET) -> socket.socket:
+    """A TCP socket that belongs to the network namespace at ``netns_path``.
+
+    setns(CLONE_NEWNET) is per thread, and a socket keeps the namespace it was made
+    in, so the calling thread enters, makes the socket, and returns home.
+    """
+    with _netns_lock:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _check(_libc.setns(target, CLONE_NEWNET), "setns into sandbox netns")
+            try:
+                return socket.socket(family, socket.SOCK_STREAM)
+            finally:
+                _check(_libc.setns(home, CLONE_NEWNET), "setns back to host netns")
+        finally:
+            os.close(home)
+            os.close(target)

@@ -1,0 +1,452 @@
+"""The edge: one per node. Final admission, storage provisioning, runtime launch,
+lifecycle and TTLs, cleanup, and recovery after its own restart.
+
+It implements :class:`dsec.edge.api.EdgeAPI`; the apiserver reaches it only through
+that interface (in-process in embedded mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from dsec.agent.aether import DEFAULT_PATH, AgentContext, Aether, OnData
+from dsec.agent.initclient import InitClient
+from dsec.agent.native import ensure_init_binary
+from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
+from dsec.edge import linux
+from dsec.edge.state import EdgeState, Record
+from dsec.errors import AdmissionRejected, InvalidRequest, NotFound, PayloadTooLarge, SandboxError, SandboxNotRunning
+from dsec.layers.store import LayerStore, layer_kind
+from dsec.models import (
+    Backend,
+    ContainerArgs,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    HttpResponse,
+    NodeStats,
+    SandboxInfo,
+    SandboxState,
+    parse_sandbox_id,
+)
+
+log = logging.getLogger("dsec.edge")
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+class EdgeConfig(BaseModel):
+    name: str = "edge0"
+    data_dir: str
+    cpu_overcommit: float = 8.0
+    memory_overcommit: float = 1.5
+    max_sandboxes: int = 4096
+    max_file_bytes: int = 256 * 1024 * 1024
+    ttl_check_interval_s: float = 1.0
+
+
+@dataclass
+class Sandbox:
+    rec: Record
+    dir: str
+    agent: Aether | None = None
+    stopping: bool = False
+    watch: asyncio.Task[None] | None = None
+    ops: int = 0
+    dirty: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.rec.info.sandbox_id
+
+
+class Edge:
+    def __init__(self, cfg: EdgeConfig, layers: LayerStore) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.layers = layers
+        root = os.path.join(cfg.data_dir, "edges", cfg.name)
+        self.sandbox_root = os.path.join(root, "sandboxes")
+        os.makedirs(self.sandbox_root, exist_ok=True)
+        self.layer_mnt = os.path.join(cfg.data_dir, "layers", "mnt")
+        os.makedirs(self.layer_mnt, exist_ok=True)
+        # sockets and crun state are per boot: on tmpfs, with a path short enough for AF_UNIX
+        tag = hashlib.sha1(os.path.abspath(cfg.data_dir).encode()).hexdigest()[:8]
+        self.run_dir = f"/run/dsec/{tag}-{cfg.name}"
+        os.makedirs(os.path.join(self.run_dir, "s"), exist_ok=True)
+        self.state = EdgeState(os.path.join(root, "state.db"))
+        self.runtime = CrunRuntime(os.path.join(self.run_dir, "crun"), cgroup_parent=f"dsec-{tag}")
+        self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._mount_lock = asyncio.Lock()
+        self._ttl_task: asyncio.Task[None] | None = None
+        self.cpus = os.cpu_count() or 1
+        self.memory_mb = _mem_total_mb()
+        self.on_event: Callable[[str, str, str], None] = lambda sid, kind, msg: log.info("%s %s: %s", sid, kind, msg)
+
+    # ---- lifecycle of the edge itself ---------------------------------------
+    async def start(self) -> None:
+        await self._recover()
+        self._ttl_task = asyncio.create_task(self._ttl_loop())
+
+    async def close(self) -> None:
+        """Stop serving; running sandboxes keep running and are re-adopted next start."""
+        if self._ttl_task:
+            self._ttl_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ttl_task
+        for sb in self.sandboxes.values():
+            if sb.watch:
+                sb.watch.cancel()
+            if sb.agent:
+                await sb.agent.close()
+        self._flush_activity()
+
+    async def _recover(self) -> None:
+        live = {r.info.sandbox_id: r for r in self.state.live()}
+        running = set(await self.runtime.list())
+        for sid, rec in live.items():
+            sb = Sandbox(rec, os.path.join(self.sandbox_root, sid))
+            self.sandboxes[sid] = sb
+            if sid in running and _alive(rec.init_pid):
+                try:
+                    await self._attach(sb)
+                    log.info("re-adopted sandbox %s", sid)
+                    continue
+                except SandboxError as e:
+                    log.warning("cannot re-adopt %s: %s", sid, e)
+            await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
+        for sid in running - set(self.sandboxes):
+            await self.runtime.delete(sid)
+        for mp in linux.mounted_under(self.sandbox_root):
+            sid = os.path.basename(os.path.dirname(mp))
+            if sid not in self.sandboxes or self.sandboxes[sid].stopping:
+                with contextlib.suppress(OSError):
+                    linux.umount(mp, detach=True)
+        for name in os.listdir(self.sandbox_root):
+            if name not in self.sandboxes:
+                shutil.rmtree(os.path.join(self.sandbox_root, name), ignore_errors=True)
+        self.state.prune()
+
+    # ---- admission ----------------------------------------------------------
+    def _reserved(self) -> tuple[float, int, int]:
+        cpu = mem = n = 0
+        for sb in self.sandboxes.values():
+            if not sb.stopping:
+                cpu += sb.rec.args.cpu_cores_limit
+                mem += sb.rec.args.memory_limit_mb
+                n += 1
+        return cpu, int(mem), n
+
+    def _admit(self, args: ContainerArgs) -> None:
+        cpu, mem, n = self._reserved()
+        if n + 1 > self.cfg.max_sandboxes:
+            raise AdmissionRejected(f"edge {self.name} is at its sandbox limit ({self.cfg.max_sandboxes})")
+        cpu_cap = self.cpus * self.cfg.cpu_overcommit
+        if cpu + args.cpu_cores_limit > cpu_cap:
+            raise AdmissionRejected(
+                f"edge {self.name} has {cpu_cap - cpu:.2f} of {cpu_cap:.0f} schedulable cores left, "
+                f"asked {args.cpu_cores_limit}", field="cpu_cores_limit")
+        mem_cap = int(self.memory_mb * self.cfg.memory_overcommit)
+        if mem + args.memory_limit_mb > mem_cap:
+            raise AdmissionRejected(
+                f"edge {self.name} has {mem_cap - mem} of {mem_cap} MiB admissible memory left, "
+                f"asked {args.memory_limit_mb}", field="memory_limit_mb")
+
+    async def stats(self) -> NodeStats:
+        cpu, mem, n = self._reserved()
+        per_job: dict[str, int] = {}
+        for sb in self.sandboxes.values():
+            if sb.rec.info.job and not sb.stopping:
+                per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
+        return NodeStats(
+            edge=self.name, healthy=True, backends=[Backend.container], cpus=self.cpus,
+            memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
+            memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
+            memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job)
+
+    # ---- create -------------------------------------------------------------
+    def _new_id(self) -> str:
+        return f"{self.name}-{''.join(secrets.choice(_ALPHABET) for _ in range(12))}"
+
+    def _resolve_layers(self, args: ContainerArgs) -> list[str]:
+        """Digests bottom to top, each checked against its slot's kind."""
+        refs = [args.image, *args.layers]
+        digests = []
+        for i, ref in enumerate(refs):
+            fieldname = "image" if i == 0 else f"layers[{i - 1}]"
+            try:
+                kind = layer_kind(ref)
+                layer = self.layers.get(ref)
+            except NotFound:
+                raise NotFound(f"unknown layer {ref!r}", field=fieldname) from None
+            except InvalidRequest as e:
+                raise InvalidRequest(e.message, field=fieldname) from None
+            if (i == 0) != (kind == "base"):
+                want = "a base layer" if i == 0 else "a workspace or toolkit layer"
+                raise InvalidRequest(f"{fieldname} must be {want}, got {ref!r} ({kind})", field=fieldname)
+            digests.append(layer.digest)
+        return digests
+
+    async def _mount_layer(self, digest: str) -> str:
+        mnt = os.path.join(self.layer_mnt, digest)
+        async with self._mount_lock:
+            if not os.path.ismount(mnt):
+                os.makedirs(mnt, exist_ok=True)
+                linux.mount(self.layers.blob_path(digest), mnt, "erofs", linux.MS_RDONLY)
+        return mnt
+
+    async def create(self, args: ContainerArgs, sandbox_id: str | None = None) -> SandboxInfo:
+        digests = self._resolve_layers(args)
+        self._admit(args)
+        sid = sandbox_id or self._new_id()
+        now = time.time()
+        info = SandboxInfo(
+            sandbox_id=sid, edge=self.name, backend=Backend.container, state=SandboxState.creating,
+            image=args.image, layers=args.layers, created_at=now, last_active_at=now, labels=args.labels,
+            job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit)
+        sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
+        self.sandboxes[sid] = sb  # reserves its share before the first await
+        try:
+            lowers = [await self._mount_layer(d) for d in reversed(digests)]
+            for sub in ("upper", "work", "rootfs"):
+                os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
+            rootfs = os.path.join(sb.dir, "rootfs")
+            linux.mount("overlay", rootfs, "overlay", 0,
+                        f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
+            limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit)
+            with open(os.path.join(sb.dir, "config.json"), "w") as f:
+                json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid)), f)
+            sock_path = self._sock_path(sid)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sock_path)
+            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                lsock.bind(sock_path)
+                os.chmod(sock_path, 0o600)
+                lsock.listen(64)
+                sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
+            finally:
+                lsock.close()
+                os.close(init_fd)
+            await self._attach(sb)
+            info.state = SandboxState.running
+            self.state.put(sb.rec)
+        except BaseException as e:
+            await self._teardown(sb, SandboxState.failed, f"create failed: {e}", record=False)
+            self.sandboxes.pop(sid, None)
+            raise
+        self.on_event(sid, "created", f"{args.image} {args.layers}")
+        return info
+
+    def _sock_path(self, sid: str) -> str:
+        return os.path.join(self.run_dir, "s", sid)
+
+    async def _attach(self, sb: Sandbox) -> None:
+        init = InitClient(self._sock_path(sb.id))
+        await init.connect()
+        args = sb.rec.args
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.id, "LANG": "C.UTF-8", **args.env}
+        ctx = AgentContext(sandbox_id=sb.id, init_pid=sb.rec.init_pid, env=env, workdir="/")
+        agent = Aether(ctx, init)
+        ctx.shell = "/bin/bash" if agent.exists("/bin/bash") else "/bin/sh"
+        if not agent.exists(args.workdir):
+            await asyncio.to_thread(agent.mkdirs, args.workdir)
+        ctx.workdir = args.workdir
+        sb.agent = agent
+        sb.watch = asyncio.create_task(self._watch(sb, init))
+
+    async def _watch(self, sb: Sandbox, init: InitClient) -> None:
+        await init.closed.wait()
+        if not sb.stopping:
+            await self._teardown(sb, SandboxState.failed, "sandbox init exited")
+
+    # ---- stop and cleanup ---------------------------------------------------
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._get_live(sandbox_id, for_stop=True)
+        if sb is None:
+            return self._tombstone(sandbox_id)
+        await self._teardown(sb, SandboxState.stopped, "stopped")
+        return sb.rec.info
+
+    async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
+        async with sb.lock:
+            if sb.stopping and sb.rec.info.state in (SandboxState.stopped, SandboxState.failed):
+                return
+            sb.stopping = True
+            sb.rec.info.state = SandboxState.stopping
+            if sb.watch and sb.watch is not asyncio.current_task():
+                sb.watch.cancel()
+            if sb.agent:
+                await sb.agent.close()
+                sb.agent = None
+            await self.runtime.delete(sb.id)
+            if sb.rec.init_pid:
+                await _wait_gone(sb.rec.init_pid)
+            for mp in linux.mounted_under(sb.dir):
+                try:
+                    linux.umount(mp)
+                except OSError:
+                    linux.umount(mp, detach=True)
+            await asyncio.to_thread(shutil.rmtree, sb.dir, True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._sock_path(sb.id))
+            sb.rec.info.state = final
+            sb.rec.info.error = None if final == SandboxState.stopped else reason
+            if record:
+                self.state.put(sb.rec)
+            self.sandboxes.pop(sb.id, None)
+        self.on_event(sb.id, final.value, reason)
+
+    # ---- lookup -------------------------------------------------------------
+    def _tombstone(self, sandbox_id: str) -> SandboxInfo:
+        rec = self.state.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"no sandbox {sandbox_id!r} on edge {self.name}", field="sandbox_id")
+        return rec.info
+
+    def _get_live(self, sandbox_id: str, for_stop: bool = False) -> Sandbox | None:
+        try:
+            if parse_sandbox_id(sandbox_id) != self.name:
+                raise NotFound(f"sandbox {sandbox_id!r} does not live on edge {self.name}", field="sandbox_id")
+        except ValueError as e:
+            raise InvalidRequest(str(e), field="sandbox_id") from None
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.stopping:
+            return None
+        return sb
+
+    def _running(self, sandbox_id: str) -> tuple[Sandbox, Aether]:
+        sb = self._get_live(sandbox_id)
+        if sb is None or sb.agent is None:
+            info = self._tombstone(sandbox_id)
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is {info.state.value}"
+                                    + (f" ({info.error})" if info.error else ""))
+        sb.rec.info.last_active_at = time.time()
+        sb.dirty = True
+        return sb, sb.agent
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._get_live(sandbox_id)
+        return sb.rec.info if sb else self._tombstone(sandbox_id)
+
+    async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        out = []
+        for sb in self.sandboxes.values():
+            info = sb.rec.info
+            if job is not None and info.job != job:
+                continue
+            if labels and any(info.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(info)
+        return out
+
+    # ---- requests into the sandbox -------------------------------------------
+    async def exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:
+        sb, agent = self._running(sandbox_id)
+        sb.ops += 1
+        try:
+            return await agent.exec(req, on_data)
+        finally:
+            sb.ops -= 1
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        _, agent = self._running(sandbox_id)
+        return await asyncio.to_thread(agent.read_file, path, self.cfg.max_file_bytes)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        if len(data) > self.cfg.max_file_bytes:
+            raise PayloadTooLarge(f"file body of {len(data)} bytes exceeds the {self.cfg.max_file_bytes}-byte limit",
+                                  field="body")
+        _, agent = self._running(sandbox_id)
+        await asyncio.to_thread(agent.write_file, path, data, mode)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        _, agent = self._running(sandbox_id)
+        return await asyncio.to_thread(agent.list_dir, path)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        _, agent = self._running(sandbox_id)
+        return await asyncio.to_thread(agent.stat, path)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        _, agent = self._running(sandbox_id)
+        await asyncio.to_thread(agent.remove, path, recursive)
+
+    async def http(self, sandbox_id: str, port: int, method: str, path: str,
+                   headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpResponse:
+        _, agent = self._running(sandbox_id)
+        return await asyncio.to_thread(agent.http_request, port, method, path, headers, body, timeout)
+
+    async def open_tty(self, sandbox_id: str, cols: int, rows: int) -> tuple[int, int, asyncio.Future[int], Aether]:
+        sb, agent = self._running(sandbox_id)
+        master, pid, exited = await agent.open_tty(cols, rows)
+        return master, pid, exited, agent
+
+    def touch(self, sandbox_id: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb:
+            sb.rec.info.last_active_at = time.time()
+            sb.dirty = True
+
+    # ---- TTLs -----------------------------------------------------------------
+    def _flush_activity(self) -> None:
+        for sb in self.sandboxes.values():
+            if sb.dirty and not sb.stopping:
+                sb.dirty = False
+                self.state.touch(sb.id, sb.rec.info.last_active_at)
+
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.ttl_check_interval_s)
+            try:
+                self._flush_activity()
+                now = time.time()
+                for sb in list(self.sandboxes.values()):
+                    if sb.stopping or sb.agent is None:
+                        continue
+                    args, info = sb.rec.args, sb.rec.info
+                    if sb.ops:
+                        info.last_active_at = now
+                    if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
+                        await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                    elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
+                        await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
+            except Exception:
+                log.exception("TTL sweep failed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+async def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
+
+
+def _mem_total_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 1024

@@ -1,0 +1,74 @@
+"""Typed errors shared by every component; the apiserver maps them to HTTP statuses
+and the SDK maps statuses back to the same classes."""
+
+from __future__ import annotations
+
+
+class DsecError(Exception):
+    status = 500
+    code = "internal"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidRequest(DsecError):
+    status = 400
+    code = "invalid_request"
+
+
+class Unauthorized(DsecError):
+    status = 401
+    code = "unauthorized"
+
+
+class NotFound(DsecError):
+    status = 404
+    code = "not_found"
+
+
+class SandboxNotRunning(DsecError):
+    status = 409
+    code = "sandbox_not_running"
+
+
+class PayloadTooLarge(DsecError):
+    status = 413
+    code = "payload_too_large"
+
+
+class AdmissionRejected(DsecError):
+    """The node (or every node) lacks room; the caller may retry later."""
+
+    status = 429
+    code = "admission_rejected"
+
+
+class EdgeUnavailable(DsecError):
+    status = 503
+    code = "edge_unavailable"
+
+
+class SandboxError(DsecError):
+    """The sandbox or its runtime failed while serving the request."""
+
+    status = 500
+    code = "sandbox_error"
+
+
+ERRORS_BY_CODE: dict[str, type[DsecError]] = {
+    cls.code: cls
+    for cls in (
+        DsecError,
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        SandboxNotRunning,
+        PayloadTooLarge,
+        AdmissionRejected,
+        EdgeUnavailable,
+        SandboxError,
+    )
+}

@@ -1,0 +1,207 @@
+"""Wire models shared by the SDK, the apiserver and the edge.
+
+Everything that crosses a process or component boundary is one of these pydantic
+models, so a field is validated once, at the edge of the system, with an error that
+names it.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_MAX_OUTPUT_BYTES = 16 * 1024 * 1024
+LAYER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+$")
+
+
+def normalize_layer_ref(ref: str) -> str:
+    """``base/busybox`` means ``base/busybox:latest``; raise ValueError if malformed."""
+    if ":" not in ref.rsplit("/", 1)[-1]:
+        ref += ":latest"
+    if not LAYER_REF_RE.match(ref):
+        raise ValueError(f"{ref!r} must look like kind/name:version, e.g. base/debian:12")
+    return ref
+EDGE_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,30}$")
+SANDBOX_ID_RE = re.compile(r"^([a-z][a-z0-9]{0,30})-([a-z0-9]{12})$")
+SESSION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Backend(str, Enum):
+    container = "container"
+
+
+class SandboxState(str, Enum):
+    creating = "creating"
+    running = "running"
+    stopping = "stopping"
+    stopped = "stopped"
+    failed = "failed"
+
+
+def parse_sandbox_id(sandbox_id: str) -> str:
+    """Return the edge that owns ``sandbox_id``; raise ValueError if it is malformed."""
+    m = SANDBOX_ID_RE.match(sandbox_id)
+    if not m:
+        raise ValueError(f"sandbox_id {sandbox_id!r} is malformed (expected EDGE-xxxxxxxxxxxx)")
+    return m.group(1)
+
+
+class ContainerArgs(Strict):
+    """What a caller asks for when creating a container sandbox."""
+
+    backend: Literal["container"] = "container"
+    image: str = Field(default="base/debian:12", description="base layer, kind/name:version")
+    layers: list[str] = Field(default_factory=list, description="workspace/toolkit layers, bottom to top")
+    memory_limit_mb: Annotated[int, Field(ge=16, le=1024 * 1024)] = 512
+    cpu_cores_limit: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    pids_limit: Annotated[int, Field(ge=8, le=1 << 22)] = 4096
+    ttl_running_stop: Annotated[int | None, Field(ge=1)] = 1800
+    max_lifetime_s: Annotated[int | None, Field(ge=1)] = 24 * 3600
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    job: str | None = Field(default=None, max_length=128)
+    workdir: str = "/root"
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        return normalize_layer_ref(v)
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[str]) -> list[str]:
+        if len(v) > 32:
+            raise ValueError("at most 32 layers")
+        return [normalize_layer_ref(ref) for ref in v]
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise ValueError(f"env name {k!r} is not a valid variable name")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("workdir must be an absolute path")
+        return v
+
+
+SandboxArgs = ContainerArgs
+
+
+class CreateRequest(Strict):
+    args: ContainerArgs
+
+
+class SandboxInfo(BaseModel):
+    sandbox_id: str
+    edge: str
+    backend: Backend
+    state: SandboxState
+    image: str
+    layers: list[str]
+    created_at: float
+    last_active_at: float
+    labels: dict[str, str] = Field(default_factory=dict)
+    job: str | None = None
+    memory_limit_mb: int
+    cpu_cores_limit: float
+    error: str | None = None
+
+
+class ExecRequest(Strict):
+    """Run one command. ``cmd`` runs through the sandbox's shell; ``argv`` runs directly."""
+
+    cmd: str | None = None
+    argv: list[str] | None = None
+    session: str | None = Field(default=None, description="named shell session; state persists")
+    timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 300.0
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    stdin: str | None = None
+    max_output_bytes: Annotated[int, Field(ge=0, le=1 << 30)] = DEFAULT_MAX_OUTPUT_BYTES
+
+    @field_validator("session")
+    @classmethod
+    def _session(cls, v: str | None) -> str | None:
+        if v is not None and not SESSION_RE.match(v):
+            raise ValueError("session must be 1-64 of [A-Za-z0-9_.-]")
+        return v
+
+    def model_post_init(self, _ctx: object) -> None:
+        if (self.cmd is None) == (self.argv is None):
+            raise ValueError("exactly one of cmd and argv must be given")
+        if self.argv is not None and not self.argv:
+            raise ValueError("argv must not be empty")
+        if self.session is not None and self.argv is not None:
+            raise ValueError("argv cannot run in a session; use cmd")
+        if self.session is not None and self.stdin is not None:
+            raise ValueError("stdin is not supported for session commands")
+
+
+class ExecResult(BaseModel):
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_ms: float = 0.0
+
+
+class ExecEvent(BaseModel):
+    """One item of a streamed exec: output as it is produced, then the result."""
+
+    type: Literal["stdout", "stderr", "result"]
+    data: str | None = None
+    result: ExecResult | None = None
+
+
+class FileStat(BaseModel):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    link_target: str | None = None
+
+
+class HttpResponse(BaseModel):
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class NodeStats(BaseModel):
+    """What the watcher learns from an edge: health and load."""
+
+    edge: str
+    healthy: bool
+    backends: list[Backend]
+    cpus: int
+    memory_mb: int
+    cpu_overcommit: float
+    memory_overcommit: float
+    sandboxes: int
+    cpu_reserved: float
+    memory_reserved_mb: int
+    max_sandboxes: int
+    per_job: dict[str, int] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    error: str
+    message: str
+    field: str | None = None
