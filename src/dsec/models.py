@@ -8,7 +8,7 @@ names it.
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -33,11 +33,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Backend(str, Enum):
+class Backend(StrEnum):
     container = "container"
 
 
-class SandboxState(str, Enum):
+class SandboxState(StrEnum):
     creating = "creating"
     running = "running"
     stopping = "stopping"

@@ -89,6 +89,17 @@ def _pipe() -> tuple[int, int]:
     return os.pipe2(os.O_CLOEXEC)
 
 
+def _fd_ready(fd: int, write: bool = False) -> asyncio.Future[None]:
+    """A future that completes once ``fd`` is readable (or writable); its watcher is
+    removed when it completes or is cancelled."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, lambda: fut.done() or fut.set_result(None))
+    fut.add_done_callback(lambda _: remove(fd))
+    return fut
+
+
 @dataclass
 class AgentContext:
     """What aether needs to know about its sandbox."""
@@ -147,20 +158,19 @@ class ShellSession:
 
     async def _read_marker(self, nonce: bytes) -> tuple[int, str] | None:
         """Wait for this command's result line on the control pipe; None if the shell died."""
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop()
         while True:
             while b"\n" in self._ctl_buf:
                 line, self._ctl_buf = self._ctl_buf.split(b"\n", 1)
                 parts = line.split(b" ", 2)
                 if len(parts) == 3 and parts[0] == nonce:
                     return int(parts[1]), parts[2].decode(errors="replace")
-            ready = loop.create_future()
-            loop.add_reader(self._ctl_r, lambda: ready.done() or ready.set_result(None))
+            ready = _fd_ready(self._ctl_r)
             exited = self._exit
             try:
                 await asyncio.wait([ready, exited], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                loop.remove_reader(self._ctl_r)
+                ready.cancel()
             try:
                 chunk = os.read(self._ctl_r, 4096)
             except BlockingIOError:
@@ -292,7 +302,7 @@ class Aether:
 
     @staticmethod
     async def _feed(fd: int, data: bytes) -> None:
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop()
         os.set_blocking(fd, False)
         try:
             view = memoryview(data)
@@ -301,12 +311,11 @@ class Aether:
                     n = os.write(fd, view)
                     view = view[n:]
                 except BlockingIOError:
-                    ready = loop.create_future()
-                    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                    ready = _fd_ready(fd, write=True)
                     try:
                         await ready
                     finally:
-                        loop.remove_writer(fd)
+                        ready.cancel()
         except (BrokenPipeError, OSError):
             pass
         finally:

@@ -22,13 +22,20 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from dsec.agent.aether import DEFAULT_PATH, AgentContext, Aether, OnData
+from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, OnData
 from dsec.agent.initclient import InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.edge import linux
 from dsec.edge.state import EdgeState, Record
-from dsec.errors import AdmissionRejected, InvalidRequest, NotFound, PayloadTooLarge, SandboxError, SandboxNotRunning
+from dsec.errors import (
+    AdmissionRejected,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    SandboxError,
+    SandboxNotRunning,
+)
 from dsec.layers.store import LayerStore, layer_kind
 from dsec.models import (
     Backend,

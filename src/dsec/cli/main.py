@@ -1,0 +1,200 @@
+"""The ``dsec`` command line: run the embedded platform, and drive sandboxes through
+the SDK like any other client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="dsec: elastic sandboxes for agentic RL", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+layer_app = typer.Typer(help="Environment layers", no_args_is_help=True)
+app.add_typer(layer_app, name="layer")
+console = Console()
+err = Console(stderr=True)
+
+UrlOpt = Annotated[str | None, typer.Option("--url", help="apiserver URL (default $DSEC_URL or local)")]
+TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (default $DSEC_TOKEN or local file)")]
+
+
+def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
+    from dsec.sdk import Client
+
+    return Client(url=url, token=token)
+
+
+def _fail(e: Exception) -> None:
+    from dsec.errors import DsecError
+
+    if isinstance(e, DsecError):
+        err.print(f"[red]error[/red] ({e.code}): {e.message}")
+        raise typer.Exit(2) from None
+    raise e
+
+
+@app.command()
+def serve(host: str = "127.0.0.1", port: int = 7777,
+          data_dir: Annotated[str | None, typer.Option(help="state and layers (default /var/lib/dsec)")] = None,
+          token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")] = None,
+          edge_name: str = "edge0", log_level: str = "info") -> None:
+    """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
+    import uvicorn
+
+    from dsec.embedded import build_embedded, data_dir_default
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
+                                    edge_name=edge_name)
+    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20)
+
+
+@app.command()
+def setup(data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+    """Prepare this node: cgroups, dsec-init, and the built-in base layers (cached)."""
+    from dsec.agent.native import ensure_init_binary
+    from dsec.edge.hostprep import prepare_cgroups
+    from dsec.embedded import data_dir_default, load_or_create_token
+    from dsec.layers.base import ensure_base_layers
+    from dsec.layers.store import LayerStore
+
+    d = os.path.abspath(data_dir or data_dir_default())
+    console.print(f"cgroups: {prepare_cgroups()}")
+    ensure_init_binary(os.path.join(d, "bin", "dsec-init"))
+    load_or_create_token(d)
+    store = LayerStore(os.path.join(d, "layers"))
+    with console.status("building base layers (first time: ~1 min)"):
+        for layer in ensure_base_layers(store):
+            console.print(f"layer {layer.ref}: {layer.digest[:12]} {layer.size / 1e6:.1f} MB")
+
+
+@app.command()
+def ps(url: UrlOpt = None, token: TokenOpt = None, job: str | None = None,
+       as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List sandboxes."""
+    try:
+        with _client(url, token) as c:
+            items = c.list(job=job)
+    except Exception as e:
+        _fail(e)
+        return
+    if as_json:
+        print(json.dumps([i.model_dump(mode="json") for i in items], indent=1))
+        return
+    t = Table("SANDBOX", "STATE", "IMAGE", "CPU", "MEM MB", "AGE", "IDLE", "JOB")
+    now = time.time()
+    for i in items:
+        t.add_row(i.sandbox_id, i.state.value, i.image, f"{i.cpu_cores_limit:g}", str(i.memory_limit_mb),
+                  f"{now - i.created_at:.0f}s", f"{now - i.last_active_at:.0f}s", i.job or "")
+    console.print(t)
+
+
+@app.command()
+def create(image: str = "base/debian:12", memory_mb: int = 512, cpus: float = 1.0,
+           ttl: int = 1800, job: str | None = None, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Create a container sandbox and print its id."""
+    from dsec.models import ContainerArgs
+
+    try:
+        with _client(url, token) as c:
+            sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
+                                               ttl_running_stop=ttl, job=job))
+            print(sb.sandbox_id)
+    except Exception as e:
+        _fail(e)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="command and arguments")],
+          timeout: float = 300.0, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Run a command in a sandbox, streaming its output; exits with its exit code."""
+    try:
+        with _client(url, token) as c:
+            sb = c.connect(sandbox_id)
+            argv = cmd if len(cmd) > 1 else cmd[0]
+            code = 0
+            for ev in sb.exec_stream(argv, timeout=timeout):
+                if ev.type == "stdout":
+                    sys.stdout.write(ev.data or "")
+                    sys.stdout.flush()
+                elif ev.type == "stderr":
+                    sys.stderr.write(ev.data or "")
+                    sys.stderr.flush()
+                elif ev.result is not None:
+                    code = ev.result.exit_code
+                    if ev.result.timed_out:
+                        err.print(f"[yellow]timed out after {timeout}s[/yellow]")
+    except Exception as e:
+        _fail(e)
+        return
+    raise typer.Exit(code)
+
+
+@app.command()
+def shell(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Interactive shell (TTY) in a sandbox."""
+    from dsec.cli.tty import run_tty
+
+    try:
+        with _client(url, token) as c:
+            sb = c.connect(sandbox_id)
+            cols, rows = os.get_terminal_size(sys.stdin.fileno()) if sys.stdin.isatty() else (80, 24)
+            ws_url, tok = sb.tty_url(cols, rows), c.token
+    except Exception as e:
+        _fail(e)
+        return
+    raise typer.Exit(asyncio.run(run_tty(ws_url, tok)))
+
+
+@app.command()
+def stop(sandbox_ids: list[str], url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Stop sandboxes and release everything they held."""
+    try:
+        with _client(url, token) as c:
+            for sid in sandbox_ids:
+                info = c.connect(sid).stop()
+                console.print(f"{sid} {info.state.value}")
+    except Exception as e:
+        _fail(e)
+
+
+@app.command()
+def nodes(url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Edges, their health and load."""
+    try:
+        with _client(url, token) as c:
+            for n in c.nodes():
+                print(n.model_dump_json())
+    except Exception as e:
+        _fail(e)
+
+
+@layer_app.command("ls")
+def layer_ls(data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+    """Layers in this node's store."""
+    from dsec.embedded import data_dir_default
+    from dsec.layers.store import LayerStore
+
+    store = LayerStore(os.path.join(os.path.abspath(data_dir or data_dir_default()), "layers"))
+    t = Table("LAYER", "KIND", "DIGEST", "SIZE MB")
+    for layer in store.list():
+        t.add_row(layer.ref, layer.kind, layer.digest[:16], f"{layer.size / 1e6:.1f}")
+    console.print(t)
+
+
+def main() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Embedded mode: apiserver + placement + watcher + one edge in one process, state in
+SQLite under the data dir. This is what ``dsec serve`` runs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from dsec.apiserver.app import Apiserver, build_app
+from dsec.edge.api import EdgeAPI
+from dsec.edge.hostprep import prepare_cgroups
+from dsec.edge.service import Edge, EdgeConfig
+from dsec.layers.base import build_busybox
+from dsec.layers.store import LayerStore
+from dsec.placement.engine import Placement
+from dsec.watcher.watcher import Watcher
+
+DEFAULT_DATA_DIR = "/var/lib/dsec"
+DEFAULT_PORT = 7777
+log = logging.getLogger("dsec")
+
+
+def data_dir_default() -> str:
+    return os.environ.get("DSEC_DATA_DIR", DEFAULT_DATA_DIR)
+
+
+def load_or_create_token(data_dir: str, token: str | None = None) -> str:
+    path = os.path.join(data_dir, "token")
+    if token:
+        return token
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    os.makedirs(data_dir, exist_ok=True)
+    tok = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(tok + "\n")
+    return tok
+
+
+def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "edge0",
+                   edge_cfg: dict[str, object] | None = None) -> tuple[FastAPI, Edge]:
+    data_dir = os.path.abspath(data_dir)
+    tok = load_or_create_token(data_dir, token)
+    prepare_cgroups()
+    store = LayerStore(os.path.join(data_dir, "layers"))
+    build_busybox(store)  # cheap and always available; base/debian:12 comes from `dsec setup`
+    edge = Edge(EdgeConfig(name=edge_name, data_dir=data_dir, **(edge_cfg or {})), store)
+    edges: dict[str, EdgeAPI] = {edge.name: edge}
+    watcher = Watcher(edges)
+    placement = Placement(lambda: watcher.view)
+    api = Apiserver(edges, watcher, placement, tok, max_file_bytes=edge.cfg.max_file_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await edge.start()
+        await watcher.refresh()
+        watcher.start()
+        log.info("dsec ready: edge %s, data dir %s", edge.name, data_dir)
+        try:
+            yield
+        finally:
+            await watcher.close()
+            await edge.close()
+
+    app = build_app(api)
+    app.router.lifespan_context = lifespan
+    return app, edge

@@ -1,0 +1,212 @@
+"""The async SDK: one client over dsec's REST API. The sync twin in
+:mod:`dsec.sdk.sync` drives this same core, so the two can never drift apart.
+
+A sandbox handle is just its id plus the client: any process holding the id can
+``connect`` to it and carry on, because the sandbox belongs to the platform, not to
+the process that made it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from dsec.errors import ERRORS_BY_CODE, DsecError, EdgeUnavailable
+from dsec.models import (
+    ContainerArgs,
+    CreateRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    NodeStats,
+    SandboxInfo,
+)
+
+DEFAULT_URL = "http://127.0.0.1:7777"
+
+
+def default_url() -> str:
+    return os.environ.get("DSEC_URL", DEFAULT_URL)
+
+
+def default_token() -> str | None:
+    if tok := os.environ.get("DSEC_TOKEN"):
+        return tok
+    path = os.path.join(os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"), "token")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        body = resp.json()
+        cls = ERRORS_BY_CODE.get(body.get("error", ""), DsecError)
+        raise cls(body.get("message", resp.text), field=body.get("field"))
+    except (ValueError, AttributeError):
+        err = DsecError(f"HTTP {resp.status_code}: {resp.text[:500]}")
+        err.status = resp.status_code
+        raise err from None
+
+
+class AsyncSandbox:
+    """Handle to one sandbox. Cheap to make; holds no connection of its own."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+        self.sandbox_id = info.sandbox_id
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.sandbox_id} {self.info.state.value}>"
+
+    @property
+    def _base(self) -> str:
+        return f"/v1/sandboxes/{self.sandbox_id}"
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self._client._json("GET", self._base))
+        return self.info
+
+    async def exec(self, cmd: str | list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
+                   cwd: str | None = None, stdin: str | None = None, session: str | None = None,
+                   max_output_bytes: int | None = None) -> ExecResult:
+        """Run one command. A string runs through the sandbox's shell, a list directly.
+        With ``session`` it runs in that persistent shell session."""
+        req = self._exec_req(cmd, timeout, env, cwd, stdin, session, max_output_bytes)
+        data = await self._client._json("POST", f"{self._base}/exec", json=req.model_dump(exclude_none=True),
+                                        timeout=timeout + 30)
+        return ExecResult.model_validate(data)
+
+    async def run_shell(self, cmd: str, *, session: str = "default", timeout: float = 300.0,
+                        env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        """Run ``cmd`` in a persistent shell session: cwd, env and background jobs carry over."""
+        return await self.exec(cmd, session=session, timeout=timeout, env=env, cwd=cwd)
+
+    async def exec_stream(self, cmd: str | list[str], *, timeout: float = 300.0,
+                          env: dict[str, str] | None = None, cwd: str | None = None,
+                          session: str | None = None) -> AsyncIterator[ExecEvent]:
+        """Yield stdout/stderr as produced, then a final ``result`` event."""
+        req = self._exec_req(cmd, timeout, env, cwd, None, session, None)
+        async with self._client._http.stream("POST", f"{self._base}/exec", params={"stream": "true"},
+                                             json=req.model_dump(exclude_none=True),
+                                             timeout=httpx.Timeout(timeout + 30)) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                item = json.loads(line)
+                if item.get("type") == "error":
+                    cls = ERRORS_BY_CODE.get(item.get("error", ""), DsecError)
+                    raise cls(item.get("message", "exec failed"))
+                yield ExecEvent.model_validate(item)
+
+    @staticmethod
+    def _exec_req(cmd: str | list[str], timeout: float, env: dict[str, str] | None, cwd: str | None,
+                  stdin: str | None, session: str | None, max_output_bytes: int | None) -> ExecRequest:
+        kw: dict[str, Any] = {"timeout_s": timeout, "env": env or {}, "cwd": cwd, "stdin": stdin, "session": session}
+        if max_output_bytes is not None:
+            kw["max_output_bytes"] = max_output_bytes
+        if isinstance(cmd, str):
+            kw["cmd"] = cmd
+        else:
+            kw["argv"] = list(cmd)
+        return ExecRequest(**kw)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        body = data.encode() if isinstance(data, str) else data
+        await self._client._request("PUT", f"{self._base}/files", params={"path": path, "mode": mode},
+                                    content=body)
+
+    async def read_file(self, path: str) -> bytes:
+        resp = await self._client._request("GET", f"{self._base}/files", params={"path": path})
+        return resp.content
+
+    async def list_dir(self, path: str) -> list[FileStat]:
+        data = await self._client._json("GET", f"{self._base}/files/list", params={"path": path})
+        return [FileStat.model_validate(x) for x in data]
+
+    async def stat(self, path: str) -> FileStat:
+        return FileStat.model_validate(await self._client._json("GET", f"{self._base}/files/stat",
+                                                                params={"path": path}))
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._client._request("DELETE", f"{self._base}/files",
+                                    params={"path": path, "recursive": str(recursive).lower()})
+
+    async def http(self, port: int, path: str = "/", method: str = "GET", *, headers: dict[str, str] | None = None,
+                   content: bytes | str | None = None, timeout: float = 60.0) -> httpx.Response:
+        """An HTTP request to ``port`` inside the sandbox, through the apiserver."""
+        return await self._client._http.request(
+            method, f"{self._base}/ports/{port}/{path.lstrip('/')}", headers=headers, content=content,
+            timeout=timeout)
+
+    def tty_url(self, cols: int = 80, rows: int = 24) -> str:
+        base = str(self._client._http.base_url).rstrip("/").replace("http", "ws", 1)
+        return f"{base}{self._base}/tty?cols={cols}&rows={rows}"
+
+    async def stop(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self._client._json("DELETE", self._base))
+        return self.info
+
+
+class AsyncClient:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0) -> None:
+        self.url = url or default_url()
+        self.token = token if token is not None else default_token()
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
+                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise EdgeUnavailable(f"cannot reach dsec at {self.url}: {e}") from e
+        _raise_for(resp)
+        return resp
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return (await self._request(method, path, **kw)).json()
+
+    async def run_container(self, args: ContainerArgs | None = None, *, timeout: float = 120.0) -> AsyncSandbox:
+        """Create a container sandbox and return its handle once it accepts commands."""
+        body = CreateRequest(args=args or ContainerArgs()).model_dump(mode="json")
+        info = SandboxInfo.model_validate(await self._json("POST", "/v1/sandboxes", json=body, timeout=timeout))
+        return AsyncSandbox(self, info)
+
+    create = run_container
+
+    async def connect(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle to an existing sandbox, from any process."""
+        info = SandboxInfo.model_validate(await self._json("GET", f"/v1/sandboxes/{sandbox_id}"))
+        return AsyncSandbox(self, info)
+
+    async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if job:
+            params.append(("job", job))
+        return [SandboxInfo.model_validate(x) for x in await self._json("GET", "/v1/sandboxes", params=params)]
+
+    async def nodes(self) -> list[NodeStats]:
+        return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]
