@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian 12 machine for dsec, idempotently: system packages, the .venv
+# with dsec installed, cgroups, dsec-init and the base layers. Run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== apt: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import dsec, pytest, ruff" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.dsec-installed ]; then
+  echo "== pip: installing dsec and its dev tools into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  touch .venv/.dsec-installed
+fi
+
+echo "== dsec setup (cgroups, dsec-init, base layers)"
+.venv/bin/dsec setup
+
+DEMO_DIR="${DSEC_DATA_DIR:-/var/lib/dsec}/demo"
+if [ ! -f "$DEMO_DIR/more-itertools-10.5.0.tar.gz" ]; then
+  echo "== fetching the demo project (more-itertools 10.5.0 sdist)"
+  mkdir -p "$DEMO_DIR"
+  .venv/bin/pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    -d "$DEMO_DIR" "more-itertools==10.5.0" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+echo "== setup done"

@@ -1,0 +1,151 @@
+"""Test fixtures: a real ``dsec serve`` (crun, overlayfs, EROFS, cgroups) on a free
+loopback port, with its own data dir whose layer store is hard-linked from the one
+``scripts/setup.sh`` built. Nothing is mocked."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import dsec
+
+SRC_DATA = os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec")
+TOKEN = "test-token-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _seed_layers(data_dir: str) -> None:
+    src = os.path.join(SRC_DATA, "layers")
+    if not os.path.exists(os.path.join(src, "catalog.db")):
+        pytest.fail(f"no base layers in {src}: run scripts/setup.sh first")
+    dst = os.path.join(data_dir, "layers", "blobs", "sha256")
+    os.makedirs(dst, exist_ok=True)
+    for blob in glob.glob(os.path.join(src, "blobs", "sha256", "*.erofs")):
+        target = os.path.join(dst, os.path.basename(blob))
+        try:
+            os.link(blob, target)
+        except OSError:
+            shutil.copy2(blob, target)
+    shutil.copy2(os.path.join(src, "catalog.db"), os.path.join(data_dir, "layers", "catalog.db"))
+
+
+class Platform:
+    """One embedded dsec process under test."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = open(os.path.join(data_dir, "serve.log"), "ab")  # noqa: SIM115
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(self.port), "--data-dir",
+             self.data_dir, "--token", TOKEN, "--log-level", "warning"],
+            stdout=self.log, stderr=self.log, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dsec serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("dsec serve did not become ready")
+
+    def stop(self, crash: bool = False) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self, crash: bool = False) -> None:
+        self.stop(crash=crash)
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    data_dir = str(tmp_path_factory.mktemp("dsec-data"))
+    _seed_layers(data_dir)
+    p = Platform(data_dir)
+    p.start()
+    yield p
+    # release whatever a failing test left, through the API, then stop
+    try:
+        with dsec.Client(url=p.url, token=TOKEN) as c:
+            for info in c.list():
+                c.connect(info.sandbox_id).stop()
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+async def client(platform: Platform) -> dsec.AsyncClient:  # type: ignore[misc]
+    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
+        yield c
+
+
+@pytest.fixture
+async def debian(client: dsec.AsyncClient) -> dsec.AsyncSandbox:  # type: ignore[misc]
+    sb = await client.run_container(dsec.ContainerArgs(image="base/debian:12", memory_limit_mb=256,
+                                                       cpu_cores_limit=0.5))
+    yield sb
+    await sb.stop()
+
+
+@pytest.fixture
+async def busybox(client: dsec.AsyncClient) -> dsec.AsyncSandbox:  # type: ignore[misc]
+    sb = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64,
+                                                       cpu_cores_limit=0.25))
+    yield sb
+    await sb.stop()
+
+
+def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
+    """Everything of ``sandbox_id`` still on this host: mounts, cgroups, processes,
+    runtime state, files and sockets. Empty means fully released."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        found += [f"mount {line.split()[4]}" for line in f if sandbox_id in line]
+    found += [f"cgroup {p}" for p in glob.glob(f"/sys/fs/cgroup/**/{sandbox_id}", recursive=True)]
+    for cg in glob.glob("/proc/[0-9]*/cgroup"):
+        try:
+            with open(cg) as f:
+                if sandbox_id in f.read():
+                    found.append(f"process {cg.split('/')[2]}")
+        except OSError:
+            pass
+    found += [f"file {p}" for p in glob.glob(os.path.join(platform.data_dir, "edges", "*", "sandboxes", sandbox_id))]
+    found += [f"runtime {p}" for p in glob.glob(f"/run/dsec/*/s/{sandbox_id}")]
+    found += [f"crun {p}" for p in glob.glob(f"/run/dsec/*/crun/{sandbox_id}")]
+    found += [f"netns {p}" for p in glob.glob(f"/run/netns/*{sandbox_id}*")]
+    return found
+
+
+def wait_for(pred, timeout: float = 10.0, interval: float = 0.1) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())

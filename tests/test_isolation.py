@@ -1,0 +1,87 @@
+"""What the container backend promises about isolation: an image with no Python works,
+the agent is out of reach of root in the sandbox, kernel interfaces are masked, limits
+are applied, and there is no network but loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+
+import dsec
+from tests.conftest import Platform
+
+
+async def test_busybox_image_has_no_python_and_still_works(busybox: dsec.AsyncSandbox) -> None:
+    r = await busybox.exec("command -v python3 || echo none; ls /usr/lib | wc -l")
+    assert r.stdout.splitlines()[0] == "none"
+    await busybox.run_shell("cd /tmp; X=5")
+    assert (await busybox.run_shell("echo $PWD $X")).stdout == "/tmp 5\n"
+
+
+async def test_hostname_is_the_sandbox_id(busybox: dsec.AsyncSandbox) -> None:
+    assert (await busybox.exec("hostname")).stdout.strip() == busybox.sandbox_id
+
+
+async def test_agent_is_out_of_reach(debian: dsec.AsyncSandbox) -> None:
+    # pid 1 is dsec-init: non-dumpable, so its exe, fds, memory and environment are closed
+    for path in ("/proc/1/exe", "/proc/1/fd/4", "/proc/1/mem", "/proc/1/environ", "/proc/1/root/"):
+        r = await debian.exec(f"cat {path} >/dev/null 2>&1 || ls {path} >/dev/null 2>&1 && echo OPEN || echo closed")
+        assert r.stdout.strip() == "closed", path
+    r = await debian.exec("readlink /proc/1/exe; echo rc=$?")
+    assert r.stdout.strip().endswith("rc=1")
+    # it cannot be killed from inside, and the sandbox keeps working
+    await debian.exec("kill -9 1; kill -TERM 1; true")
+    assert (await debian.exec("echo alive")).stdout == "alive\n"
+    # no socket of the agent anywhere in the sandbox's filesystem
+    r = await debian.exec("find / -xdev -type s 2>/dev/null | wc -l")
+    assert r.stdout.strip() == "0"
+    # ptrace is refused outright
+    r = await debian.exec(["python3", "-c", "import ctypes; print(ctypes.CDLL(None).ptrace(16, 1, 0, 0))"])
+    assert r.stdout.strip() == "-1"
+
+
+async def test_dangerous_kernel_interfaces_are_masked(debian: dsec.AsyncSandbox) -> None:
+    for path in ("/proc/kpagecgroup", "/proc/kpageflags", "/proc/kcore", "/proc/sysrq-trigger",
+                 "/proc/timer_list"):
+        r = await debian.exec(f"head -c 16 {path} 2>/dev/null | wc -c")
+        assert r.stdout.strip() == "0", path
+    r = await debian.exec("echo 1 > /proc/sys/vm/drop_caches 2>&1; touch /sys/x 2>&1; true")
+    assert "Read-only" in r.stdout
+    r = await debian.exec("mount -t tmpfs none /mnt 2>&1; unshare -U true 2>&1; echo done")
+    assert "permission denied" in r.stdout.lower() and r.stdout.endswith("done\n")
+    r = await debian.exec("grep -c CapEff /proc/self/status; grep CapEff /proc/self/status")
+    assert int(r.stdout.split()[-1], 16) & (1 << 21) == 0  # no CAP_SYS_ADMIN
+
+
+async def test_only_loopback_network(debian: dsec.AsyncSandbox) -> None:
+    r = await debian.exec("ip -o link | awk -F': ' '{print $2}'")
+    assert r.stdout.split() == ["lo"]
+    r = await debian.exec(["python3", "-c",
+                           "import socket; s=socket.socket(); s.settimeout(2)\n"
+                           "try: s.connect(('127.0.0.1', 7777)); print('reached')\n"
+                           "except OSError as e: print('refused', e.errno)"])
+    assert r.stdout.startswith("refused")
+
+
+async def test_cgroup_limits_are_applied(platform: Platform, client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=96,
+                                                       cpu_cores_limit=0.5, pids_limit=64))
+    try:
+        mem = glob.glob(f"/sys/fs/cgroup/memory/**/{sb.sandbox_id}/memory.limit_in_bytes", recursive=True) \
+            or glob.glob(f"/sys/fs/cgroup/**/{sb.sandbox_id}/memory.max", recursive=True)
+        assert mem and int(open(mem[0]).read()) == 96 * 1024 * 1024
+        pids = glob.glob(f"/sys/fs/cgroup/**/{sb.sandbox_id}/pids.max", recursive=True)
+        assert pids and open(pids[0]).read().strip() == "64"
+        cpu = glob.glob(f"/sys/fs/cgroup/cpu/**/{sb.sandbox_id}/cpu.cfs_quota_us", recursive=True)
+        if cpu:
+            assert int(open(cpu[0]).read()) == 50000
+        # a fork bomb hits the pids limit, not the host, and the sandbox recovers
+        r = await sb.exec("i=0; while [ $i -lt 200 ]; do (sleep 2 &) 2>/dev/null; i=$((i+1)); done; echo end",
+                          timeout=30)
+        assert r.stdout.endswith("end\n")
+        running = int(open(pids[0].replace("pids.max", "pids.current")).read())
+        assert running <= 64
+        await asyncio.sleep(3)
+        assert (await sb.exec("echo still-usable")).stdout == "still-usable\n"
+    finally:
+        await sb.stop()
