@@ -57,7 +57,7 @@ class Platform:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(self.port), "--data-dir",
-             self.data_dir, "--token", TOKEN, "--log-level", "warning"],
+             self.data_dir, "--token", TOKEN, "--log-level", os.environ.get("DSEC_TEST_LOG_LEVEL", "warning")],
             stdout=self.log, stderr=self.log, start_new_session=True)
         deadline = time.time() + 60
         while time.time() < deadline:

@@ -179,11 +179,11 @@ def _post(platform: Platform, path: str, body: object, token: str = TOKEN) -> ht
 
 @pytest.mark.parametrize("args, field", [
     ({"image": "base/nope:1"}, "image"),
-    ({"image": "not a ref"}, "args.image"),
-    ({"memory_limit_mb": -5}, "args.memory_limit_mb"),
-    ({"cpu_cores_limit": 0}, "args.cpu_cores_limit"),
+    ({"image": "not a ref"}, "image"),
+    ({"memory_limit_mb": -5}, "memory_limit_mb"),
+    ({"cpu_cores_limit": 0}, "cpu_cores_limit"),
     ({"layers": ["base/debian:12"]}, "layers[0]"),
-    ({"bogus": 1}, "args.bogus"),
+    ({"bogus": 1}, "bogus"),
     ({"memory_limit_mb": 1024 * 1024}, None),
 ])
 def test_create_rejects_bad_args_naming_the_field(platform: Platform, args: dict[str, object],

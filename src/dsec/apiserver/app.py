@@ -242,6 +242,8 @@ def build_app(api: Apiserver) -> FastAPI:
             master, pid, exited, agent = await edge.open_tty(sandbox_id, max(1, min(cols, 1000)),
                                                              max(1, min(rows, 1000)))
         except DsecError as e:
+            # accept first so the client sees why (close code 4000 + HTTP status), not a bare 403
+            await ws.accept()
             await ws.close(code=4000 + e.status, reason=e.message[:120])
             return
         await ws.accept()

@@ -121,6 +121,11 @@ class Edge:
             if sb.agent:
                 await sb.agent.close()
         self._flush_activity()
+        in_use = {d for sb in self.sandboxes.values() for d in sb.rec.digests}
+        for mp in linux.mounted_under(self.layer_mnt):
+            if os.path.basename(mp) not in in_use:
+                with contextlib.suppress(OSError):
+                    linux.umount(mp)
 
     async def _recover(self) -> None:
         live = {r.info.sandbox_id: r for r in self.state.live()}
@@ -296,6 +301,8 @@ class Edge:
                 return
             sb.stopping = True
             sb.rec.info.state = SandboxState.stopping
+            if record:
+                self.state.put(sb.rec)
             if sb.watch and sb.watch is not asyncio.current_task():
                 sb.watch.cancel()
             if sb.agent:
@@ -340,7 +347,8 @@ class Edge:
     def _running(self, sandbox_id: str) -> tuple[Sandbox, Aether]:
         sb = self._get_live(sandbox_id)
         if sb is None or sb.agent is None:
-            info = self._tombstone(sandbox_id)
+            current = self.sandboxes.get(sandbox_id)
+            info = current.rec.info if current else self._tombstone(sandbox_id)
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {info.state.value}"
                                     + (f" ({info.error})" if info.error else ""))
         sb.rec.info.last_active_at = time.time()
@@ -348,7 +356,8 @@ class Edge:
         return sb, sb.agent
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
-        sb = self._get_live(sandbox_id)
+        self._get_live(sandbox_id)  # validates the id and its edge
+        sb = self.sandboxes.get(sandbox_id)
         return sb.rec.info if sb else self._tombstone(sandbox_id)
 
     async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
