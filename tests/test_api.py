@@ -248,6 +248,6 @@ async def test_commands_on_a_stopped_sandbox_get_409(client: dsec.AsyncClient) -
     assert (await sb.stop()).state == dsec.SandboxState.stopped  # idempotent
 
 
-async def test_openapi_document(platform: Platform) -> None:
+def test_openapi_document(platform: Platform) -> None:
     spec = httpx.get(platform.url + "/openapi.json").json()
     assert "/v1/sandboxes" in spec["paths"] and "/v1/sandboxes/{sandbox_id}/exec" in spec["paths"]

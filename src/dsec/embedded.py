@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -45,7 +46,7 @@ def load_or_create_token(data_dir: str, token: str | None = None) -> str:
 
 
 def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "edge0",
-                   edge_cfg: dict[str, object] | None = None) -> tuple[FastAPI, Edge]:
+                   edge_cfg: dict[str, Any] | None = None) -> tuple[FastAPI, Edge]:
     data_dir = os.path.abspath(data_dir)
     tok = load_or_create_token(data_dir, token)
     prepare_cgroups()

@@ -95,7 +95,11 @@ def _fd_ready(fd: int, write: bool = False) -> asyncio.Future[None]:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
     add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: fut.done() or fut.set_result(None))
+    def fire() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    add(fd, fire)
     fut.add_done_callback(lambda _: remove(fd))
     return fut
 
@@ -168,7 +172,7 @@ class ShellSession:
             ready = _fd_ready(self._ctl_r)
             exited = self._exit
             try:
-                await asyncio.wait([ready, exited], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([ready, exited], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
             finally:
                 ready.cancel()
             try:

@@ -80,7 +80,7 @@ class Apiserver:
         raise last or AdmissionRejected("no edge admitted the sandbox")
 
     async def list(self, job: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
-        parts = await asyncio.gather(*(e.list(job=job, labels=labels) for e in self.edges.values()))
+        parts = await asyncio.gather(*(e.list_sandboxes(job=job, labels=labels) for e in self.edges.values()))
         return sorted((i for p in parts for i in p), key=lambda i: i.created_at)
 
 
@@ -299,7 +299,7 @@ async def _bridge_tty(ws: WebSocket, master: int, pid: int, exited: asyncio.Futu
     out_task, in_task = asyncio.create_task(pump_out()), asyncio.create_task(pump_in())
     tasks = [out_task, in_task]
     try:
-        await asyncio.wait([out_task, in_task, exited], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([out_task, in_task, exited], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         if exited.done():  # let the last output through
             await asyncio.wait([out_task], timeout=0.5)
     finally:

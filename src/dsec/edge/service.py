@@ -155,7 +155,7 @@ class Edge:
 
     # ---- admission ----------------------------------------------------------
     def _reserved(self) -> tuple[float, int, int]:
-        cpu = mem = n = 0
+        cpu, mem, n = 0.0, 0, 0
         for sb in self.sandboxes.values():
             if not sb.stopping:
                 cpu += sb.rec.args.cpu_cores_limit
@@ -360,7 +360,7 @@ class Edge:
         sb = self.sandboxes.get(sandbox_id)
         return sb.rec.info if sb else self._tombstone(sandbox_id)
 
-    async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+    async def list_sandboxes(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         out = []
         for sb in self.sandboxes.values():
             info = sb.rec.info

@@ -8,6 +8,7 @@ the process that made it.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 from collections.abc import AsyncIterator
@@ -208,5 +209,5 @@ class AsyncClient:
             params.append(("job", job))
         return [SandboxInfo.model_validate(x) for x in await self._json("GET", "/v1/sandboxes", params=params)]
 
-    async def nodes(self) -> list[NodeStats]:
+    async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]
