@@ -1,0 +1,237 @@
+"""Container backend benchmark: dsec end to end (SDK -> apiserver -> placement -> edge ->
+crun -> dsec-init) against raw crun on the same EROFS+overlayfs rootfs, same run.
+
+Measures create-to-first-exec latency (p50/p90), creations/s with 8 concurrent
+clients, and exec round trip (one-off and in a shell session). Prints medians and
+ratios; ``--write docs/benchmarks.md`` replaces this benchmark's section there.
+
+    .venv/bin/python bench/container.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+import dsec
+from dsec.backends.container.runtime import Limits, oci_config
+from dsec.edge import linux
+from dsec.edge.hostprep import prepare_cgroups
+from dsec.layers.store import LayerStore
+
+IMAGE = "base/busybox"
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+class RawCrun:
+    """The baseline: what a hand-rolled runner would do per sandbox with crun."""
+
+    def __init__(self, layer_mnt: str) -> None:
+        self.layer_mnt = layer_mnt
+        self.root = tempfile.mkdtemp(prefix="bench-crun-")
+        self.state = os.path.join(self.root, "state")
+        self.n = 0
+
+    async def _crun(self, *args: str) -> None:
+        p = await asyncio.create_subprocess_exec("crun", "--root", self.state, *args,
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if await p.wait() != 0:
+            raise RuntimeError(f"crun {args[0]} failed")
+
+    async def create(self) -> str:
+        self.n += 1
+        cid = f"rawbench{self.n}"
+        d = os.path.join(self.root, cid)
+        for sub in ("upper", "work", "rootfs"):
+            os.makedirs(os.path.join(d, sub))
+        linux.mount("overlay", f"{d}/rootfs", "overlay", 0,
+                    f"lowerdir={self.layer_mnt},upperdir={d}/upper,workdir={d}/work")
+        cfg = oci_config(cid, f"{d}/rootfs", Limits(64, 0.25, 4096), f"/dsec-bench/{cid}")
+        cfg["process"]["args"] = ["/bin/sleep", "100000"]  # type: ignore[index]
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        await self._crun("run", "-d", "--bundle", d, cid)
+        return cid
+
+    async def exec(self, cid: str) -> None:
+        await self._crun("exec", cid, "/bin/true")
+
+    async def delete(self, cid: str) -> None:
+        await self._crun("delete", "-f", cid)
+        linux.umount(os.path.join(self.root, cid, "rootfs"))
+        shutil.rmtree(os.path.join(self.root, cid))
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+async def bench_raw(layer_mnt: str, n: int, conc: int, execs: int) -> dict[str, float | list[float]]:
+    raw = RawCrun(layer_mnt)
+    try:
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            cid = await raw.create()
+            await raw.exec(cid)
+            lat.append(time.perf_counter() - t)
+            await raw.delete(cid)
+        cid = await raw.create()
+        ex = []
+        for _ in range(execs):
+            t = time.perf_counter()
+            await raw.exec(cid)
+            ex.append(time.perf_counter() - t)
+        await raw.delete(cid)
+        ids: list[str] = []
+
+        async def worker(k: int) -> None:
+            for _ in range(k):
+                ids.append(await raw.create())
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(n // conc) for _ in range(conc)))
+        rate = len(ids) / (time.perf_counter() - t)
+        for cid in ids:
+            await raw.delete(cid)
+        return {"lat": lat, "exec": ex, "rate": rate}
+    finally:
+        raw.close()
+
+
+async def bench_dsec(url: str, token: str, n: int, conc: int, execs: int) -> dict[str, float | list[float]]:
+    args = dsec.ContainerArgs(image=IMAGE, memory_limit_mb=64, cpu_cores_limit=0.25)
+    async with dsec.AsyncClient(url=url, token=token) as c:
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            sb = await c.run_container(args)
+            await sb.exec(["/bin/true"])
+            lat.append(time.perf_counter() - t)
+            await sb.stop()
+        sb = await c.run_container(args)
+        ex, sess = [], []
+        for _ in range(execs):
+            t = time.perf_counter()
+            await sb.exec(["/bin/true"])
+            ex.append(time.perf_counter() - t)
+        await sb.run_shell("true")
+        for _ in range(execs):
+            t = time.perf_counter()
+            await sb.run_shell("true")
+            sess.append(time.perf_counter() - t)
+        await sb.stop()
+        made: list[dsec.AsyncSandbox] = []
+
+        async def worker(k: int) -> None:
+            for _ in range(k):
+                made.append(await c.run_container(args))
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(n // conc) for _ in range(conc)))
+        rate = len(made) / (time.perf_counter() - t)
+        await asyncio.gather(*(s.stop() for s in made))
+        return {"lat": lat, "exec": ex, "session": sess, "rate": rate}
+
+
+def start_server(data_dir: str, token: str) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--data-dir",
+                             data_dir, "--token", token, "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("dsec serve did not start")
+
+
+def render(raw: dict, ds: dict, n: int, conc: int, execs: int) -> str:  # type: ignore[type-arg]
+    ms = 1000.0
+    rows = [
+        ("create-to-first-exec p50 (ms)", pct(raw["lat"], 50) * ms, pct(ds["lat"], 50) * ms, "<= 50"),
+        ("create-to-first-exec p90 (ms)", pct(raw["lat"], 90) * ms, pct(ds["lat"], 90) * ms, ""),
+        (f"creations/s, {conc} concurrent clients", raw["rate"], ds["rate"], ">= 40% of raw"),
+        ("exec round trip p50 (ms)", pct(raw["exec"], 50) * ms, pct(ds["exec"], 50) * ms, "<= 3"),
+        ("session command round trip p50 (ms)", float("nan"), pct(ds["session"], 50) * ms, ""),
+    ]
+    out = [f"n={n} sandboxes per latency series, {execs} execs, image {IMAGE}; "
+           f"{os.cpu_count()} cores, kernel {platform.release()}", "",
+           "| metric | raw crun | dsec (SDK->API->edge) | dsec / raw | target |", "|---|---|---|---|---|"]
+    for name, r, d, target in rows:
+        ratio = "" if r != r else f"{d / r:.2f}x"
+        rs = "n/a" if r != r else f"{r:.1f}"
+        out.append(f"| {name} | {rs} | {d:.1f} | {ratio} | {target} |")
+    return "\n".join(out)
+
+
+def write_section(path: str, body: str, cmd: str) -> None:
+    start, end = "<!-- bench:container -->", "<!-- /bench:container -->"
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    section = (f"{start}\n## Container backend (`bench/container.py`)\n\nCommand: `{cmd}`, "
+               f"run {time.strftime('%Y-%m-%d')}.\n\n{body}\n{end}")
+    if start in text:
+        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--execs", type=int, default=200)
+    ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
+    a = ap.parse_args()
+    prepare_cgroups()
+    store = LayerStore(os.path.join(a.data_dir, "layers"))
+    digest = store.get(f"{IMAGE}:latest").digest
+    layer_mnt = os.path.join(a.data_dir, "layers", "mnt", digest)
+    token = "bench-" + os.urandom(8).hex()
+    proc, url = start_server(a.data_dir, token)
+    try:
+        ds = await bench_dsec(url, token, a.n, a.concurrency, a.execs)
+    finally:
+        proc.terminate()
+        proc.wait()
+    mounted_here = not os.path.ismount(layer_mnt)
+    if mounted_here:  # the same file-backed EROFS mount the edge uses
+        os.makedirs(layer_mnt, exist_ok=True)
+        linux.mount(store.blob_path(digest), layer_mnt, "erofs", linux.MS_RDONLY)
+    try:
+        raw = await bench_raw(layer_mnt, a.n, a.concurrency, a.execs)
+    finally:
+        if mounted_here:
+            linux.umount(layer_mnt)
+    body = render(raw, ds, a.n, a.concurrency, a.execs)
+    print(body)
+    if a.write:
+        write_section(a.write, body, "python bench/container.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
