@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 import dsec
+from dsec.layers.store import LayerStore
 
 SRC_DATA = os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec")
 TOKEN = "test-token-0123456789"
@@ -33,15 +33,7 @@ def _seed_layers(data_dir: str) -> None:
     src = os.path.join(SRC_DATA, "layers")
     if not os.path.exists(os.path.join(src, "catalog.db")):
         pytest.fail(f"no base layers in {src}: run scripts/setup.sh first")
-    dst = os.path.join(data_dir, "layers", "blobs", "sha256")
-    os.makedirs(dst, exist_ok=True)
-    for blob in glob.glob(os.path.join(src, "blobs", "sha256", "*.erofs")):
-        target = os.path.join(dst, os.path.basename(blob))
-        try:
-            os.link(blob, target)
-        except OSError:
-            shutil.copy2(blob, target)
-    shutil.copy2(os.path.join(src, "catalog.db"), os.path.join(data_dir, "layers", "catalog.db"))
+    assert LayerStore(os.path.join(data_dir, "layers")).link_from(src) >= 2
 
 
 class Platform:

@@ -15,11 +15,11 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
-from fastapi import Depends, FastAPI, Query, Request, WebSocket
+from fastapi import FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import HTTPConnection
 
 from dsec.edge.api import EdgeAPI
 from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, PayloadTooLarge, Unauthorized
@@ -27,7 +27,6 @@ from dsec.models import (
     CreateRequest,
     ExecEvent,
     ExecRequest,
-    ExecResult,
     FileStat,
     NodeStats,
     SandboxInfo,
@@ -98,6 +97,47 @@ def _parse_labels(label: list[str]) -> dict[str, str]:
     return out
 
 
+class BearerAuth:
+    """ASGI middleware: every route but the open ones needs ``Bearer <token>``.
+
+    A middleware rather than a per-route dependency keeps it off FastAPI's dependency
+    solver on the hot exec path, and covers websockets the same way (a refused
+    websocket is accepted, then closed with code 4401 so the client learns why)."""
+
+    OPEN = frozenset({"/healthz", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    def _refusal(self, scope: dict[str, Any]) -> Unauthorized | None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
+            return None
+        header = b""
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                header = v
+                break
+        scheme, _, cred = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not cred.strip():
+            return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
+                                field="authorization")
+        if not hmac.compare_digest(cred.strip(), self.token):
+            return Unauthorized("invalid token", field="authorization")
+        return None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        err = self._refusal(scope)
+        if err is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await _error(err)(scope, receive, send)
+        else:
+            await receive()  # websocket.connect
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 4401, "reason": err.message[:120]})
+
+
 def build_app(api: Apiserver) -> FastAPI:
     app = FastAPI(title="dsec", version="0.1.0",
                   description="Elastic sandboxes for agentic RL: create, exec, files, HTTP, TTY.")
@@ -115,46 +155,38 @@ def build_app(api: Apiserver) -> FastAPI:
         msg = first.get("msg", "invalid request")
         return _error(InvalidRequest(f"{field}: {msg}" if field else msg, field=field))
 
-    async def auth(request: HTTPConnection) -> None:
-        header = request.headers.get("authorization", "")
-        scheme, _, cred = header.partition(" ")
-        if scheme.lower() != "bearer" or not cred.strip():
-            raise Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
-                               field="authorization")
-        if not hmac.compare_digest(cred.strip().encode(), api.token.encode()):
-            raise Unauthorized("invalid token", field="authorization")
-
-    authed = [Depends(auth)]
+    app.add_middleware(BearerAuth, token=api.token)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:
         return {"ok": True, "edges": sorted(api.edges)}
 
-    @app.get("/v1/nodes", dependencies=authed)
+    @app.get("/v1/nodes")
     async def nodes() -> list[NodeStats]:
         return list((await api.watcher.refresh()).values())
 
-    @app.post("/v1/sandboxes", status_code=201, dependencies=authed)
+    @app.post("/v1/sandboxes", status_code=201)
     async def create(req: CreateRequest) -> SandboxInfo:
         return await api.create(req)
 
-    @app.get("/v1/sandboxes", dependencies=authed)
+    @app.get("/v1/sandboxes")
     async def list_sandboxes(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
         return await api.list(job, _parse_labels(label))
 
-    @app.get("/v1/sandboxes/{sandbox_id}", dependencies=authed)
+    @app.get("/v1/sandboxes/{sandbox_id}")
     async def get(sandbox_id: str) -> SandboxInfo:
         return await api.edge_for(sandbox_id).get(sandbox_id)
 
-    @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=authed)
+    @app.delete("/v1/sandboxes/{sandbox_id}")
     async def stop(sandbox_id: str) -> SandboxInfo:
         return await api.edge_for(sandbox_id).stop(sandbox_id)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=authed, response_model=None)
-    async def exec_(sandbox_id: str, req: ExecRequest, stream: bool = False) -> ExecResult | StreamingResponse:
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=None)
+    async def exec_(sandbox_id: str, req: ExecRequest, stream: bool = False) -> Response:
         edge = api.edge_for(sandbox_id)
-        if not stream:
-            return await edge.exec(sandbox_id, req)
+        if not stream:  # the hot path: serialize once, skip FastAPI's re-validation
+            res = await edge.exec(sandbox_id, req)
+            return Response(res.model_dump_json(), media_type="application/json")
         await edge.get(sandbox_id)  # a bad id fails before the 200 goes out
         queue: asyncio.Queue[ExecEvent | DsecError | None] = asyncio.Queue()
 
@@ -185,12 +217,12 @@ def build_app(api: Apiserver) -> FastAPI:
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=authed)
+    @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: str) -> Response:
         data = await api.edge_for(sandbox_id).read_file(sandbox_id, path)
         return Response(content=data, media_type="application/octet-stream")
 
-    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204, dependencies=authed)
+    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204)
     async def write_file(sandbox_id: str, path: str, request: Request, mode: int = 0o644) -> Response:
         edge = api.edge_for(sandbox_id)
         declared = request.headers.get("content-length")
@@ -207,20 +239,20 @@ def build_app(api: Apiserver) -> FastAPI:
         await edge.write_file(sandbox_id, path, bytes(buf), mode)
         return Response(status_code=204)
 
-    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, dependencies=authed)
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
     async def remove(sandbox_id: str, path: str, recursive: bool = False) -> Response:
         await api.edge_for(sandbox_id).remove(sandbox_id, path, recursive)
         return Response(status_code=204)
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/list", dependencies=authed)
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list")
     async def list_dir(sandbox_id: str, path: str) -> list[FileStat]:
         return await api.edge_for(sandbox_id).list_dir(sandbox_id, path)
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", dependencies=authed)
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat")
     async def stat(sandbox_id: str, path: str) -> FileStat:
         return await api.edge_for(sandbox_id).stat(sandbox_id, path)
 
-    @app.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", dependencies=authed,
+    @app.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}",
                    methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
     async def proxy(sandbox_id: str, port: int, path: str, request: Request) -> Response:
         if not 1 <= port <= 65535:
@@ -237,7 +269,6 @@ def build_app(api: Apiserver) -> FastAPI:
     @app.websocket("/v1/sandboxes/{sandbox_id}/tty")
     async def tty(ws: WebSocket, sandbox_id: str, cols: int = 80, rows: int = 24) -> None:
         try:
-            await auth(ws)
             edge = api.edge_for(sandbox_id)
             master, pid, exited, agent = await edge.open_tty(sandbox_id, max(1, min(cols, 1000)),
                                                              max(1, min(rows, 1000)))

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 app = typer.Typer(help="dsec: elastic sandboxes for agentic RL", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -90,7 +90,8 @@ def ps(url: UrlOpt = None, token: TokenOpt = None, job: str | None = None,
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in items], indent=1))
         return
-    t = Table("SANDBOX", "STATE", "IMAGE", "CPU", "MEM MB", "AGE", "IDLE", "JOB")
+    t = Table("STATE", "IMAGE", "CPU", "MEM MB", "AGE", "IDLE", "JOB")
+    t.columns.insert(0, Column("SANDBOX", no_wrap=True, min_width=18))
     now = time.time()
     for i in items:
         t.add_row(i.sandbox_id, i.state.value, i.image, f"{i.cpu_cores_limit:g}", str(i.memory_limit_mb),

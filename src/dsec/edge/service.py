@@ -121,6 +121,8 @@ class Edge:
             if sb.agent:
                 await sb.agent.close()
         self._flush_activity()
+        if not self.sandboxes:
+            self.runtime.remove_cgroup_parent()
         in_use = {d for sb in self.sandboxes.values() for d in sb.rec.digests}
         for mp in linux.mounted_under(self.layer_mnt):
             if os.path.basename(mp) not in in_use:

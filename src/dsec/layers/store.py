@@ -68,6 +68,26 @@ class LayerStore:
         return [Layer(*r) for r in self._db.execute(
             "SELECT ref, kind, digest, size, created_at FROM layers ORDER BY ref")]
 
+    def link_from(self, other_root: str) -> int:
+        """Publish every layer of the store at ``other_root`` here, hard-linking blobs
+        (copying across filesystems). Returns how many layers were added."""
+        import shutil
+
+        other = LayerStore(other_root)
+        added = 0
+        for layer in other.list():
+            if self.has(layer.ref):
+                continue
+            dest = self.blob_path(layer.digest)
+            if not os.path.exists(dest):
+                try:
+                    os.link(other.blob_path(layer.digest), dest)
+                except OSError:
+                    shutil.copy2(other.blob_path(layer.digest), dest)
+            self._publish(layer.ref, layer.kind, layer.digest, layer.size)
+            added += 1
+        return added
+
     def import_dir(self, src: str, ref: str, compress: str | None = "lz4") -> Layer:
         """Build an EROFS image of ``src`` and publish it as ``ref``."""
         if not LAYER_REF_RE.match(ref):

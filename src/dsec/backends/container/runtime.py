@@ -124,6 +124,17 @@ class CrunRuntime:
     def cgroup_path(self, sandbox_id: str) -> str:
         return f"/{self.cgroup_parent}/{sandbox_id}"
 
+    def remove_cgroup_parent(self) -> None:
+        """Remove this runtime's (empty) parent cgroup in every hierarchy."""
+        import glob
+
+        for d in glob.glob(f"/sys/fs/cgroup/{self.cgroup_parent}") + glob.glob(
+                f"/sys/fs/cgroup/*/{self.cgroup_parent}"):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # still holds a sandbox, or already gone
+
     def _argv(self, *args: str) -> list[str]:
         return [self.crun, "--root", self.state_root, *args]
 
