@@ -56,9 +56,13 @@ async def test_exec_argv_stdin_env_cwd(debian: dsec.AsyncSandbox) -> None:
     assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
 
 
-async def test_spawn_of_missing_binary_is_a_clear_error(debian: dsec.AsyncSandbox) -> None:
-    with pytest.raises(dsec.DsecError, match="no/such"):
-        await debian.exec(["/no/such/binary"])
+async def test_missing_program_exits_127_with_a_message(debian: dsec.AsyncSandbox) -> None:
+    r = await debian.exec(["/no/such/binary"])
+    assert r.exit_code == 127 and "/no/such/binary" in r.stderr and "No such file" in r.stderr
+    r = await debian.exec(["/etc/passwd"])
+    assert r.exit_code == 126 and "Permission denied" in r.stderr
+    r = await debian.exec(["true"], cwd="/nonexistent")
+    assert r.exit_code == 127 and "working directory" in r.stderr
 
 
 async def test_sessions_are_independent_and_keep_background_jobs(debian: dsec.AsyncSandbox) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import http.client
 import os
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsec.agent.initclient import SETSID, ChannelLost, InitClient, boottime_ticks, exit_code
+from dsec.agent.initclient import SETSID, ChannelLost, InitClient, SpawnFailed, boottime_ticks, exit_code
 from dsec.edge import linux
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
@@ -273,6 +274,11 @@ class Aether:
         err_r, err_w = _pipe()
         try:
             pid, exited = await self.init.spawn(argv, env, req.cwd or self.ctx.workdir, [in_r, out_w, err_w])
+        except SpawnFailed as e:  # like a shell: 127 for a missing program, 126 otherwise
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            return ExecResult(exit_code=127 if e.errno == errno.ENOENT else 126, stdout="", stderr=e.message + "\n",
+                              duration_ms=(time.monotonic() - t0) * 1000)
         except BaseException:
             for fd in (in_w, out_r, err_r):
                 os.close(fd)

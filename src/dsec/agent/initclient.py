@@ -29,8 +29,11 @@ class ChannelLost(SandboxError):
 
 
 class SpawnFailed(SandboxError):
-    def __init__(self, err: int, argv0: str) -> None:
-        super().__init__(f"cannot run {argv0!r}: {os.strerror(err)}")
+    CHDIR = 6
+
+    def __init__(self, err: int, stage: int, argv0: str, cwd: str) -> None:
+        what = f"cannot enter working directory {cwd!r}" if stage == self.CHDIR else f"cannot run {argv0!r}"
+        super().__init__(f"{what}: {os.strerror(err)}")
         self.errno = err
 
 
@@ -134,7 +137,7 @@ class InitClient:
         reply, exited = await self._request(
             ["S", str(flags), cwd, str(len(argv)), *argv, str(len(envl)), *envl], fds)
         if reply[0] == b"E" or exited is None:
-            raise SpawnFailed(int(reply[1]), argv[0])
+            raise SpawnFailed(int(reply[1]), int(reply[2]) if len(reply) > 2 else 0, argv[0], cwd)
         return int(reply[1]), exited
 
     async def kill_tree(self, pid: int, sig: int, since_ticks: int = 0, include_self: bool = False) -> int:

@@ -90,11 +90,11 @@ def ps(url: UrlOpt = None, token: TokenOpt = None, job: str | None = None,
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in items], indent=1))
         return
-    t = Table("STATE", "IMAGE", "CPU", "MEM MB", "AGE", "IDLE", "JOB")
-    t.columns.insert(0, Column("SANDBOX", no_wrap=True, min_width=18))
+    t = Table(Column("SANDBOX", no_wrap=True), "STATE", Column("IMAGE", no_wrap=True), "CPU", "MEM", "AGE",
+              "IDLE", "JOB")
     now = time.time()
     for i in items:
-        t.add_row(i.sandbox_id, i.state.value, i.image, f"{i.cpu_cores_limit:g}", str(i.memory_limit_mb),
+        t.add_row(i.sandbox_id, i.state.value, i.image, f"{i.cpu_cores_limit:g}", f"{i.memory_limit_mb}M",
                   f"{now - i.created_at:.0f}s", f"{now - i.last_active_at:.0f}s", i.job or "")
     console.print(t)
 
@@ -121,6 +121,10 @@ def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="comman
     try:
         with _client(url, token) as c:
             sb = c.connect(sandbox_id)
+            if cmd and cmd[0] == "--":
+                cmd = cmd[1:]
+            if not cmd:
+                raise typer.BadParameter("give a command after the sandbox id")
             argv = cmd if len(cmd) > 1 else cmd[0]
             code = 0
             for ev in sb.exec_stream(argv, timeout=timeout):

@@ -18,7 +18,7 @@
  *
  * Wire protocol (SOCK_SEQPACKET, one request per message, fields NUL-separated):
  *   "S" flags cwd argc argv... envc env...   + SCM_RIGHTS fds -> child fds 0..n-1
- *        reply "P" pid | "E" errno message
+ *        reply "P" pid | "E" errno stage (5: exec failed, 6: chdir to cwd failed)
  *        later, on the same connection: "X" pid wait-status
  *   "T" pid sig since_ticks include_self  kill descendants of pid started at or after
  *        since_ticks (/proc/PID/stat starttime); reply "K" count
@@ -137,11 +137,11 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
         }
         if (flags & (F_SETSID | F_CTTY)) setsid();
         if (flags & F_CTTY) ioctl(0, TIOCSCTTY, 0);
-        if (chdir(cwd) < 0) { int e = errno; (void)!write(errpipe[1], &e, sizeof e); _exit(126); }
+        if (chdir(cwd) < 0) { int e[2] = { errno, 6 }; (void)!write(errpipe[1], e, sizeof e); _exit(126); }
         environ = envp;
         execvp(argv[0], argv);
-        int e = errno;
-        (void)!write(errpipe[1], &e, sizeof e);
+        int e[2] = { errno, 5 };
+        (void)!write(errpipe[1], e, sizeof e);
         _exit(127);
     }
     close(errpipe[1]);
@@ -149,13 +149,13 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
     free(argv);
     free(envp);
     if (pid < 0) { close(errpipe[0]); replyf(client, "E %ld %ld", errno, 4); return; }
-    int childerr = 0;
+    int childerr[2] = { 0, 0 };
     ssize_t r;
-    do { r = read(errpipe[0], &childerr, sizeof childerr); } while (r < 0 && errno == EINTR);
+    do { r = read(errpipe[0], childerr, sizeof childerr); } while (r < 0 && errno == EINTR);
     close(errpipe[0]);
     if (r == (ssize_t)sizeof childerr) {
         /* the child already exited (or will): it is reaped by the SIGCHLD path untracked */
-        replyf(client, "E %ld %ld", childerr, 5);
+        replyf(client, "E %ld %ld", childerr[0], childerr[1]);
         return;
     }
     track(pid, client);
