@@ -56,7 +56,7 @@ def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "ed
     edges: dict[str, EdgeAPI] = {edge.name: edge}
     watcher = Watcher(edges)
     placement = Placement(lambda: watcher.view)
-    api = Apiserver(edges, watcher, placement, tok, max_file_bytes=edge.cfg.max_file_bytes)
+    api = Apiserver(edges, watcher, placement, tok, store, max_file_bytes=edge.cfg.max_file_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

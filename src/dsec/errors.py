@@ -34,6 +34,11 @@ class SandboxNotRunning(DsecError):
     code = "sandbox_not_running"
 
 
+class LayerInUse(DsecError):
+    status = 409
+    code = "layer_in_use"
+
+
 class PayloadTooLarge(DsecError):
     status = 413
     code = "payload_too_large"
@@ -66,6 +71,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Unauthorized,
         NotFound,
         SandboxNotRunning,
+        LayerInUse,
         PayloadTooLarge,
         AdmissionRejected,
         EdgeUnavailable,

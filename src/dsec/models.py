@@ -104,6 +104,19 @@ class CreateRequest(Strict):
     args: ContainerArgs
 
 
+class PackDiffRequest(Strict):
+    ref: str = Field(description="the new workspace layer, ws/name:version")
+    scrub_paths: list[str] = Field(default_factory=list, description="absolute paths left out of the layer")
+    default_scrub: bool = Field(default=True, description="also leave out shell history, /tmp, caches, logs")
+
+
+class ForkRequest(Strict):
+    snapshot: str = Field(description="a layer made by pack_diff")
+    n: Annotated[int, Field(ge=1, le=256)] = 1
+    args: ContainerArgs | None = Field(default=None, description="limits, TTLs, labels; image and layers "
+                                       "come from the snapshot")
+
+
 class SandboxInfo(BaseModel):
     sandbox_id: str
     edge: str

@@ -22,14 +22,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsec.edge.api import EdgeAPI
-from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, PayloadTooLarge, Unauthorized
+from dsec.errors import (
+    AdmissionRejected,
+    DsecError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    SandboxError,
+    Unauthorized,
+)
+from dsec.layers.store import Layer, LayerStore
 from dsec.models import (
+    ContainerArgs,
     CreateRequest,
     ExecEvent,
     ExecRequest,
     FileStat,
+    ForkRequest,
     NodeStats,
+    PackDiffRequest,
     SandboxInfo,
+    normalize_layer_ref,
     parse_sandbox_id,
 )
 from dsec.placement.engine import Placement
@@ -41,8 +54,9 @@ MAX_CREATE_ATTEMPTS = 3
 
 class Apiserver:
     def __init__(self, edges: Mapping[str, EdgeAPI], watcher: Watcher, placement: Placement,
-                 token: str, max_file_bytes: int = 256 * 1024 * 1024) -> None:
+                 token: str, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024) -> None:
         self.edges = edges
+        self.layers = layers
         self.watcher = watcher
         self.placement = placement
         self.token = token
@@ -78,6 +92,31 @@ class Apiserver:
                 break
         raise last or AdmissionRejected("no edge admitted the sandbox")
 
+    async def fork(self, req: ForkRequest) -> list[SandboxInfo]:
+        """n sandboxes stacked exactly as the snapshot was taken, created concurrently;
+        all or nothing: if one cannot be made the others are stopped."""
+        try:
+            snap = self.layers.get(req.snapshot)
+        except (NotFound, ValueError) as e:
+            raise NotFound(f"unknown snapshot {req.snapshot!r}", field="snapshot") from e
+        image, layers = snap.stack()
+        base = req.args or ContainerArgs()
+        args = base.model_copy(update={"image": image, "layers": layers})
+        results = await asyncio.gather(*(self.create(CreateRequest(args=args)) for _ in range(req.n)),
+                                       return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(self.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in made),
+                                 return_exceptions=True)
+            err = failed[0]
+            raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
+        return made
+
+    async def layers_in_use(self) -> set[str]:
+        parts = await asyncio.gather(*(e.layers_in_use() for e in self.edges.values()))
+        return set().union(*parts)
+
     async def list(self, job: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
         parts = await asyncio.gather(*(e.list_sandboxes(job=job, labels=labels) for e in self.edges.values()))
         return sorted((i for p in parts for i in p), key=lambda i: i.created_at)
@@ -85,6 +124,13 @@ class Apiserver:
 
 def _error(e: DsecError) -> JSONResponse:
     return JSONResponse({"error": e.code, "message": e.message, "field": e.field}, status_code=e.status)
+
+
+def _ref(ref: str) -> str:
+    try:
+        return normalize_layer_ref(ref)
+    except ValueError as e:
+        raise InvalidRequest(str(e), field="ref") from None
 
 
 def _parse_labels(label: list[str]) -> dict[str, str]:
@@ -216,6 +262,32 @@ def build_app(api: Apiserver) -> FastAPI:
                 await task
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201)
+    async def pack_diff(sandbox_id: str, req: PackDiffRequest) -> Layer:
+        return await api.edge_for(sandbox_id).pack_diff(sandbox_id, req.ref, req.scrub_paths, req.default_scrub)
+
+    @app.post("/v1/fork", status_code=201)
+    async def fork(req: ForkRequest) -> list[SandboxInfo]:
+        return await api.fork(req)
+
+    @app.get("/v1/layers")
+    async def list_layers() -> list[Layer]:
+        return api.layers.list()
+
+    @app.post("/v1/layers/gc")
+    async def gc_layers() -> dict[str, list[str]]:
+        for e in api.edges.values():
+            await e.release_layers()
+        return {"removed_blobs": api.layers.gc(await api.layers_in_use())}
+
+    @app.get("/v1/layers/{ref:path}")
+    async def get_layer(ref: str) -> Layer:
+        return api.layers.get(_ref(ref))
+
+    @app.delete("/v1/layers/{ref:path}")
+    async def remove_layer(ref: str) -> Layer:
+        return api.layers.remove(_ref(ref), await api.layers_in_use())
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: str) -> Response:

@@ -183,17 +183,73 @@ def nodes(url: UrlOpt = None, token: TokenOpt = None) -> None:
         _fail(e)
 
 
-@layer_app.command("ls")
-def layer_ls(data_dir: Annotated[str | None, typer.Option()] = None) -> None:
-    """Layers in this node's store."""
+def _store(data_dir: str | None):  # type: ignore[no-untyped-def]
     from dsec.embedded import data_dir_default
     from dsec.layers.store import LayerStore
 
-    store = LayerStore(os.path.join(os.path.abspath(data_dir or data_dir_default()), "layers"))
-    t = Table("LAYER", "KIND", "DIGEST", "SIZE MB")
-    for layer in store.list():
-        t.add_row(layer.ref, layer.kind, layer.digest[:16], f"{layer.size / 1e6:.1f}")
+    return LayerStore(os.path.join(os.path.abspath(data_dir or data_dir_default()), "layers"))
+
+
+@layer_app.command("import-dir")
+def layer_import_dir(directory: str, ref: str,
+                     kind: Annotated[str | None, typer.Option(help="base, workspace or toolkit")] = None,
+                     data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+    """Publish a directory tree as an immutable EROFS layer (e.g. ws/attrs-bug-17:v1)."""
+    try:
+        with console.status(f"building EROFS image of {directory}"):
+            layer = _store(data_dir).import_dir(directory, ref, kind=kind, source=f"import-dir {directory}")
+    except Exception as e:
+        _fail(e)
+        return
+    console.print(f"{layer.ref} {layer.kind} sha256:{layer.digest} {layer.size / 1e6:.1f} MB")
+
+
+@layer_app.command("ls")
+def layer_ls(url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Published layers."""
+    try:
+        with _client(url, token) as c:
+            layers = c.layers()
+    except Exception as e:
+        _fail(e)
+        return
+    t = Table(Column("LAYER", no_wrap=True), "KIND", "DIGEST", "SIZE MB", "PARENT")
+    for layer in layers:
+        t.add_row(layer.ref, layer.kind, layer.digest[:16], f"{layer.size / 1e6:.1f}", layer.parent_image or "")
     console.print(t)
+
+
+@layer_app.command("inspect")
+def layer_inspect(ref: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Everything the catalog knows about a layer, as JSON."""
+    try:
+        with _client(url, token) as c:
+            print(c.layer(ref).model_dump_json(indent=1))
+    except Exception as e:
+        _fail(e)
+
+
+@layer_app.command("rm")
+def layer_rm(refs: list[str], url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Unpublish layers (refused while a sandbox uses one); `dsec layer gc` frees blobs."""
+    try:
+        with _client(url, token) as c:
+            for ref in refs:
+                console.print(f"removed {c.remove_layer(ref).ref}")
+    except Exception as e:
+        _fail(e)
+
+
+@layer_app.command("gc")
+def layer_gc(url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Delete layer blobs that nothing references."""
+    try:
+        with _client(url, token) as c:
+            removed = c.gc_layers()
+    except Exception as e:
+        _fail(e)
+        return
+    console.print(f"removed {len(removed)} blobs")
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ from dsec.errors import (
     SandboxError,
     SandboxNotRunning,
 )
-from dsec.layers.store import LayerStore, layer_kind
+from dsec.layers.store import ImportOptions, Layer, LayerStore, check_erofs, layer_kind
 from dsec.models import (
     Backend,
     ContainerArgs,
@@ -51,6 +51,25 @@ from dsec.models import (
 )
 
 log = logging.getLogger("dsec.edge")
+# build residue that pack_diff leaves out unless told otherwise (regexes on paths
+# relative to the sandbox root)
+DEFAULT_SCRUB = [
+    r"^tmp/.+", r"^var/tmp/.+", r"^root/\.(bash|python|sh|ash)_history$", r"^root/\.(lesshst|viminfo|wget-hsts)$",
+    r"^root/\.cache/.+", r"^var/cache/apt/.+", r"^var/lib/apt/lists/.+", r"^var/log/.+",
+]
+
+
+def scrub_regexes(paths: list[str], defaults: bool) -> list[str]:
+    """Regexes for mkfs.erofs --exclude-regex: the defaults plus each absolute path
+    given (the path itself and everything below it)."""
+    import re
+
+    out = list(DEFAULT_SCRUB) if defaults else []
+    for p in paths:
+        if not p.startswith("/") or p == "/":
+            raise InvalidRequest(f"scrub path {p!r} must be absolute and not /", field="scrub_paths")
+        out.append(f"^{re.escape(os.path.normpath(p).lstrip('/'))}(/.*)?$")
+    return out
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -123,11 +142,7 @@ class Edge:
         self._flush_activity()
         if not self.sandboxes:
             self.runtime.remove_cgroup_parent()
-        in_use = {d for sb in self.sandboxes.values() for d in sb.rec.digests}
-        for mp in linux.mounted_under(self.layer_mnt):
-            if os.path.basename(mp) not in in_use:
-                with contextlib.suppress(OSError):
-                    linux.umount(mp)
+        await self.release_layers()
 
     async def _recover(self) -> None:
         live = {r.info.sandbox_id: r for r in self.state.live()}
@@ -220,7 +235,12 @@ class Edge:
         async with self._mount_lock:
             if not os.path.ismount(mnt):
                 os.makedirs(mnt, exist_ok=True)
-                linux.mount(self.layers.blob_path(digest), mnt, "erofs", linux.MS_RDONLY)
+                blob = self.layers.blob_path(digest)
+                check_erofs(blob)
+                try:
+                    linux.mount(blob, mnt, "erofs", linux.MS_RDONLY)
+                except OSError as e:
+                    raise SandboxError(f"layer image {digest[:12]} does not mount (corrupt?): {e.strerror}") from None
         return mnt
 
     async def create(self, args: ContainerArgs, sandbox_id: str | None = None) -> SandboxInfo:
@@ -414,6 +434,45 @@ class Edge:
         sb, agent = self._running(sandbox_id)
         master, pid, exited = await agent.open_tty(cols, rows)
         return master, pid, exited, agent
+
+    # ---- layers: pack_diff, in-use ------------------------------------------------
+    async def pack_diff(self, sandbox_id: str, ref: str, scrub_paths: list[str] | None = None,
+                        default_scrub: bool = True) -> Layer:
+        """Publish the sandbox's writes (its overlay upper dir: new and changed files,
+        whiteouts for deletions, opaque dirs) as workspace layer ``ref``, incremental
+        over the stack it runs on. The sandbox is frozen while the image is built."""
+        sb, _ = self._running(sandbox_id)
+        try:
+            kind = layer_kind(ref)
+        except InvalidRequest as e:
+            raise InvalidRequest(e.message, field="ref") from None
+        if kind != "workspace":
+            raise InvalidRequest(f"pack_diff makes workspace layers (ws/...), not {kind} {ref!r}", field="ref")
+        if self.layers.has(ref):
+            raise InvalidRequest(f"layer {ref!r} already exists; layers are immutable", field="ref")
+        opts = ImportOptions(exclude_regex=scrub_regexes(scrub_paths or [], default_scrub))
+        async with sb.lock:
+            await self.runtime.pause(sb.id)
+            try:
+                layer = await asyncio.to_thread(
+                    self.layers.import_dir, os.path.join(sb.dir, "upper"), ref, "workspace", opts,
+                    sb.rec.args.image, sb.rec.args.layers, f"pack_diff of {sb.id}")
+            finally:
+                await self.runtime.resume(sb.id)
+        self.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
+        return layer
+
+    async def layers_in_use(self) -> set[str]:
+        return {d for sb in self.sandboxes.values() if not sb.stopping for d in sb.rec.digests}
+
+    async def release_layers(self) -> None:
+        """Unmount layer images no sandbox on this edge uses any more."""
+        in_use = await self.layers_in_use()
+        async with self._mount_lock:
+            for mp in linux.mounted_under(self.layer_mnt):
+                if os.path.basename(mp) not in in_use:
+                    with contextlib.suppress(OSError):
+                        linux.umount(mp)
 
     def touch(self, sandbox_id: str) -> None:
         sb = self.sandboxes.get(sandbox_id)

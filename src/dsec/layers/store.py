@@ -4,39 +4,76 @@ names them.
 A layer reference is ``kind/name:version`` (``base/debian:12``, ``ws/attrs-bug-17:v1``,
 ``tk/harness:v3``); its digest is the sha256 of the EROFS image. Blobs live under
 ``blobs/sha256/``, the catalog in a small SQLite file beside them. A published name
-never changes what it points to.
+never changes what it points to. A layer made by pack_diff records the stack it was
+taken on top of (``parent_image`` + ``parent_layers``), which is what fork restores.
 """
 
 from __future__ import annotations
 
+import builtins
 import hashlib
+import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dsec.errors import InvalidRequest, NotFound
-from dsec.models import LAYER_REF_RE
+from pydantic import BaseModel
+
+from dsec.errors import InvalidRequest, LayerInUse, NotFound
+from dsec.models import normalize_layer_ref
 
 KINDS = {"base": "base", "ws": "workspace", "tk": "toolkit"}
+EROFS_MAGIC = 0xE0F5E1E2
 
 
-@dataclass(frozen=True)
-class Layer:
+class Layer(BaseModel):
     ref: str
     kind: str
     digest: str
     size: int
     created_at: float
+    parent_image: str | None = None
+    parent_layers: list[str] = []
+    source: str = ""
+
+    def stack(self) -> tuple[str, list[str]]:
+        """(image, layers) of a sandbox that sees exactly this layer's tree."""
+        if self.kind == "base":
+            return self.ref, []
+        if self.parent_image is None:
+            raise InvalidRequest(f"layer {self.ref!r} was not taken from a sandbox; give an image to stack it on",
+                                 field="snapshot")
+        return self.parent_image, [*self.parent_layers, self.ref]
+
+
+@dataclass
+class ImportOptions:
+    compress: str | None = "lz4"
+    exclude_regex: list[str] = field(default_factory=list)
 
 
 def layer_kind(ref: str) -> str:
     prefix = ref.split("/", 1)[0]
     if prefix not in KINDS:
-        raise InvalidRequest(f"layer {ref!r}: kind prefix must be one of {sorted(KINDS)}", field="image")
+        raise InvalidRequest(f"layer {ref!r}: kind prefix must be one of {sorted(KINDS)} "
+                             "(base/..., ws/... for workspaces, tk/... for toolkits)", field="ref")
     return KINDS[prefix]
+
+
+def check_erofs(path: str) -> None:
+    """Refuse a file that is not an EROFS image before the kernel ever sees it."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(1024)
+            magic = f.read(4)
+    except OSError as e:
+        raise InvalidRequest(f"cannot read layer image {path}: {e.strerror}") from None
+    if len(magic) < 4 or int.from_bytes(magic, "little") != EROFS_MAGIC:
+        raise InvalidRequest(f"{path} is not an EROFS image (bad superblock magic)")
 
 
 class LayerStore:
@@ -50,29 +87,37 @@ class LayerStore:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS layers (ref TEXT PRIMARY KEY, kind TEXT NOT NULL,"
             " digest TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL)")
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(layers)")}
+        for col in ("meta",):  # catalogs written before lineage was recorded
+            if col not in cols:
+                self._db.execute(f"ALTER TABLE layers ADD COLUMN {col} TEXT NOT NULL DEFAULT '{{}}'")
 
     def blob_path(self, digest: str) -> str:
         return os.path.join(self.blob_dir, f"{digest}.erofs")
 
+    @staticmethod
+    def _row(row: tuple[str, str, str, int, float, str]) -> Layer:
+        meta = json.loads(row[5] or "{}")
+        return Layer(ref=row[0], kind=row[1], digest=row[2], size=row[3], created_at=row[4], **meta)
+
+    _COLS = "ref, kind, digest, size, created_at, meta"
+
     def get(self, ref: str) -> Layer:
-        row = self._db.execute("SELECT ref, kind, digest, size, created_at FROM layers WHERE ref=?",
-                               (ref,)).fetchone()
+        ref = normalize_layer_ref(ref)
+        row = self._db.execute(f"SELECT {self._COLS} FROM layers WHERE ref=?", (ref,)).fetchone()
         if row is None:
-            raise NotFound(f"unknown layer {ref!r}")
-        return Layer(*row)
+            raise NotFound(f"unknown layer {ref!r}", field="ref")
+        return self._row(row)
 
     def has(self, ref: str) -> bool:
-        return self._db.execute("SELECT 1 FROM layers WHERE ref=?", (ref,)).fetchone() is not None
+        return self._db.execute("SELECT 1 FROM layers WHERE ref=?", (normalize_layer_ref(ref),)).fetchone() is not None
 
     def list(self) -> list[Layer]:
-        return [Layer(*r) for r in self._db.execute(
-            "SELECT ref, kind, digest, size, created_at FROM layers ORDER BY ref")]
+        return [self._row(r) for r in self._db.execute(f"SELECT {self._COLS} FROM layers ORDER BY ref")]
 
     def link_from(self, other_root: str) -> int:
         """Publish every layer of the store at ``other_root`` here, hard-linking blobs
         (copying across filesystems). Returns how many layers were added."""
-        import shutil
-
         other = LayerStore(other_root)
         added = 0
         for layer in other.list():
@@ -84,45 +129,104 @@ class LayerStore:
                     os.link(other.blob_path(layer.digest), dest)
                 except OSError:
                     shutil.copy2(other.blob_path(layer.digest), dest)
-            self._publish(layer.ref, layer.kind, layer.digest, layer.size)
+            self._publish(layer)
             added += 1
         return added
 
-    def import_dir(self, src: str, ref: str, compress: str | None = "lz4") -> Layer:
-        """Build an EROFS image of ``src`` and publish it as ``ref``."""
-        if not LAYER_REF_RE.match(ref):
-            raise InvalidRequest(f"layer name {ref!r} must look like kind/name:version", field="ref")
-        kind = layer_kind(ref)
+    def import_dir(self, src: str, ref: str, kind: str | None = None, opts: ImportOptions | None = None,
+                   parent_image: str | None = None, parent_layers: builtins.list[str] | None = None,
+                   source: str = "") -> Layer:
+        """Build an EROFS image of the tree at ``src`` and publish it as ``ref``.
+
+        Overlay whiteouts (0/0 character devices) and opaque-directory xattrs in ``src``
+        are kept as they are, so the layer deletes what they delete when stacked."""
+        try:
+            ref = normalize_layer_ref(ref)
+        except ValueError as e:
+            raise InvalidRequest(str(e), field="ref") from None
+        ref_kind = layer_kind(ref)
+        if kind is not None and kind != ref_kind:
+            raise InvalidRequest(f"layer {ref!r} is a {ref_kind} by its name, not a {kind}", field="kind")
+        if self.has(ref):
+            raise InvalidRequest(f"layer {ref!r} already exists; layers are immutable, publish a new version",
+                                 field="ref")
+        if not os.path.isdir(src):
+            raise InvalidRequest(f"{src} is not a directory", field="dir")
+        opts = opts or ImportOptions()
         fd, tmp = tempfile.mkstemp(dir=self.blob_dir, suffix=".tmp")
         os.close(fd)
         try:
             cmd = ["mkfs.erofs", "--quiet", "--preserve-mtime"]
-            if compress:
-                cmd.append(f"-z{compress}")
-            subprocess.run([*cmd, tmp, src], check=True, capture_output=True)
+            if opts.compress:
+                cmd.append(f"-z{opts.compress}")
+            cmd += [f"--exclude-regex={rx}" for rx in opts.exclude_regex]
+            proc = subprocess.run([*cmd, tmp, src], capture_output=True)
+            if proc.returncode != 0:
+                raise InvalidRequest(f"mkfs.erofs failed for {src}: {proc.stderr.decode(errors='replace')[-500:]}")
             digest = _sha256(tmp)
             dest = self.blob_path(digest)
             os.chmod(tmp, 0o444)
             os.replace(tmp, dest)
-        except subprocess.CalledProcessError as e:
-            raise InvalidRequest(f"mkfs.erofs failed for {src}: {e.stderr.decode(errors='replace')}") from e
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return self._publish(ref, kind, digest, os.path.getsize(dest))
+        return self._publish(Layer(ref=ref, kind=ref_kind, digest=digest, size=os.path.getsize(dest),
+                                   created_at=time.time(), parent_image=parent_image,
+                                   parent_layers=parent_layers or [], source=source))
 
-    def _publish(self, ref: str, kind: str, digest: str, size: int) -> Layer:
+    def import_image(self, path: str, ref: str, source: str = "") -> Layer:
+        """Publish an existing EROFS image file (checked, then copied in)."""
+        ref = normalize_layer_ref(ref)
+        kind = layer_kind(ref)
+        if self.has(ref):
+            raise InvalidRequest(f"layer {ref!r} already exists", field="ref")
+        check_erofs(path)
+        digest = _sha256(path)
+        dest = self.blob_path(digest)
+        if not os.path.exists(dest):
+            fd, tmp = tempfile.mkstemp(dir=self.blob_dir, suffix=".tmp")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, dest)
+        return self._publish(Layer(ref=ref, kind=kind, digest=digest, size=os.path.getsize(dest),
+                                   created_at=time.time(), source=source))
+
+    def _publish(self, layer: Layer) -> Layer:
+        meta = {"parent_image": layer.parent_image, "parent_layers": layer.parent_layers, "source": layer.source}
         try:
-            existing = self.get(ref)
-        except NotFound:
-            layer = Layer(ref, kind, digest, size, time.time())
-            self._db.execute("INSERT INTO layers VALUES (?,?,?,?,?)",
-                             (layer.ref, layer.kind, layer.digest, layer.size, layer.created_at))
-            return layer
-        if existing.digest != digest:
-            raise InvalidRequest(f"layer {ref!r} is already published with another content; "
-                                 "layers are immutable, publish a new version", field="ref")
-        return existing
+            self._db.execute("INSERT INTO layers (ref, kind, digest, size, created_at, meta) VALUES (?,?,?,?,?,?)",
+                             (layer.ref, layer.kind, layer.digest, layer.size, layer.created_at, json.dumps(meta)))
+        except sqlite3.IntegrityError:
+            existing = self.get(layer.ref)
+            if existing.digest != layer.digest:
+                raise InvalidRequest(f"layer {layer.ref!r} is already published with another content; "
+                                     "layers are immutable, publish a new version", field="ref") from None
+            return existing
+        return layer
+
+    def remove(self, ref: str, in_use: set[str]) -> Layer:
+        """Unpublish ``ref``; refused while a sandbox uses its blob or a layer's lineage names it."""
+        layer = self.get(ref)
+        if layer.digest in in_use:
+            raise LayerInUse(f"layer {layer.ref!r} is in use by a running sandbox", field="ref")
+        for other in self.list():
+            if layer.ref == other.parent_image or layer.ref in other.parent_layers:
+                raise LayerInUse(f"layer {layer.ref!r} is the parent of {other.ref!r}; remove that first",
+                                 field="ref")
+        self._db.execute("DELETE FROM layers WHERE ref=?", (layer.ref,))
+        return layer
+
+    def gc(self, in_use: set[str]) -> builtins.list[str]:
+        """Delete blobs no published layer and no running sandbox references."""
+        live = {layer.digest for layer in self.list()} | in_use
+        removed = []
+        for name in os.listdir(self.blob_dir):
+            digest = name.split(".", 1)[0]
+            if name.endswith(".erofs") and digest not in live:
+                os.unlink(os.path.join(self.blob_dir, name))
+                removed.append(digest)
+        return removed
 
 
 def _sha256(path: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from dsec.errors import ERRORS_BY_CODE, DsecError, EdgeUnavailable
+from dsec.layers.store import Layer
 from dsec.models import (
     ContainerArgs,
     CreateRequest,
@@ -26,7 +27,9 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
     NodeStats,
+    PackDiffRequest,
     SandboxInfo,
 )
 
@@ -188,6 +191,14 @@ class AsyncSandbox:
         base = self._client.url.rstrip("/").replace("http", "ws", 1)
         return f"{base}{self._base}/tty?cols={cols}&rows={rows}"
 
+    async def pack_diff(self, ref: str, *, scrub_paths: builtins.list[str] | None = None,
+                        default_scrub: bool = True, timeout: float = 600.0) -> Layer:
+        """Snapshot this sandbox's writes as workspace layer ``ref`` (incremental over its
+        stack, deletions kept as whiteouts, build residue scrubbed)."""
+        body = PackDiffRequest(ref=ref, scrub_paths=scrub_paths or [], default_scrub=default_scrub)
+        return Layer.model_validate(await self._client._json("POST", f"{self._base}/pack_diff",
+                                                             json=body.model_dump(), timeout=timeout))
+
     async def stop(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(await self._client._json("DELETE", self._base))
         return self.info
@@ -260,6 +271,27 @@ class AsyncClient:
         if job:
             params.append(("job", job))
         return [SandboxInfo.model_validate(x) for x in await self._json("GET", "/v1/sandboxes", params=params)]
+
+    async def fork(self, snapshot: Layer | str, n: int = 1, args: ContainerArgs | None = None,
+                   *, timeout: float = 300.0) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes from a pack_diff snapshot, each stacked as the snapshot was
+        taken; ``args`` sets limits, TTLs and labels."""
+        ref = snapshot.ref if isinstance(snapshot, Layer) else snapshot
+        body = ForkRequest(snapshot=ref, n=n, args=args).model_dump(mode="json", exclude_none=True)
+        data = await self._json("POST", "/v1/fork", json=body, timeout=timeout)
+        return [AsyncSandbox(self, SandboxInfo.model_validate(x)) for x in data]
+
+    async def layers(self) -> builtins.list[Layer]:
+        return [Layer.model_validate(x) for x in await self._json("GET", "/v1/layers")]
+
+    async def layer(self, ref: str) -> Layer:
+        return Layer.model_validate(await self._json("GET", f"/v1/layers/{ref}"))
+
+    async def remove_layer(self, ref: str) -> Layer:
+        return Layer.model_validate(await self._json("DELETE", f"/v1/layers/{ref}"))
+
+    async def gc_layers(self) -> builtins.list[str]:
+        return list((await self._json("POST", "/v1/layers/gc"))["removed_blobs"])
 
     async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]

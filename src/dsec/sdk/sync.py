@@ -93,6 +93,8 @@ class Client:
         self._portal.close()
 
     def _wrap(self, x: Any) -> Any:
+        if isinstance(x, list):
+            return [self._wrap(i) for i in x]
         return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
 
     def __getattr__(self, name: str) -> Any:
