@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc)
+PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc
+      docker-registry)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -204,6 +204,27 @@ def layer_import_dir(directory: str, ref: str,
     console.print(f"{layer.ref} {layer.kind} sha256:{layer.digest} {layer.size / 1e6:.1f} MB")
 
 
+@layer_app.command("import-oci")
+def layer_import_oci(source: Annotated[str, typer.Argument(
+        help="registry ref [http://]host/name:tag, oci:DIR[:tag], docker-archive:FILE.tar")],
+        ref: str, collapse_mb: Annotated[int, typer.Option(help="collapse consecutive layers under this size")] = 64,
+        data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+    """Convert an OCI image once to EROFS layers and publish it (e.g. base/python:3.12)."""
+    from rich.progress import Progress as Bar
+
+    from dsec.layers.oci import import_oci
+
+    try:
+        with Bar(console=console, transient=True) as bar:
+            task = bar.add_task(f"importing {source}", total=None)
+            layer = import_oci(_store(data_dir), source, ref, collapse_bytes=collapse_mb * 1024 * 1024,
+                               progress=lambda _what, done, total: bar.update(task, completed=done, total=total))
+    except Exception as e:
+        _fail(e)
+        return
+    console.print(f"{layer.ref} {layer.kind} {len(layer.all_blobs)} EROFS image(s) {layer.size / 1e6:.1f} MB")
+
+
 @layer_app.command("ls")
 def layer_ls(url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Published layers."""

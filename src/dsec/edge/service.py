@@ -227,7 +227,7 @@ class Edge:
             if (i == 0) != (kind == "base"):
                 want = "a base layer" if i == 0 else "a workspace or toolkit layer"
                 raise InvalidRequest(f"{fieldname} must be {want}, got {ref!r} ({kind})", field=fieldname)
-            digests.append(layer.digest)
+            digests.extend(layer.all_blobs)
         return digests
 
     async def _mount_layer(self, digest: str) -> str:

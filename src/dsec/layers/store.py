@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from dsec.errors import InvalidRequest, LayerInUse, NotFound
 from dsec.models import normalize_layer_ref
@@ -39,6 +39,11 @@ class Layer(BaseModel):
     parent_image: str | None = None
     parent_layers: list[str] = []
     source: str = ""
+    blobs: list[str] = Field(default_factory=list, description="EROFS images bottom to top, when more than one")
+
+    @property
+    def all_blobs(self) -> list[str]:
+        return self.blobs or [self.digest]
 
     def stack(self) -> tuple[str, list[str]]:
         """(image, layers) of a sandbox that sees exactly this layer's tree."""
@@ -123,12 +128,13 @@ class LayerStore:
         for layer in other.list():
             if self.has(layer.ref):
                 continue
-            dest = self.blob_path(layer.digest)
-            if not os.path.exists(dest):
-                try:
-                    os.link(other.blob_path(layer.digest), dest)
-                except OSError:
-                    shutil.copy2(other.blob_path(layer.digest), dest)
+            for blob in layer.all_blobs:
+                dest = self.blob_path(blob)
+                if not os.path.exists(dest):
+                    try:
+                        os.link(other.blob_path(blob), dest)
+                    except OSError:
+                        shutil.copy2(other.blob_path(blob), dest)
             self._publish(layer)
             added += 1
         return added
@@ -152,7 +158,13 @@ class LayerStore:
                                  field="ref")
         if not os.path.isdir(src):
             raise InvalidRequest(f"{src} is not a directory", field="dir")
-        opts = opts or ImportOptions()
+        digest = self.build_blob(src, opts or ImportOptions())
+        return self._publish(Layer(ref=ref, kind=ref_kind, digest=digest, size=os.path.getsize(self.blob_path(digest)),
+                                   created_at=time.time(), parent_image=parent_image,
+                                   parent_layers=parent_layers or [], source=source))
+
+    def build_blob(self, src: str, opts: ImportOptions) -> str:
+        """mkfs.erofs ``src`` into the blob store (not yet published); returns its digest."""
         fd, tmp = tempfile.mkstemp(dir=self.blob_dir, suffix=".tmp")
         os.close(fd)
         try:
@@ -164,15 +176,21 @@ class LayerStore:
             if proc.returncode != 0:
                 raise InvalidRequest(f"mkfs.erofs failed for {src}: {proc.stderr.decode(errors='replace')[-500:]}")
             digest = _sha256(tmp)
-            dest = self.blob_path(digest)
             os.chmod(tmp, 0o444)
-            os.replace(tmp, dest)
+            os.replace(tmp, self.blob_path(digest))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return self._publish(Layer(ref=ref, kind=ref_kind, digest=digest, size=os.path.getsize(dest),
-                                   created_at=time.time(), parent_image=parent_image,
-                                   parent_layers=parent_layers or [], source=source))
+        return digest
+
+    def publish_blobs(self, ref: str, digests: builtins.list[str], source: str = "") -> Layer:
+        """Publish already-built blobs (bottom to top) as one layer ``ref``."""
+        ref = normalize_layer_ref(ref)
+        kind = layer_kind(ref)
+        identity = digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
+        size = sum(os.path.getsize(self.blob_path(d)) for d in digests)
+        return self._publish(Layer(ref=ref, kind=kind, digest=identity, size=size, created_at=time.time(),
+                                   source=source, blobs=digests if len(digests) > 1 else []))
 
     def import_image(self, path: str, ref: str, source: str = "") -> Layer:
         """Publish an existing EROFS image file (checked, then copied in)."""
@@ -193,7 +211,8 @@ class LayerStore:
                                    created_at=time.time(), source=source))
 
     def _publish(self, layer: Layer) -> Layer:
-        meta = {"parent_image": layer.parent_image, "parent_layers": layer.parent_layers, "source": layer.source}
+        meta = {"parent_image": layer.parent_image, "parent_layers": layer.parent_layers, "source": layer.source,
+                "blobs": layer.blobs}
         try:
             self._db.execute("INSERT INTO layers (ref, kind, digest, size, created_at, meta) VALUES (?,?,?,?,?,?)",
                              (layer.ref, layer.kind, layer.digest, layer.size, layer.created_at, json.dumps(meta)))
@@ -208,7 +227,7 @@ class LayerStore:
     def remove(self, ref: str, in_use: set[str]) -> Layer:
         """Unpublish ``ref``; refused while a sandbox uses its blob or a layer's lineage names it."""
         layer = self.get(ref)
-        if layer.digest in in_use:
+        if set(layer.all_blobs) & in_use:
             raise LayerInUse(f"layer {layer.ref!r} is in use by a running sandbox", field="ref")
         for other in self.list():
             if layer.ref == other.parent_image or layer.ref in other.parent_layers:
@@ -219,7 +238,7 @@ class LayerStore:
 
     def gc(self, in_use: set[str]) -> builtins.list[str]:
         """Delete blobs no published layer and no running sandbox references."""
-        live = {layer.digest for layer in self.list()} | in_use
+        live = {b for layer in self.list() for b in layer.all_blobs} | in_use
         removed = []
         for name in os.listdir(self.blob_dir):
             digest = name.split(".", 1)[0]
