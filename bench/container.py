@@ -200,10 +200,12 @@ def render(raw: dict, ds: dict, n: int, conc: int, execs: int) -> str:  # type: 
     return "\n".join(out)
 
 
-def write_section(path: str, body: str, cmd: str) -> None:
-    start, end = "<!-- bench:container -->", "<!-- /bench:container -->"
+def write_section(path: str, body: str, cmd: str, name: str = "container",
+                  title: str = "Container backend (`bench/container.py`)") -> None:
+    """Replace (or append) one benchmark's section of the results file."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    section = (f"{start}\n## Container backend (`bench/container.py`)\n\nCommand: `{cmd}`, "
+    section = (f"{start}\n## {title}\n\nCommand: `{cmd}`, "
                f"run {time.strftime('%Y-%m-%d')}.\n\n{body}\n{end}")
     if start in text:
         text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
