@@ -233,12 +233,14 @@ def test_bad_layer_input(platform: Platform, composed: tuple[str, str], store: L
         with pytest.raises(dsec.InvalidRequest) as e3:
             c.run_container(dsec.ContainerArgs(image=tkref))
         assert e3.value.field == "image"
+        with pytest.raises(ValueError, match="more than once"):  # refused by the SDK's own validation
+            c.run_container(dsec.ContainerArgs(image="base/busybox", layers=[wsref, tkref, wsref]))
         with pytest.raises(dsec.NotFound) as e4:
             c.fork("ws/never-made:v1", n=2)
         assert e4.value.field == "snapshot"
         sb = c.run_container(dsec.ContainerArgs(image="base/busybox"))
         try:
-            for ref, field in ((tkref, "ref"), ("tk/x:v1", "ref"), ("nonsense", "ref")):
+            for ref, field in ((tkref, "ref"), ("base/x:v1", "ref"), ("nonsense", "ref")):
                 with pytest.raises(dsec.InvalidRequest) as e5:
                     sb.pack_diff(ref)
                 assert e5.value.field == field

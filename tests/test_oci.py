@@ -170,6 +170,13 @@ def push(registry: str, name: str, tag: str, image: Image) -> None:
     r = httpx.put(f"{base}/manifests/{tag}", content=image.manifest,
                   headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
     assert r.status_code == 201, r.text
+    # and a multi-platform index naming it, as most public images are published
+    index = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": _d(image.manifest),
+         "size": len(image.manifest), "platform": {"architecture": "amd64", "os": "linux"}}]}).encode()
+    r = httpx.put(f"{base}/manifests/{tag}-index", content=index,
+                  headers={"Content-Type": "application/vnd.oci.image.index.v1+json"})
+    assert r.status_code == 201, r.text
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +205,9 @@ def test_import_from_registry(platform: Platform, registry: str, image: Image, s
                            collapse_bytes=1)  # every layer its own EROFS image, whiteouts across images
     assert len(by_digest.all_blobs) == 3
     _check_view(platform, by_digest.ref)
+    via_index = import_oci(store, f"http://{registry}/dsec/test:v1-index", "base/oci-index:v1")
+    assert via_index.all_blobs == layer.all_blobs  # same content, same blob: stored once
+    _check_view(platform, via_index.ref)
 
 
 def test_import_from_layout_and_docker_archive(platform: Platform, image: Image, store: LayerStore,

@@ -79,7 +79,11 @@ class ContainerArgs(Strict):
     def _layers(cls, v: list[str]) -> list[str]:
         if len(v) > 32:
             raise ValueError("at most 32 layers")
-        return [normalize_layer_ref(ref) for ref in v]
+        refs = [normalize_layer_ref(ref) for ref in v]
+        dup = {r for r in refs if refs.count(r) > 1}
+        if dup:
+            raise ValueError(f"layer {sorted(dup)[0]!r} appears more than once in the stack")
+        return refs
 
     @field_validator("env")
     @classmethod

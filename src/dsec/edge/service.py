@@ -446,8 +446,9 @@ class Edge:
             kind = layer_kind(ref)
         except InvalidRequest as e:
             raise InvalidRequest(e.message, field="ref") from None
-        if kind != "workspace":
-            raise InvalidRequest(f"pack_diff makes workspace layers (ws/...), not {kind} {ref!r}", field="ref")
+        if kind == "base":
+            raise InvalidRequest(f"pack_diff makes workspace (ws/...) or toolkit (tk/...) layers, not {ref!r}",
+                                 field="ref")
         if self.layers.has(ref):
             raise InvalidRequest(f"layer {ref!r} already exists; layers are immutable", field="ref")
         opts = ImportOptions(exclude_regex=scrub_regexes(scrub_paths or [], default_scrub))
@@ -455,7 +456,7 @@ class Edge:
             await self.runtime.pause(sb.id)
             try:
                 layer = await asyncio.to_thread(
-                    self.layers.import_dir, os.path.join(sb.dir, "upper"), ref, "workspace", opts,
+                    self.layers.import_dir, os.path.join(sb.dir, "upper"), ref, kind, opts,
                     sb.rec.args.image, sb.rec.args.layers, f"pack_diff of {sb.id}")
             finally:
                 await self.runtime.resume(sb.id)

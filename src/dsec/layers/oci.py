@@ -330,6 +330,11 @@ def import_oci(store: LayerStore, source: str, ref: str, collapse_bytes: int = C
     erofs: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dsec-oci-", dir=work_dir) as tmp:
         for i, group in enumerate(groups(blobs, collapse_bytes)):
+            key = "oci-group:" + ",".join(b.digest for b in group)
+            if cached := store.built_blob(key):  # these very layers were converted before
+                erofs.append(cached)
+                done += sum(b.size for b in group)
+                continue
             stage = os.path.join(tmp, f"g{i}")
             os.makedirs(stage)
             for blob in group:
@@ -344,6 +349,6 @@ def import_oci(store: LayerStore, source: str, ref: str, collapse_bytes: int = C
                 done += blob.size
                 if progress:
                     progress("layers", done, total)
-            erofs.append(store.build_blob(stage, ImportOptions()))
+            erofs.append(store.build_blob(stage, ImportOptions(content_key=key)))
             shutil.rmtree(stage)
     return store.publish_blobs(ref, erofs, source=f"oci {source}")

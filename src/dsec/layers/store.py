@@ -59,6 +59,10 @@ class Layer(BaseModel):
 class ImportOptions:
     compress: str | None = "lz4"
     exclude_regex: list[str] = field(default_factory=list)
+    # Names the input (an OCI layer group by its layer digests): a second build of the
+    # same input reuses the first blob, so images sharing layers share EROFS images.
+    # (mkfs.erofs output is not byte-reproducible without clobbering file mtimes.)
+    content_key: str | None = None
 
 
 def layer_kind(ref: str) -> str:
@@ -92,6 +96,7 @@ class LayerStore:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS layers (ref TEXT PRIMARY KEY, kind TEXT NOT NULL,"
             " digest TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS built (key TEXT PRIMARY KEY, digest TEXT NOT NULL)")
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(layers)")}
         for col in ("meta",):  # catalogs written before lineage was recorded
             if col not in cols:
@@ -165,6 +170,8 @@ class LayerStore:
 
     def build_blob(self, src: str, opts: ImportOptions) -> str:
         """mkfs.erofs ``src`` into the blob store (not yet published); returns its digest."""
+        if opts.content_key and (done := self.built_blob(opts.content_key)):
+            return done
         fd, tmp = tempfile.mkstemp(dir=self.blob_dir, suffix=".tmp")
         os.close(fd)
         try:
@@ -178,10 +185,17 @@ class LayerStore:
             digest = _sha256(tmp)
             os.chmod(tmp, 0o444)
             os.replace(tmp, self.blob_path(digest))
+            if opts.content_key:
+                self._db.execute("INSERT OR REPLACE INTO built VALUES (?,?)", (opts.content_key, digest))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return digest
+
+    def built_blob(self, content_key: str) -> str | None:
+        """The blob an earlier build of the same input produced, if it is still stored."""
+        row = self._db.execute("SELECT digest FROM built WHERE key=?", (content_key,)).fetchone()
+        return str(row[0]) if row and os.path.exists(self.blob_path(row[0])) else None
 
     def publish_blobs(self, ref: str, digests: builtins.list[str], source: str = "") -> Layer:
         """Publish already-built blobs (bottom to top) as one layer ``ref``."""
