@@ -71,12 +71,12 @@ class Image:
     """A three-layer image: busybox base (gzip), a zstd layer with a whiteout and an
     opaque dir, a plain tar layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, salt: str = "") -> None:
         l1 = gzip.compress(_busybox_layer())
         l2 = zstandard.ZstdCompressor().compress(_tar([
             ("etc/.wh.gone.txt", b"", 0o644), ("data/old/.wh..wh..opq", b"", 0o644),
             ("data/old/c", b"c\n", 0o644), ("etc/added.txt", b"added\n", 0o600)]))
-        l3 = _tar([("etc/base.txt", b"overridden\n", 0o644)])
+        l3 = _tar([("etc/base.txt", b"overridden\n", 0o644)] + ([("etc/salt", salt.encode(), 0o644)] if salt else []))
         self.layers = [(l1, "application/vnd.oci.image.layer.v1.tar+gzip"),
                        (l2, "application/vnd.oci.image.layer.v1.tar+zstd"),
                        (l3, "application/vnd.oci.image.layer.v1.tar")]
@@ -230,6 +230,7 @@ def test_import_failures_publish_nothing(registry: str, image: Image, store: Lay
     with pytest.raises(dsec.NotFound):
         import_oci(store, f"http://{registry}/dsec/test:no-such-tag", "base/notag:v1")
     d = tmp_path_factory.mktemp("bad")
+    image = Image(salt="never converted before")  # so no cached conversion stands in for the bad blob
     image.write_layout(str(d))
     victim = os.path.join(d, "blobs", "sha256", _d(image.layers[1][0])[7:])
     with open(victim, "r+b") as f:
