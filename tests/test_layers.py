@@ -277,3 +277,33 @@ def test_bad_layer_input(platform: Platform, composed: tuple[str, str], store: L
             c.run_container(dsec.ContainerArgs(image="base/busybox", layers=[bad.ref]))
         assert c.run_container(dsec.ContainerArgs(image="base/busybox")).stop().state == dsec.SandboxState.stopped
     assert hashlib.sha256(open(path, "rb").read()).hexdigest() != bad.digest
+
+
+def test_layer_build_cli(platform: Platform, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import sys
+
+    d = tmp_path_factory.mktemp("build")
+    (d / "run.py").write_text("print('harness ok')\n")
+    ref = f"tk/{_uniq('built')}:v1"
+    (d / "spec.toml").write_text(
+        f'ref = "{ref}"\nimage = "base/debian:12"\n'
+        'steps = ["mkdir -p /opt/harness && cd /opt/harness", "python3 -m compileall -q .", '
+        '"echo 42 > answers.txt"]\nscrub_paths = ["/opt/harness/answers.txt"]\n'
+        '[files]\n"run.py" = "/opt/harness/run.py"\n')
+    cli = [sys.executable, "-m", "dsec.cli.main", "layer", "build", "--url", platform.url, "--token", TOKEN]
+    out = subprocess.run([*cli, str(d / "spec.toml")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ref in out.stdout
+    with dsec.Client(url=platform.url, token=TOKEN) as c:
+        sb = c.run_container(dsec.ContainerArgs(image="base/debian:12", layers=[ref]))
+        try:
+            r = sb.exec("python3 /opt/harness/run.py; ls /opt/harness /opt/harness/__pycache__ | wc -l; "
+                        "test -e /opt/harness/answers.txt; echo $?")
+            assert r.stdout.splitlines()[0] == "harness ok" and r.stdout.splitlines()[-1] == "1"
+        finally:
+            sb.stop()
+        (d / "bad.toml").write_text(f'ref = "{ref}-bad"\nsteps = ["false"]\n'.replace(":v1-bad", "-bad:v1"))
+        bad = subprocess.run([*cli, str(d / "bad.toml")], capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and "step 1 failed" in bad.stderr
+        assert not [layer for layer in c.layers() if layer.ref.endswith("-bad:v1")]
+        assert not [i for i in c.list(labels={"dsec-role": "builder"}) if i.state == dsec.SandboxState.running]

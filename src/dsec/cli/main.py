@@ -225,6 +225,22 @@ def layer_import_oci(source: Annotated[str, typer.Argument(
     console.print(f"{layer.ref} {layer.kind} {len(layer.all_blobs)} EROFS image(s) {layer.size / 1e6:.1f} MB")
 
 
+@layer_app.command("build")
+def layer_build(spec: Annotated[str, typer.Argument(help="TOML spec: ref, image, layers, steps, files, scrub_paths")],
+                url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Build a layer: run the spec's steps in a fresh sandbox, publish its writes (pack_diff)."""
+    from dsec.layers.build import BuildSpec, build_layer
+
+    try:
+        bs = BuildSpec.load(spec)
+        with _client(url, token) as c:
+            layer = build_layer(c, bs, log=lambda line: console.print(line, highlight=False, markup=False))
+    except Exception as e:
+        _fail(e)
+        return
+    console.print(f"{layer.ref} {layer.kind} sha256:{layer.digest[:16]} {layer.size / 1e6:.1f} MB")
+
+
 @layer_app.command("ls")
 def layer_ls(url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Published layers."""
