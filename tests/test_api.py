@@ -255,3 +255,25 @@ async def test_commands_on_a_stopped_sandbox_get_409(client: dsec.AsyncClient) -
 def test_openapi_document(platform: Platform) -> None:
     spec = httpx.get(platform.url + "/openapi.json").json()
     assert "/v1/sandboxes" in spec["paths"] and "/v1/sandboxes/{sandbox_id}/exec" in spec["paths"]
+
+
+async def test_dropped_stream_stops_its_command(debian: dsec.AsyncSandbox) -> None:
+    agen = debian.exec_stream("echo started; sleep 1000; echo never")
+    async for ev in agen:
+        assert ev.type == "stdout" and ev.data == "started\n"
+        break
+    await agen.aclose()  # the client goes away mid-command
+    for _ in range(50):
+        if (await debian.exec("pgrep -c sleep || true")).stdout.strip() == "0":
+            break
+        await asyncio.sleep(0.1)
+    assert (await debian.exec("pgrep -c sleep || true")).stdout.strip() == "0"
+
+
+async def test_stop_during_a_command_answers_409(client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(image="base/busybox"))
+    running = asyncio.create_task(sb.exec("sleep 1000"))
+    await asyncio.sleep(0.3)
+    await sb.stop()
+    with pytest.raises(dsec.SandboxNotRunning):
+        await running

@@ -296,6 +296,12 @@ class Aether:
             timed_out = True
             await self.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True)
             status = await exited
+        except asyncio.CancelledError:  # the caller went away (a dropped stream): the command goes too
+            with contextlib.suppress(ChannelLost):
+                await asyncio.shield(self.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True))
+            out.close()
+            err.close()
+            raise
         finally:
             feeder.cancel()
         # output held open by a background grandchild must not hold the caller

@@ -263,6 +263,7 @@ def build_app(api: Apiserver) -> FastAPI:
         task = asyncio.create_task(run())
 
         async def body() -> AsyncIterator[bytes]:
+            done = False
             try:
                 while (item := await queue.get()) is not None:
                     if isinstance(item, DsecError):
@@ -270,8 +271,12 @@ def build_app(api: Apiserver) -> FastAPI:
                                + "\n").encode()
                     else:
                         yield item.model_dump_json(exclude_none=True).encode() + b"\n"
+                done = True
             finally:
-                await task
+                if not done:  # the client disconnected mid-stream: stop the command
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, OnData
-from dsec.agent.initclient import InitClient
+from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.edge import linux
@@ -399,6 +399,10 @@ class Edge:
         sb.ops += 1
         try:
             return await agent.exec(req, on_data)
+        except ChannelLost:
+            if sb.stopping:  # stopped while the command ran
+                raise SandboxNotRunning(f"sandbox {sandbox_id} was stopped while the command ran") from None
+            raise
         finally:
             sb.ops -= 1
 
