@@ -73,6 +73,7 @@ def test_edge_restart_readopts_running_sandboxes(platform: Platform, crash: bool
         gone = c.run_container(dsec.ContainerArgs(image="base/busybox"))
         keep.write_file("/root/state.txt", "before restart")
         keep.exec("sleep 1000 >/dev/null 2>&1 &")
+        keep.run_shell("cd /tmp; export KEEP=across-restart; sleep 500 &", session="agent")
         keep_id, gone_id = keep.sandbox_id, gone.sandbox_id
     platform.stop(crash=crash)
     # while the edge is down, one sandbox dies by itself
@@ -83,8 +84,11 @@ def test_edge_restart_readopts_running_sandboxes(platform: Platform, crash: bool
         sb = c.connect(keep_id)
         assert sb.info.state == dsec.SandboxState.running
         assert sb.read_file("/root/state.txt") == b"before restart"
-        assert sb.exec("pgrep -c sleep").stdout.strip() == "1"
+        assert sb.exec("pgrep -c sleep").stdout.strip() == "2"
         assert sb.run_shell("echo works").stdout == "works\n"
+        # the shell session outlived the edge: cwd, exports and its background job
+        r = sb.run_shell("echo $PWD $KEEP; jobs | wc -l", session="agent")
+        assert r.stdout.split() == ["/tmp", "across-restart", "1"]
         lost = c.connect(gone_id).info
         assert lost.state == dsec.SandboxState.failed and lost.error
         assert leftovers(platform, gone_id) == []

@@ -127,25 +127,50 @@ class ShellSession:
         self._lock = asyncio.Lock()
         self._alive = False
 
+    @property
+    def key(self) -> str:
+        return f"sess/{self.name}/{self.pid}"
+
     async def _start(self) -> None:
         init = self.agent.init
-        in_r, self._stdin = _pipe()
+        in_r, stdin_w = _pipe()
         out_r, out_w = _pipe()
         err_r, err_w = _pipe()
-        self._ctl_r, ctl_w = _pipe()
+        ctl_r, ctl_w = _pipe()
         try:
-            self.pid, self._exit = await init.spawn(
+            self.pid, exited = await init.spawn(
                 [self.agent.ctx.shell], self.agent.ctx.env, self.cwd, [in_r, out_w, err_w, ctl_w], SETSID)
+        except BaseException:
+            for fd in (stdin_w, out_r, err_r, ctl_r):
+                os.close(fd)
+            raise
         finally:
             for fd in (in_r, out_w, err_w, ctl_w):
                 os.close(fd)
+        self._bind(exited, [stdin_w, out_r, err_r, ctl_r])
+        # park copies of our ends in init: the shell then outlives a restart of the edge
+        await init.hold(self.key, [stdin_w, out_r, err_r, ctl_r])
+
+    def _bind(self, exited: asyncio.Future[int], fds: list[int]) -> None:
+        self._exit = exited
+        self._stdin, out_r, err_r, self._ctl_r = fds
         self._out = _Capture(out_r, "stdout", 0, None)
         self._err = _Capture(err_r, "stderr", 0, None)
         os.set_blocking(self._ctl_r, False)
         self._ctl_buf = b""
         self._alive = True
 
-    def _teardown(self) -> None:
+    @classmethod
+    def reattach(cls, agent: Aether, name: str, pid: int, exited: asyncio.Future[int],
+                 fds: list[int]) -> ShellSession:
+        """A session left running by a previous edge, from the fds init held for it."""
+        sess = cls(agent, name)
+        sess.pid = pid
+        sess._bind(exited, fds)
+        return sess
+
+    def detach(self) -> None:
+        """Let go of the pipes here, leaving the shell running and its pipes parked in init."""
         if not self._alive:
             return
         self._alive = False
@@ -155,11 +180,17 @@ class ShellSession:
         self._out.close()
         self._err.close()
 
+    async def _teardown(self) -> None:
+        if self._alive:
+            self.detach()
+            with contextlib.suppress(ChannelLost):
+                await self.agent.init.drop(self.key)
+
     async def close(self) -> None:
         if self._alive:
             with contextlib.suppress(ChannelLost):
                 await self.agent.init.kill_tree(self.pid, signal.SIGKILL, 0, include_self=True)
-            self._teardown()
+            await self._teardown()
 
     async def _read_marker(self, nonce: bytes) -> tuple[int, str] | None:
         """Wait for this command's result line on the control pipe; None if the shell died."""
@@ -203,7 +234,7 @@ class ShellSession:
             try:
                 os.write(self._stdin, script.encode())
             except OSError:
-                self._teardown()
+                await self._teardown()
                 raise SandboxError(f"session {self.name!r} shell is gone") from None
             timed_out = False
             try:
@@ -225,7 +256,7 @@ class ShellSession:
                     await self.agent.init.kill_tree(self.pid, signal.SIGKILL, 0, include_self=True)
                     code = 137
                 res = self._result(code, timed_out, t0)
-                self._teardown()
+                await self._teardown()
                 return res
             code, self.cwd = marker
             return self._result(code, timed_out, t0)
@@ -249,10 +280,38 @@ class Aether:
         return f"/proc/{self.ctx.init_pid}/root"
 
     async def close(self) -> None:
+        """The sandbox is going away: end its sessions."""
         for s in list(self.ctx.sessions.values()):
             await s.close()
         self.ctx.sessions.clear()
         self.init.close()
+
+    def detach(self) -> None:
+        """The edge is going away, the sandbox is not: sessions keep running in it."""
+        for s in self.ctx.sessions.values():
+            s.detach()
+        self.ctx.sessions.clear()
+        self.init.close()
+
+    async def recover_sessions(self) -> list[str]:
+        """Take back the sessions a previous edge left running (their pipes are held by
+        init under ``sess/<name>/<pid>``); forget those whose shell has exited."""
+        recovered = []
+        for key in await self.init.held_keys():
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "sess" or not parts[2].isdigit():
+                continue
+            name, pid = parts[1], int(parts[2])
+            exited = await self.init.adopt(pid)
+            fds = await self.init.retrieve(key) if exited is not None else None
+            if exited is None or not fds or len(fds) != 4 or name in self.ctx.sessions:
+                for fd in fds or []:
+                    os.close(fd)
+                await self.init.drop(key)
+                continue
+            self.ctx.sessions[name] = ShellSession.reattach(self, name, pid, exited, fds)
+            recovered.append(name)
+        return recovered
 
     # ---- exec -------------------------------------------------------------
     async def exec(self, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:

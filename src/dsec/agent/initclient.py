@@ -37,14 +37,16 @@ class SpawnFailed(SandboxError):
         self.errno = err
 
 
+_Reply = tuple[list[bytes], "asyncio.Future[int] | None", list[int]]
+
+
 class InitClient:
     def __init__(self, sock_path: str) -> None:
         self.sock_path = sock_path
         self._sock: socket.socket | None = None
         # each reply carries the exit future of the pid it announces ("P"), made before
         # the exit notice can arrive
-        self._pending: collections.deque[asyncio.Future[tuple[list[bytes], asyncio.Future[int] | None]]] = (
-            collections.deque())
+        self._pending: collections.deque[asyncio.Future[_Reply]] = collections.deque()
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._lock = asyncio.Lock()
         self.closed = asyncio.Event()
@@ -69,11 +71,11 @@ class InitClient:
         assert self._sock is not None
         while True:
             try:
-                data = self._sock.recv(4096, socket.MSG_DONTWAIT)
+                data, fds, _, _ = socket.recv_fds(self._sock, 1 << 17, 8, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:
                 self._lost()
                 return
@@ -89,7 +91,10 @@ class InitClient:
             if self._pending:
                 f = self._pending.popleft()
                 if not f.done():
-                    f.set_result((fields, exit_fut))
+                    f.set_result((fields, exit_fut, fds))
+                    continue
+            for fd in fds:
+                os.close(fd)
 
     def _lost(self) -> None:
         if self._sock is not None:
@@ -109,13 +114,11 @@ class InitClient:
         if self._sock is not None:
             self._lost()
 
-    async def _request(self, fields: list[str], fds: list[int] | None = None
-                       ) -> tuple[list[bytes], asyncio.Future[int] | None]:
+    async def _request(self, fields: list[str], fds: list[int] | None = None) -> _Reply:
         if self._sock is None:
             raise ChannelLost("sandbox init is not connected")
         msg = b"\0".join(f.encode() for f in fields)
-        fut: asyncio.Future[tuple[list[bytes], asyncio.Future[int] | None]] = (
-            asyncio.get_running_loop().create_future())
+        fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         async with self._lock:
             self._pending.append(fut)
             try:
@@ -134,15 +137,42 @@ class InitClient:
         """Start ``argv`` in the sandbox; returns its pid (in the sandbox) and a future
         of its wait status."""
         envl = [f"{k}={v}" for k, v in env.items()]
-        reply, exited = await self._request(
+        reply, exited, _ = await self._request(
             ["S", str(flags), cwd, str(len(argv)), *argv, str(len(envl)), *envl], fds)
         if reply[0] == b"E" or exited is None:
             raise SpawnFailed(int(reply[1]), int(reply[2]) if len(reply) > 2 else 0, argv[0], cwd)
         return int(reply[1]), exited
 
     async def kill_tree(self, pid: int, sig: int, since_ticks: int = 0, include_self: bool = False) -> int:
-        reply, _ = await self._request(["T", str(pid), str(sig), str(since_ticks), "1" if include_self else "0"])
+        reply, _, _ = await self._request(["T", str(pid), str(sig), str(since_ticks), "1" if include_self else "0"])
         return int(reply[1])
+
+    # The fd store: session pipes parked in init survive a restart of the edge.
+    async def hold(self, key: str, fds: list[int]) -> None:
+        reply, _, _ = await self._request(["H", key], fds)
+        if reply[1] != b"0":
+            raise SandboxError(f"sandbox init cannot hold fds for {key}: {os.strerror(int(reply[1]))}")
+
+    async def retrieve(self, key: str) -> list[int] | None:
+        reply, _, fds = await self._request(["R", key])
+        return fds if reply[0] == b"F" else None
+
+    async def drop(self, key: str) -> None:
+        await self._request(["D", key])
+
+    async def held_keys(self) -> list[str]:
+        reply, _, _ = await self._request(["L"])
+        return [k.decode() for k in reply[1:] if k]
+
+    async def adopt(self, pid: int) -> asyncio.Future[int] | None:
+        """Route ``pid``'s exit notice to this connection; None if it has already gone."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._exits[pid] = fut  # registered first: the notice may follow the reply at once
+        reply, _, _ = await self._request(["A", str(pid)])
+        if reply[1] != b"0":
+            self._exits.pop(pid, None)
+            return None
+        return fut
 
     async def kill_group(self, pgid: int, sig: int) -> None:
         await self._request(["G", str(pgid), str(sig)])

@@ -138,7 +138,7 @@ class Edge:
             if sb.watch:
                 sb.watch.cancel()
             if sb.agent:
-                await sb.agent.close()
+                sb.agent.detach()
         self._flush_activity()
         if not self.sandboxes:
             self.runtime.remove_cgroup_parent()
@@ -301,6 +301,9 @@ class Edge:
         if not agent.exists(args.workdir):
             await asyncio.to_thread(agent.mkdirs, args.workdir)
         ctx.workdir = args.workdir
+        recovered = await agent.recover_sessions()
+        if recovered:
+            log.info("sandbox %s: took back sessions %s", sb.id, recovered)
         sb.agent = agent
         sb.watch = asyncio.create_task(self._watch(sb, init))
 

@@ -24,6 +24,13 @@
  *        since_ticks (/proc/PID/stat starttime); reply "K" count
  *   "G" pgid sig                          kill(-pgid, sig); reply "K" 0|errno
  *   "W"                                   ping; reply "O"
+ *   "A" pid                               adopt: exits of pid now go to this connection;
+ *                                         reply "K 0", or "K ESRCH" if it is gone
+ *   "H" key + fds                         hold fds under key (an fd store, so shell
+ *                                         sessions outlive a restart of the edge); "K 0"
+ *   "R" key                               reply "F" key + the held fds (dups), or "E ENOENT"
+ *   "D" key                               close and forget them; "K 0"
+ *   "L"                                   reply "L" key...
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -67,6 +74,71 @@ static void replyf(int fd, const char *fmt, long a, long b) {
     /* fields are NUL-separated on the wire, printf uses spaces */
     for (int i = 0; i < n; i++) if (out[i] == ' ') out[i] = '\0';
     send_str(fd, out, (size_t)n);
+}
+
+#define MAX_HELD 512
+static struct { char key[128]; int fds[MAX_FDS]; int nfds; } held[MAX_HELD];
+
+static int held_find(const char *key) {
+    for (int i = 0; i < MAX_HELD; i++)
+        if (held[i].nfds && strcmp(held[i].key, key) == 0) return i;
+    return -1;
+}
+
+static void held_drop(int i) {
+    for (int j = 0; j < held[i].nfds; j++) close(held[i].fds[j]);
+    held[i].nfds = 0;
+}
+
+/* Returns 1 if the fds were kept (the caller must not close them). */
+static int do_hold(int client, const char *key, int *fds, int nfds) {
+    int i = held_find(key);
+    if (i >= 0) held_drop(i);
+    for (i = 0; i < MAX_HELD && held[i].nfds; i++) {}
+    if (i == MAX_HELD || nfds == 0 || strlen(key) >= sizeof held[i].key) {
+        replyf(client, "K %ld %ld", ENOSPC, 0);
+        return 0;
+    }
+    snprintf(held[i].key, sizeof held[i].key, "%s", key);
+    memcpy(held[i].fds, fds, sizeof(int) * (size_t)nfds);
+    held[i].nfds = nfds;
+    replyf(client, "K %ld %ld", 0, 0);
+    return 1;
+}
+
+static void do_retrieve(int client, const char *key) {
+    int i = held_find(key);
+    if (i < 0) { replyf(client, "E %ld %ld", ENOENT, 0); return; }
+    char out[160];
+    int n = snprintf(out, sizeof out, "F%c%s", 0, key);
+    struct iovec iov = { out, (size_t)n };
+    char cbuf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+    memset(cbuf, 0, sizeof cbuf);
+    struct msghdr mh = { 0 };
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf;
+    mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)held[i].nfds);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)held[i].nfds);
+    memcpy(CMSG_DATA(c), held[i].fds, sizeof(int) * (size_t)held[i].nfds);
+    (void)sendmsg(client, &mh, MSG_NOSIGNAL);
+}
+
+static void do_list(int client) {
+    static char out[MAX_HELD * 130 + 2];
+    size_t n = 0;
+    out[n++] = 'L';
+    for (int i = 0; i < MAX_HELD; i++) {
+        if (!held[i].nfds) continue;
+        out[n++] = 0;
+        size_t k = strlen(held[i].key);
+        memcpy(out + n, held[i].key, k);
+        n += k;
+    }
+    send_str(client, out, n);
 }
 
 static void track(pid_t pid, int client) {
@@ -267,6 +339,32 @@ static void handle(int idx) {
         break;
     case 'W':
         send_str(client, "O", 1);
+        break;
+    case 'A':
+        if (nf >= 2) {
+            pid_t pid = (pid_t)atoi(f[1]);
+            int found = 0;
+            for (int i = 0; i < MAX_TRACKED; i++)
+                if (tracked[i].pid == pid) { tracked[i].client = client; found = 1; }
+            replyf(client, "K %ld %ld", found ? 0 : ESRCH, 0);
+        }
+        break;
+    case 'H':
+        if (nf >= 2 && do_hold(client, f[1], fds, nfds)) return;
+        if (nf < 2) replyf(client, "K %ld %ld", EINVAL, 0);
+        break;
+    case 'R':
+        if (nf >= 2) do_retrieve(client, f[1]);
+        break;
+    case 'D':
+        if (nf >= 2) {
+            int i = held_find(f[1]);
+            if (i >= 0) held_drop(i);
+            replyf(client, "K %ld %ld", 0, 0);
+        }
+        break;
+    case 'L':
+        do_list(client);
         break;
     default:
         break;
