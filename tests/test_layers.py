@@ -164,6 +164,7 @@ def test_pack_diff_and_fork_reproduce_the_tree(platform: Platform) -> None:
                 "head -c 100000 /dev/urandom > /work/pkg/sub/blob && ln -s pkg/a.txt /work/link && "
                 "ln /work/pkg/a.txt /work/pkg/hard && chmod 700 /work/pkg/sub && chown 42:43 /work/pkg/a.txt && "
                 "echo changed >> /etc/issue && rm /etc/debian_version && rm -r /usr/share/bug && "
+                "mkdir /usr/share/bug && echo new > /usr/share/bug/only && "  # deleted then remade: opaque
                 "mv /etc/profile /etc/profile.moved && mkfifo /work/fifo && "
                 "echo secret > /tmp/junk && echo 'cat answers' > /root/.bash_history && "
                 "mkdir -p /work/answers && echo 42 > /work/answers/key && "
