@@ -277,3 +277,21 @@ async def test_stop_during_a_command_answers_409(client: dsec.AsyncClient) -> No
     await sb.stop()
     with pytest.raises(dsec.SandboxNotRunning):
         await running
+
+
+async def test_hostile_file_types_do_not_hang_the_edge(busybox: dsec.AsyncSandbox) -> None:
+    await busybox.exec("mkfifo /root/pipe && mkdir /root/dir")
+    for path in ("/root/pipe", "/root/dir", "/dev/zero"):
+        with pytest.raises(dsec.InvalidRequest):
+            await asyncio.wait_for(busybox.read_file(path), 10)
+    with pytest.raises(dsec.InvalidRequest):
+        await asyncio.wait_for(busybox.write_file("/root/pipe", "x"), 10)
+    assert (await busybox.exec("echo fine")).stdout == "fine\n"
+
+
+def test_nul_bytes_are_refused(platform: Platform, busybox: dsec.AsyncSandbox) -> None:
+    base = f"/v1/sandboxes/{busybox.sandbox_id}/exec"
+    for body, field in (({"argv": ["echo", "a\u0000b"]}, "argv"), ({"cmd": "echo a\u0000b"}, "cmd"),
+                        ({"cmd": "true", "env": {"X": "a\u0000"}}, "env")):
+        r = _post(platform, base, body)
+        assert r.status_code == 400 and r.json()["field"] == field, r.text

@@ -53,6 +53,15 @@ def parse_sandbox_id(sandbox_id: str) -> str:
     return m.group(1)
 
 
+def _check_env(v: dict[str, str]) -> dict[str, str]:
+    for k, val in v.items():
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+            raise ValueError(f"env name {k!r} is not a valid variable name")
+        if "\0" in val:
+            raise ValueError(f"env {k} must not contain NUL characters")
+    return v
+
+
 class ContainerArgs(Strict):
     """What a caller asks for when creating a container sandbox."""
 
@@ -88,10 +97,7 @@ class ContainerArgs(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
-                raise ValueError(f"env name {k!r} is not a valid variable name")
-        return v
+        return _check_env(v)
 
     @field_validator("workdir")
     @classmethod
@@ -155,6 +161,25 @@ class ExecRequest(Strict):
         if v is not None and not SESSION_RE.match(v):
             raise ValueError("session must be 1-64 of [A-Za-z0-9_.-]")
         return v
+
+    @field_validator("cmd", "cwd", "stdin")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        if v is not None and "\0" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
+    @field_validator("argv")
+    @classmethod
+    def _argv_no_nul(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any("\0" in a for a in v):
+            raise ValueError("arguments must not contain NUL characters")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _exec_env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
 
     def model_post_init(self, _ctx: object) -> None:
         if (self.cmd is None) == (self.argv is None):

@@ -36,6 +36,7 @@ from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
 
 OnData = Callable[[str, bytes], None]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+MAX_HTTP_BODY = 64 * 1024 * 1024
 
 
 class _Capture:
@@ -483,10 +484,12 @@ class Aether:
         def go() -> bytes:
             if not path.startswith("/"):
                 raise InvalidRequest("path must be absolute", field="path")
-            with os.fdopen(self._open_in_root(path, os.O_RDONLY), "rb") as f:
+            # O_NONBLOCK: a FIFO planted by the workload must not park an edge thread forever
+            with os.fdopen(self._open_in_root(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
                 st = os.fstat(f.fileno())
                 if not statmod.S_ISREG(st.st_mode):
                     raise InvalidRequest(f"{path} is not a regular file", field="path")
+                os.set_blocking(f.fileno(), True)
                 data = f.read(limit + 1)
             if len(data) > limit:
                 raise InvalidRequest(f"{path} is larger than the {limit}-byte read limit", field="path")
@@ -496,8 +499,12 @@ class Aether:
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         def go() -> None:
             os.close(self._open_parent(path, create=True)[0])
-            fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, mode)
             with os.fdopen(fd, "wb") as f:
+                if not statmod.S_ISREG(os.fstat(fd).st_mode):
+                    raise InvalidRequest(f"{path} exists and is not a regular file", field="path")
+                os.set_blocking(fd, True)
+                os.ftruncate(fd, 0)
                 f.write(data)
         self._wrap_fs(go, path)
 
@@ -576,7 +583,9 @@ class Aether:
                 conn.putheader("Content-Length", str(len(body)))
             conn.endheaders(body or None)
             resp = conn.getresponse()
-            data = resp.read()
+            data = resp.read(MAX_HTTP_BODY + 1)
+            if len(data) > MAX_HTTP_BODY:
+                raise SandboxError(f"response from port {port} exceeds {MAX_HTTP_BODY} bytes")
             return HttpResponse(status=resp.status, headers=resp.getheaders(), body=data)
         except (OSError, http.client.HTTPException) as e:
             raise SandboxError(f"HTTP to port {port} in the sandbox failed: {e}") from None

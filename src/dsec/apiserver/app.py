@@ -51,6 +51,20 @@ from dsec.watcher.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
 MAX_CREATE_ATTEMPTS = 3
+MAX_EXEC_BODY = 64 * 1024 * 1024  # a command with its stdin
+
+
+async def _body(request: Request, limit: int, field: str) -> bytes:
+    """The request body, refused with 413 past ``limit`` without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit", field=field)
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit", field=field)
+    return bytes(buf)
 
 
 class Apiserver:
@@ -237,7 +251,7 @@ def build_app(api: Apiserver) -> FastAPI:
         # the hot path: the body is parsed by pydantic-core directly (FastAPI's body
         # machinery costs ~0.5 ms a call here) and the result serialized once
         try:
-            req = ExecRequest.model_validate_json(await request.body())
+            req = ExecRequest.model_validate_json(await _body(request, MAX_EXEC_BODY, "body"))
         except ValidationError as e:
             raise RequestValidationError(
                 [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None
@@ -314,18 +328,9 @@ def build_app(api: Apiserver) -> FastAPI:
     @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204)
     async def write_file(sandbox_id: str, path: str, request: Request, mode: int = 0o644) -> Response:
         edge = api.edge_for(sandbox_id)
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > api.max_file_bytes:
-            raise PayloadTooLarge(f"body of {declared} bytes exceeds the {api.max_file_bytes}-byte file limit",
-                                  field="body")
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest("mode must be between 0 and 0o7777", field="mode")
-        buf = bytearray()
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > api.max_file_bytes:
-                raise PayloadTooLarge(f"body exceeds the {api.max_file_bytes}-byte file limit", field="body")
-        await edge.write_file(sandbox_id, path, bytes(buf), mode)
+        await edge.write_file(sandbox_id, path, await _body(request, api.max_file_bytes, "body"), mode)
         return Response(status_code=204)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
