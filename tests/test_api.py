@@ -170,6 +170,11 @@ async def test_list_filters_by_job_and_label(client: dsec.AsyncClient) -> None:
         assert [i.sandbox_id for i in await client.list(job="job-a")] == [a.sandbox_id]
         assert [i.sandbox_id for i in await client.list(labels={"k": "2"})] == [b.sandbox_id]
         assert a.sandbox_id.startswith("edge0-")
+        stopped = await client.stop_many(job="job-a")
+        assert [i.sandbox_id for i in stopped] == [a.sandbox_id] and stopped[0].state == dsec.SandboxState.stopped
+        assert (await b.refresh()).state == dsec.SandboxState.running
+        with pytest.raises(dsec.InvalidRequest):
+            await client.stop_many()
     finally:
         await a.stop()
         await b.stop()

@@ -293,5 +293,13 @@ class AsyncClient:
     async def gc_layers(self) -> builtins.list[str]:
         return list((await self._json("POST", "/v1/layers/gc"))["removed_blobs"])
 
+    async def stop_many(self, job: str | None = None, labels: dict[str, str] | None = None
+                        ) -> builtins.list[SandboxInfo]:
+        """Stop every running sandbox of ``job`` (and/or carrying ``labels``)."""
+        params: builtins.list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if job:
+            params.append(("job", job))
+        return [SandboxInfo.model_validate(x) for x in await self._json("DELETE", "/v1/sandboxes", params=params)]
+
     async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]
