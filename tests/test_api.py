@@ -300,3 +300,24 @@ def test_nul_bytes_are_refused(platform: Platform, busybox: dsec.AsyncSandbox) -
                         ({"cmd": "true", "env": {"X": "a\u0000"}}, "env")):
         r = _post(platform, base, body)
         assert r.status_code == 400 and r.json()["field"] == field, r.text
+
+
+async def test_prometheus_metrics(platform: Platform, debian: dsec.AsyncSandbox) -> None:
+    await debian.exec(["python3", "-c", "x = bytearray(30 * 1024 * 1024); import time; time.sleep(0.1)"])
+    await debian.run_shell("sleep 100 &")
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=platform.url) as hc:
+        text = (await hc.get("/metrics", headers=h)).text
+        assert (await hc.get("/metrics")).status_code == 401
+
+    def value(name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + "{") and f'sandbox="{debian.sandbox_id}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} for {debian.sandbox_id} missing")
+
+    assert value("dsec_sandbox_memory_bytes") > 1024 * 1024
+    assert value("dsec_sandbox_cpu_seconds") > 0
+    assert value("dsec_sandbox_pids") >= 3  # init, the session shell, sleep
+    assert 'dsec_sandboxes{edge="edge0",state="running"}' in text
+    assert "dsec_sandboxes_created_total" in text and 'dsec_exec_seconds_count{edge="edge0",kind="exec"}' in text

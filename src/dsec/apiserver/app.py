@@ -222,6 +222,13 @@ def build_app(api: Apiserver) -> FastAPI:
     async def healthz() -> dict[str, object]:
         return {"ok": True, "edges": sorted(api.edges)}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format: the edge's counters and per-sandbox cgroup usage (embedded mode has one
+        edge; in cluster mode each edge is scraped on its own)."""
+        body = b"".join(e.metrics_text() for e in api.edges.values())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/nodes")
     async def nodes() -> list[NodeStats]:
         return list((await api.watcher.refresh()).values())

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import generate_latest
 from pydantic import BaseModel
 
 from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, OnData
@@ -27,6 +28,7 @@ from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.edge import linux
+from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.state import EdgeState, Record
 from dsec.errors import (
     AdmissionRejected,
@@ -122,6 +124,9 @@ class Edge:
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
         self.on_event: Callable[[str, str, str], None] = lambda sid, kind, msg: log.info("%s %s: %s", sid, kind, msg)
+        self.metrics = EdgeMetrics(self.name, lambda: [
+            (sb.id, sb.rec.info.state.value, sb.rec.info.job, self.runtime.cgroup_path(sb.id))
+            for sb in list(self.sandboxes.values())])
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
@@ -244,8 +249,13 @@ class Edge:
         return mnt
 
     async def create(self, args: ContainerArgs, sandbox_id: str | None = None) -> SandboxInfo:
+        t0 = time.monotonic()
         digests = self._resolve_layers(args)
-        self._admit(args)
+        try:
+            self._admit(args)
+        except AdmissionRejected:
+            self.metrics.rejected.inc()
+            raise
         sid = sandbox_id or self._new_id()
         now = time.time()
         info = SandboxInfo(
@@ -284,6 +294,8 @@ class Edge:
             await self._teardown(sb, SandboxState.failed, f"create failed: {e}", record=False)
             self.sandboxes.pop(sid, None)
             raise
+        self.metrics.created.inc()
+        self.metrics.create_seconds.observe(time.monotonic() - t0)
         self.on_event(sid, "created", f"{args.image} {args.layers}")
         return info
 
@@ -349,6 +361,8 @@ class Edge:
             if record:
                 self.state.put(sb.rec)
             self.sandboxes.pop(sb.id, None)
+        if record:
+            self.metrics.stopped.labels(self.name, final.value).inc()
         self.on_event(sb.id, final.value, reason)
 
     # ---- lookup -------------------------------------------------------------
@@ -401,7 +415,10 @@ class Edge:
         sb, agent = self._running(sandbox_id)
         sb.ops += 1
         try:
-            return await agent.exec(req, on_data)
+            res = await agent.exec(req, on_data)
+            self.metrics.exec_seconds.labels(self.name, "session" if req.session else "exec").observe(
+                res.duration_ms / 1000)
+            return res
         except ChannelLost:
             if sb.stopping:  # stopped while the command ran
                 raise SandboxNotRunning(f"sandbox {sandbox_id} was stopped while the command ran") from None
@@ -481,6 +498,9 @@ class Edge:
                 if os.path.basename(mp) not in in_use:
                     with contextlib.suppress(OSError):
                         linux.umount(mp)
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(self.metrics.registry)
 
     def touch(self, sandbox_id: str) -> None:
         sb = self.sandboxes.get(sandbox_id)

@@ -1,0 +1,98 @@
+"""Prometheus metrics of an edge: counters the edge bumps as it works, and per-sandbox
+resource use read from the sandbox's cgroup at scrape time (v1 and v2 file names)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cgroup_usage(cgroup_path: str) -> dict[str, int]:
+    """memory (bytes), cpu (nanoseconds), pids of one sandbox's cgroup, where readable."""
+    rel = cgroup_path.lstrip("/")
+    v2 = os.path.join(CGROUP_ROOT, rel)
+    out: dict[str, int] = {}
+    candidates = {
+        "memory_bytes": [os.path.join(CGROUP_ROOT, "memory", rel, "memory.usage_in_bytes"),
+                         os.path.join(v2, "memory.current")],
+        "cpu_ns": [os.path.join(CGROUP_ROOT, "cpuacct", rel, "cpuacct.usage")],
+        "pids": [os.path.join(CGROUP_ROOT, "pids", rel, "pids.current"), os.path.join(v2, "pids.current")],
+    }
+    for key, paths in candidates.items():
+        for p in paths:
+            if (v := _read_int(p)) is not None:
+                out[key] = v
+                break
+    if "cpu_ns" not in out:  # cgroup v2: cpu.stat usage_usec
+        try:
+            with open(os.path.join(v2, "cpu.stat")) as f:
+                for line in f:
+                    if line.startswith("usage_usec "):
+                        out["cpu_ns"] = int(line.split()[1]) * 1000
+        except OSError:
+            pass
+    return out
+
+
+class EdgeMetrics:
+    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, str]]]) -> None:
+        """``sandboxes`` yields (sandbox_id, state, job, cgroup_path) at scrape time."""
+        self.registry = CollectorRegistry()
+        labels = {"edge": edge}
+        self.created = Counter("dsec_sandboxes_created", "Sandboxes created", ["edge"],
+                               registry=self.registry).labels(**labels)
+        self.stopped = Counter("dsec_sandboxes_ended", "Sandboxes that ended, by final state",
+                               ["edge", "state"], registry=self.registry)
+        self.rejected = Counter("dsec_admission_rejected", "Creations refused by admission", ["edge"],
+                                registry=self.registry).labels(**labels)
+        self.exec_seconds = Histogram("dsec_exec_seconds", "Command duration inside the edge", ["edge", "kind"],
+                                      buckets=(0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300),
+                                      registry=self.registry)
+        self.create_seconds = Histogram("dsec_create_seconds", "Sandbox creation time inside the edge", ["edge"],
+                                        buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5),
+                                        registry=self.registry).labels(**labels)
+        self.edge = edge
+        self.registry.register(_SandboxCollector(edge, sandboxes))
+
+
+class _SandboxCollector(Collector):
+    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, str]]]) -> None:
+        self.edge = edge
+        self.sandboxes = sandboxes
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        mem = GaugeMetricFamily("dsec_sandbox_memory_bytes", "Memory charged to the sandbox's cgroup",
+                                labels=["edge", "sandbox", "job"])
+        cpu = GaugeMetricFamily("dsec_sandbox_cpu_seconds", "CPU time used by the sandbox",
+                                labels=["edge", "sandbox", "job"])
+        pids = GaugeMetricFamily("dsec_sandbox_pids", "Processes and threads in the sandbox",
+                                 labels=["edge", "sandbox", "job"])
+        states: dict[str, int] = {}
+        for sid, state, job, cg in self.sandboxes():
+            states[state] = states.get(state, 0) + 1
+            use = cgroup_usage(cg)
+            lbl = [self.edge, sid, job or ""]
+            if "memory_bytes" in use:
+                mem.add_metric(lbl, use["memory_bytes"])
+            if "cpu_ns" in use:
+                cpu.add_metric(lbl, use["cpu_ns"] / 1e9)
+            if "pids" in use:
+                pids.add_metric(lbl, use["pids"])
+        live = GaugeMetricFamily("dsec_sandboxes", "Sandboxes on this edge by state", labels=["edge", "state"])
+        for state, n in states.items():
+            live.add_metric([self.edge, state], n)
+        yield from (live, mem, cpu, pids)
