@@ -86,3 +86,21 @@ async def test_cgroup_limits_are_applied(platform: Platform, client: dsec.AsyncC
         assert (await sb.exec("echo still-usable")).stdout == "still-usable\n"
     finally:
         await sb.stop()
+
+
+async def test_session_channels_cannot_be_opened_or_stolen(debian: dsec.AsyncSandbox) -> None:
+    """A command in a session must not reach the session's own plumbing: reading the
+    shell's stdin would steal the next result marker (and its nonce), and writing its
+    saved control fd would forge a result."""
+    r = await debian.run_shell(
+        'for f in /proc/$$/fd/*; do t=$(readlink "$f"); '
+        'case "$t" in /dev/null|/dev/pts/*) continue;; esac; '
+        '(exec 9<>"$f") 2>/dev/null && echo "OPEN $f $t"; done; echo checked')
+    assert r.stdout.strip().splitlines()[-1] == "checked"
+    assert "OPEN" not in r.stdout, r.stdout
+    r = await debian.exec(["python3", "-c",
+                           "import os, ctypes; pid = os.getppid(); fd = os.pidfd_open(pid)\n"
+                           "libc = ctypes.CDLL(None, use_errno=True)\n"
+                           "print(libc.syscall(438, fd, 0, 0))"])  # pidfd_getfd
+    assert r.stdout.strip() == "-1"
+    assert (await debian.run_shell("echo intact")).stdout == "intact\n"

@@ -22,6 +22,7 @@ import os
 import secrets
 import shlex
 import signal
+import socket
 import stat as statmod
 import struct
 import termios
@@ -91,6 +92,16 @@ def _pipe() -> tuple[int, int]:
     return os.pipe2(os.O_CLOEXEC)
 
 
+def _channel() -> tuple[int, int]:
+    """A one-way byte channel (read end, write end) made of a unix socketpair. Unlike a
+    pipe it cannot be opened through /proc/PID/fd/N, so a command in a session cannot
+    read the shell's pending input (and the next result's nonce) or write its control fd."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.shutdown(socket.SHUT_WR)
+    b.shutdown(socket.SHUT_RD)
+    return a.detach(), b.detach()
+
+
 def _fd_ready(fd: int, write: bool = False) -> asyncio.Future[None]:
     """A future that completes once ``fd`` is readable (or writable); its watcher is
     removed when it completes or is cancelled."""
@@ -134,10 +145,10 @@ class ShellSession:
 
     async def _start(self) -> None:
         init = self.agent.init
-        in_r, stdin_w = _pipe()
-        out_r, out_w = _pipe()
-        err_r, err_w = _pipe()
-        ctl_r, ctl_w = _pipe()
+        in_r, stdin_w = _channel()
+        out_r, out_w = _channel()
+        err_r, err_w = _channel()
+        ctl_r, ctl_w = _channel()
         try:
             self.pid, exited = await init.spawn(
                 [self.agent.ctx.shell], self.agent.ctx.env, self.cwd, [in_r, out_w, err_w, ctl_w], SETSID)

@@ -37,7 +37,7 @@ DENIED_SYSCALLS = [
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm", "quotactl", "syslog",
     "vhangup", "lookup_dcookie", "unshare", "setns", "fsopen", "fsmount", "fsconfig", "move_mount",
     "open_tree", "mount_setattr", "process_vm_readv", "process_vm_writev", "ptrace", "personality",
-    "fanotify_init", "nfsservctl", "get_kernel_syms", "query_module", "uselib", "kcmp",
+    "fanotify_init", "nfsservctl", "get_kernel_syms", "query_module", "uselib", "kcmp", "pidfd_getfd",
 ]
 CLONE_NEWUSER = 0x10000000
 
