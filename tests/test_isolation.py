@@ -104,3 +104,13 @@ async def test_session_channels_cannot_be_opened_or_stolen(debian: dsec.AsyncSan
                            "print(libc.syscall(438, fd, 0, 0))"])  # pidfd_getfd
     assert r.stdout.strip() == "-1"
     assert (await debian.run_shell("echo intact")).stdout == "intact\n"
+
+
+async def test_exec_output_cannot_be_forged_by_another_process(debian: dsec.AsyncSandbox) -> None:
+    # a process left behind waits for the next command and tries to append to its stdout
+    await debian.exec(["sh", "-c", "nohup sh -c 'for i in $(seq 100); do for p in $(pgrep -x sleep); do "
+                       "echo FORGED > /proc/$p/fd/1 && echo hit > /tmp/hit; done; sleep 0.05; done' "
+                       ">/dev/null 2>&1 &"])
+    r = await debian.exec(["sleep", "1"])
+    assert r.stdout == "" and "FORGED" not in r.stdout
+    assert (await debian.exec("cat /tmp/hit 2>/dev/null || echo none")).stdout == "none\n"

@@ -88,10 +88,6 @@ class _Capture:
         return self.buf.decode("utf-8", errors="replace")
 
 
-def _pipe() -> tuple[int, int]:
-    return os.pipe2(os.O_CLOEXEC)
-
-
 def _channel() -> tuple[int, int]:
     """A one-way byte channel (read end, write end) made of a unix socketpair. Unlike a
     pipe it cannot be opened through /proc/PID/fd/N, so a command in a session cannot
@@ -340,9 +336,11 @@ class Aether:
         argv = req.argv if req.argv is not None else [self.ctx.shell, "-c", req.cmd or ""]
         env = {**self.ctx.env, **req.env}
         t0 = time.monotonic()
-        in_r, in_w = _pipe()
-        out_r, out_w = _pipe()
-        err_r, err_w = _pipe()
+        # socketpairs here too: another process in the sandbox cannot open this command's
+        # stdout through /proc to append forged output (say, a fake "5 passed")
+        in_r, in_w = _channel()
+        out_r, out_w = _channel()
+        err_r, err_w = _channel()
         try:
             pid, exited = await self.init.spawn(argv, env, req.cwd or self.ctx.workdir, [in_r, out_w, err_w])
         except SpawnFailed as e:  # like a shell: 127 for a missing program, 126 otherwise
