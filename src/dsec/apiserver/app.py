@@ -89,23 +89,27 @@ class Apiserver:
         return edge
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
+        """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere.
+        When no edge is left, the caller gets the last edge's own reason."""
         tried: set[str] = set()
         last: AdmissionRejected | None = None
         for _ in range(MAX_CREATE_ATTEMPTS):
             if not self.watcher.view:
                 await self.watcher.refresh()
-            name = self.placement.choose(req.args, exclude=tried)
+            try:
+                name = self.placement.choose(req.args, exclude=tried)
+            except AdmissionRejected:
+                if last is not None:
+                    raise last from None
+                raise
             try:
                 with self.placement.reserve(name, req.args):
                     return await self.edges[name].create(req.args)
-            except AdmissionRejected as e:  # the edge has the final word; re-place elsewhere
+            except AdmissionRejected as e:
                 tried.add(name)
                 last = e
-                with contextlib.suppress(AdmissionRejected):
-                    self.placement.choose(req.args, exclude=tried)
-                    continue
-                break
-        raise last or AdmissionRejected("no edge admitted the sandbox")
+        assert last is not None
+        raise last
 
     async def fork(self, req: ForkRequest) -> list[SandboxInfo]:
         """n sandboxes stacked exactly as the snapshot was taken, created concurrently;

@@ -1,0 +1,52 @@
+"""Placement logic on a synthetic fleet view (plain data, no components involved):
+filtering, power-of-k choice, and the in-flight overlay that spreads a burst."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import dsec
+from dsec.models import Backend, NodeStats
+from dsec.placement.engine import Placement
+
+
+def node(name: str, cpu_reserved: float = 0, healthy: bool = True, mem_reserved: int = 0) -> NodeStats:
+    return NodeStats(edge=name, healthy=healthy, backends=[Backend.container], cpus=4, memory_mb=8192,
+                     cpu_overcommit=1.0, memory_overcommit=1.0, sandboxes=0, cpu_reserved=cpu_reserved,
+                     memory_reserved_mb=mem_reserved, max_sandboxes=100)
+
+
+ARGS = dsec.ContainerArgs(image="base/busybox", cpu_cores_limit=1, memory_limit_mb=512)
+
+
+def test_filters_unhealthy_and_full_nodes() -> None:
+    view = {"a": node("a", healthy=False), "b": node("b", cpu_reserved=3.5), "c": node("c", mem_reserved=8000),
+            "d": node("d")}
+    p = Placement(lambda: view, k=2, rng=random.Random(1))
+    assert {p.choose(ARGS) for _ in range(20)} == {"d"}
+    with pytest.raises(dsec.AdmissionRejected):
+        p.choose(ARGS, exclude={"d"})
+
+
+def test_power_of_k_prefers_the_less_loaded() -> None:
+    view = {"busy": node("busy", cpu_reserved=3), "idle": node("idle")}
+    p = Placement(lambda: view, k=2, rng=random.Random(2))
+    assert all(p.choose(ARGS) == "idle" for _ in range(20))
+
+
+def test_in_flight_overlay_spreads_a_burst_on_one_snapshot() -> None:
+    view = {n: node(n) for n in ("a", "b")}
+    p = Placement(lambda: view, k=2, rng=random.Random(3))
+    placed = []
+    for _ in range(8):  # 8 one-core sandboxes on a stale snapshot of two empty 4-core nodes
+        name = p.choose(ARGS)
+        with p.reserve(name, ARGS):
+            placed.append(name)
+    assert sorted(placed) == ["a"] * 4 + ["b"] * 4
+    with pytest.raises(dsec.AdmissionRejected):  # both full until a new snapshot says otherwise
+        p.choose(ARGS)
+    fresh = {n: node(n) for n in ("a", "b")}
+    p2 = Placement(lambda: fresh, k=2)
+    assert p2.choose(ARGS) in ("a", "b")
