@@ -114,3 +114,25 @@ async def test_exec_output_cannot_be_forged_by_another_process(debian: dsec.Asyn
     r = await debian.exec(["sleep", "1"])
     assert r.stdout == "" and "FORGED" not in r.stdout
     assert (await debian.exec("cat /tmp/hit 2>/dev/null || echo none")).stdout == "none\n"
+
+
+async def test_leftover_process_cannot_touch_a_later_command(debian: dsec.AsyncSandbox) -> None:
+    """Each spawned command gets its own Landlock domain: a process left behind by one
+    command cannot read (or patch) the memory or environment of a later one."""
+    spy = ("import os, time\n"
+           "for _ in range(100):\n"
+           "    for p in os.listdir('/proc'):\n"
+           "        if p.isdigit() and open(f'/proc/{p}/cmdline', 'rb').read().startswith(b'sleep'):\n"
+           "            for f in ('mem', 'environ'):\n"
+           "                try:\n"
+           "                    open(f'/proc/{p}/{f}', 'rb').read(1)\n"
+           "                    open('/tmp/spy', 'a').write(f + ' read\\n')\n"
+           "                except OSError as e:\n"
+           "                    open('/tmp/spy', 'a').write(f'{f} {e.errno}\\n')\n"
+           "    time.sleep(0.05)\n")
+    await debian.write_file("/opt/spy.py", spy)
+    await debian.run_shell("python3 /opt/spy.py >/dev/null 2>&1 &")
+    r = await debian.exec(["sleep", "1"], env={"SECRET": "hunter2"})
+    assert r.exit_code == 0
+    log = (await debian.exec("sort -u /tmp/spy")).stdout
+    assert log and "read" not in log, log  # it saw the command, and every attempt was refused

@@ -45,6 +45,8 @@
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <stdint.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,6 +90,24 @@ static int held_find(const char *key) {
 static void held_drop(int i) {
     for (int j = 0; j < held[i].nfds; j++) close(held[i].fds[j]);
     held[i].nfds = 0;
+}
+
+/* Put the calling (child) process in a fresh Landlock domain that restricts no file
+ * access. What it buys is Landlock's ptrace scoping: a process may only ptrace, read
+ * /proc/PID/mem or /proc/PID/environ of processes in its own domain or below. So a
+ * process left behind by one command cannot read or patch the memory of a later
+ * command (a test run whose result is the reward), although both run as root in the
+ * same sandbox. Best effort: kernels without Landlock just skip it. */
+static void landlock_domain(void) {
+    struct { uint64_t handled_access_fs; } attr = { 1ULL /* LANDLOCK_ACCESS_FS_EXECUTE */ };
+    int rs = (int)syscall(444 /* landlock_create_ruleset */, &attr, sizeof attr, 0);
+    if (rs < 0) return;
+    int root = open("/", O_PATH | O_CLOEXEC);
+    struct __attribute__((packed)) { uint64_t allowed_access; int32_t parent_fd; } beneath = { 1ULL, root };
+    if (root >= 0 && syscall(445 /* landlock_add_rule */, rs, 1 /* PATH_BENEATH */, &beneath, 0) == 0)
+        (void)syscall(446 /* landlock_restrict_self */, rs, 0);
+    if (root >= 0) close(root);
+    close(rs);
 }
 
 /* Returns 1 if the fds were kept (the caller must not close them). */
@@ -210,6 +230,7 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
         if (flags & (F_SETSID | F_CTTY)) setsid();
         if (flags & F_CTTY) ioctl(0, TIOCSCTTY, 0);
         if (chdir(cwd) < 0) { int e[2] = { errno, 6 }; (void)!write(errpipe[1], e, sizeof e); _exit(126); }
+        landlock_domain();
         environ = envp;
         execvp(argv[0], argv);
         int e[2] = { errno, 5 };
