@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Query, Request, WebSocket
@@ -22,6 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from dsec.agent.aether import Aether, set_winsize
+from dsec.agent.initclient import exit_code
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -399,11 +401,7 @@ def build_app(api: Apiserver) -> FastAPI:
 
 
 async def _bridge_tty(ws: WebSocket, master: int, pid: int, exited: asyncio.Future[int],
-                      agent: object, touch: object) -> None:
-    from dsec.agent.aether import Aether, set_winsize
-    from dsec.agent.initclient import exit_code
-
-    assert isinstance(agent, Aether)
+                      agent: Aether, touch: Callable[[], None]) -> None:
     loop = asyncio.get_running_loop()
     out: asyncio.Queue[bytes] = asyncio.Queue()
     os.set_blocking(master, False)
@@ -439,8 +437,7 @@ async def _bridge_tty(ws: WebSocket, master: int, pid: int, exited: asyncio.Futu
                         set_winsize(master, int(ctl["resize"][0]), int(ctl["resize"][1]))
                     if "data" in ctl:
                         os.write(master, str(ctl["data"]).encode())
-            if callable(touch):
-                touch()
+            touch()
 
     out_task, in_task = asyncio.create_task(pump_out()), asyncio.create_task(pump_in())
     tasks = [out_task, in_task]

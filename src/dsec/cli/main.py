@@ -4,17 +4,21 @@ the SDK like any other client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Column, Table
+
+from dsec.sdk import Client
 
 app = typer.Typer(help="dsec: elastic sandboxes for agentic RL", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -27,19 +31,22 @@ UrlOpt = Annotated[str | None, typer.Option("--url", help="apiserver URL (defaul
 TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (default $DSEC_TOKEN or local file)")]
 
 
-def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
-    from dsec.sdk import Client
-
-    return Client(url=url, token=token)
-
-
-def _fail(e: Exception) -> None:
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """A platform error becomes one red line and exit code 2, not a traceback."""
     from dsec.errors import DsecError
 
-    if isinstance(e, DsecError):
+    try:
+        yield
+    except DsecError as e:
         err.print(f"[red]error[/red] ({e.code}): {e.message}")
         raise typer.Exit(2) from None
-    raise e
+
+
+@contextlib.contextmanager
+def _api(url: str | None, token: str | None) -> Iterator[Client]:
+    with _errors(), Client(url=url, token=token) as c:
+        yield c
 
 
 @app.command()
@@ -81,12 +88,8 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None) -> None:
 def ps(url: UrlOpt = None, token: TokenOpt = None, job: str | None = None,
        as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List sandboxes."""
-    try:
-        with _client(url, token) as c:
-            items = c.list(job=job)
-    except Exception as e:
-        _fail(e)
-        return
+    with _api(url, token) as c:
+        items = c.list(job=job)
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in items], indent=1))
         return
@@ -105,42 +108,35 @@ def create(image: str = "base/debian:12", memory_mb: int = 512, cpus: float = 1.
     """Create a container sandbox and print its id."""
     from dsec.models import ContainerArgs
 
-    try:
-        with _client(url, token) as c:
-            sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
-                                               ttl_running_stop=ttl, job=job))
-            print(sb.sandbox_id)
-    except Exception as e:
-        _fail(e)
+    with _api(url, token) as c:
+        sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
+                                           ttl_running_stop=ttl, job=job))
+        print(sb.sandbox_id)
 
 
 @app.command("exec", context_settings={"allow_interspersed_args": False})
 def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="command and arguments")],
           timeout: float = 300.0, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Run a command in a sandbox, streaming its output; exits with its exit code."""
-    try:
-        with _client(url, token) as c:
-            sb = c.connect(sandbox_id)
-            if cmd and cmd[0] == "--":
-                cmd = cmd[1:]
-            if not cmd:
-                raise typer.BadParameter("give a command after the sandbox id")
-            argv = cmd if len(cmd) > 1 else cmd[0]
-            code = 0
-            for ev in sb.exec_stream(argv, timeout=timeout):
-                if ev.type == "stdout":
-                    sys.stdout.write(ev.data or "")
-                    sys.stdout.flush()
-                elif ev.type == "stderr":
-                    sys.stderr.write(ev.data or "")
-                    sys.stderr.flush()
-                elif ev.result is not None:
-                    code = ev.result.exit_code
-                    if ev.result.timed_out:
-                        err.print(f"[yellow]timed out after {timeout}s[/yellow]")
-    except Exception as e:
-        _fail(e)
-        return
+    with _api(url, token) as c:
+        sb = c.connect(sandbox_id)
+        if cmd and cmd[0] == "--":
+            cmd = cmd[1:]
+        if not cmd:
+            raise typer.BadParameter("give a command after the sandbox id")
+        argv = cmd if len(cmd) > 1 else cmd[0]
+        code = 0
+        for ev in sb.exec_stream(argv, timeout=timeout):
+            if ev.type == "stdout":
+                sys.stdout.write(ev.data or "")
+                sys.stdout.flush()
+            elif ev.type == "stderr":
+                sys.stderr.write(ev.data or "")
+                sys.stderr.flush()
+            elif ev.result is not None:
+                code = ev.result.exit_code
+                if ev.result.timed_out:
+                    err.print(f"[yellow]timed out after {timeout}s[/yellow]")
     raise typer.Exit(code)
 
 
@@ -149,38 +145,28 @@ def shell(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Interactive shell (TTY) in a sandbox."""
     from dsec.cli.tty import run_tty
 
-    try:
-        with _client(url, token) as c:
-            sb = c.connect(sandbox_id)
-            cols, rows = os.get_terminal_size(sys.stdin.fileno()) if sys.stdin.isatty() else (80, 24)
-            ws_url, tok = sb.tty_url(cols, rows), c.token
-    except Exception as e:
-        _fail(e)
-        return
+    with _api(url, token) as c:
+        sb = c.connect(sandbox_id)
+        cols, rows = os.get_terminal_size(sys.stdin.fileno()) if sys.stdin.isatty() else (80, 24)
+        ws_url, tok = sb.tty_url(cols, rows), c.token
     raise typer.Exit(asyncio.run(run_tty(ws_url, tok)))
 
 
 @app.command()
 def stop(sandbox_ids: list[str], url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Stop sandboxes and release everything they held."""
-    try:
-        with _client(url, token) as c:
-            for sid in sandbox_ids:
-                info = c.connect(sid).stop()
-                console.print(f"{sid} {info.state.value}")
-    except Exception as e:
-        _fail(e)
+    with _api(url, token) as c:
+        for sid in sandbox_ids:
+            info = c.connect(sid).stop()
+            console.print(f"{sid} {info.state.value}")
 
 
 @app.command()
 def nodes(url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Edges, their health and load."""
-    try:
-        with _client(url, token) as c:
-            for n in c.nodes():
-                print(n.model_dump_json())
-    except Exception as e:
-        _fail(e)
+    with _api(url, token) as c:
+        for n in c.nodes():
+            print(n.model_dump_json())
 
 
 def _store(data_dir: str | None):  # type: ignore[no-untyped-def]
@@ -195,12 +181,9 @@ def layer_import_dir(directory: str, ref: str,
                      kind: Annotated[str | None, typer.Option(help="base, workspace or toolkit")] = None,
                      data_dir: Annotated[str | None, typer.Option()] = None) -> None:
     """Publish a directory tree as an immutable EROFS layer (e.g. ws/attrs-bug-17:v1)."""
-    try:
+    with _errors():
         with console.status(f"building EROFS image of {directory}"):
             layer = _store(data_dir).import_dir(directory, ref, kind=kind, source=f"import-dir {directory}")
-    except Exception as e:
-        _fail(e)
-        return
     console.print(f"{layer.ref} {layer.kind} sha256:{layer.digest} {layer.size / 1e6:.1f} MB")
 
 
@@ -214,14 +197,11 @@ def layer_import_oci(source: Annotated[str, typer.Argument(
 
     from dsec.layers.oci import import_oci
 
-    try:
+    with _errors():
         with Bar(console=console, transient=True) as bar:
             task = bar.add_task(f"importing {source}", total=None)
             layer = import_oci(_store(data_dir), source, ref, collapse_bytes=collapse_mb * 1024 * 1024,
                                progress=lambda _what, done, total: bar.update(task, completed=done, total=total))
-    except Exception as e:
-        _fail(e)
-        return
     console.print(f"{layer.ref} {layer.kind} {len(layer.all_blobs)} EROFS image(s) {layer.size / 1e6:.1f} MB")
 
 
@@ -231,25 +211,17 @@ def layer_build(spec: Annotated[str, typer.Argument(help="TOML spec: ref, image,
     """Build a layer: run the spec's steps in a fresh sandbox, publish its writes (pack_diff)."""
     from dsec.layers.build import BuildSpec, build_layer
 
-    try:
-        bs = BuildSpec.load(spec)
-        with _client(url, token) as c:
-            layer = build_layer(c, bs, log=lambda line: console.print(line, highlight=False, markup=False))
-    except Exception as e:
-        _fail(e)
-        return
+    with _api(url, token) as c:
+        layer = build_layer(c, BuildSpec.load(spec),
+                            log=lambda line: console.print(line, highlight=False, markup=False))
     console.print(f"{layer.ref} {layer.kind} sha256:{layer.digest[:16]} {layer.size / 1e6:.1f} MB")
 
 
 @layer_app.command("ls")
 def layer_ls(url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Published layers."""
-    try:
-        with _client(url, token) as c:
-            layers = c.layers()
-    except Exception as e:
-        _fail(e)
-        return
+    with _api(url, token) as c:
+        layers = c.layers()
     t = Table(Column("LAYER", no_wrap=True), "KIND", "DIGEST", "SIZE MB", "PARENT")
     for layer in layers:
         t.add_row(layer.ref, layer.kind, layer.digest[:16], f"{layer.size / 1e6:.1f}", layer.parent_image or "")
@@ -259,33 +231,23 @@ def layer_ls(url: UrlOpt = None, token: TokenOpt = None) -> None:
 @layer_app.command("inspect")
 def layer_inspect(ref: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Everything the catalog knows about a layer, as JSON."""
-    try:
-        with _client(url, token) as c:
-            print(c.layer(ref).model_dump_json(indent=1))
-    except Exception as e:
-        _fail(e)
+    with _api(url, token) as c:
+        print(c.layer(ref).model_dump_json(indent=1))
 
 
 @layer_app.command("rm")
 def layer_rm(refs: list[str], url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Unpublish layers (refused while a sandbox uses one); `dsec layer gc` frees blobs."""
-    try:
-        with _client(url, token) as c:
-            for ref in refs:
-                console.print(f"removed {c.remove_layer(ref).ref}")
-    except Exception as e:
-        _fail(e)
+    with _api(url, token) as c:
+        for ref in refs:
+            console.print(f"removed {c.remove_layer(ref).ref}")
 
 
 @layer_app.command("gc")
 def layer_gc(url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Delete layer blobs that nothing references."""
-    try:
-        with _client(url, token) as c:
-            removed = c.gc_layers()
-    except Exception as e:
-        _fail(e)
-        return
+    with _api(url, token) as c:
+        removed = c.gc_layers()
     console.print(f"removed {len(removed)} blobs")
 
 

@@ -80,6 +80,14 @@ def _raise_for(resp: Response) -> None:
     raise cls(body.get("message", resp.text), field=body.get("field"))
 
 
+def _filters(job: str | None, labels: dict[str, str] | None) -> list[tuple[str, str]]:
+    """Query parameters selecting sandboxes by job and labels."""
+    params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+    if job:
+        params.append(("job", job))
+    return params
+
+
 def _event(line: bytes) -> ExecEvent:
     item = json.loads(line)
     if item.get("type") == "error":
@@ -245,7 +253,7 @@ class AsyncClient:
             async with http.request(method, path, **kw) as r:
                 resp = Response(r.status, await r.read(), dict(r.headers))
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise EdgeUnavailable(f"cannot reach dsec at {self.url}: {e!r}") from e
+            raise EdgeUnavailable(f"cannot reach dsec at {self.url}: {e or type(e).__name__}") from e
         if check:
             _raise_for(resp)
         return resp
@@ -267,10 +275,8 @@ class AsyncClient:
         return AsyncSandbox(self, info)
 
     async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        if job:
-            params.append(("job", job))
-        return [SandboxInfo.model_validate(x) for x in await self._json("GET", "/v1/sandboxes", params=params)]
+        data = await self._json("GET", "/v1/sandboxes", params=_filters(job, labels))
+        return [SandboxInfo.model_validate(x) for x in data]
 
     async def fork(self, snapshot: Layer | str, n: int = 1, args: ContainerArgs | None = None,
                    *, timeout: float = 300.0) -> builtins.list[AsyncSandbox]:
@@ -296,10 +302,8 @@ class AsyncClient:
     async def stop_many(self, job: str | None = None, labels: dict[str, str] | None = None
                         ) -> builtins.list[SandboxInfo]:
         """Stop every running sandbox of ``job`` (and/or carrying ``labels``)."""
-        params: builtins.list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        if job:
-            params.append(("job", job))
-        return [SandboxInfo.model_validate(x) for x in await self._json("DELETE", "/v1/sandboxes", params=params)]
+        data = await self._json("DELETE", "/v1/sandboxes", params=_filters(job, labels))
+        return [SandboxInfo.model_validate(x) for x in data]
 
     async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]
