@@ -303,8 +303,13 @@ def test_nul_bytes_are_refused(platform: Platform, busybox: dsec.AsyncSandbox) -
 
 
 async def test_prometheus_metrics(platform: Platform, debian: dsec.AsyncSandbox) -> None:
-    await debian.exec(["python3", "-c", "x = bytearray(30 * 1024 * 1024); import time; time.sleep(0.1)"])
-    await debian.run_shell("sleep 100 &")
+    # A resident process holds 30 MiB while we scrape: memory charged only transiently could be gone by then.
+    await debian.run_shell("python3 -c 'x = bytearray(30 << 20); print(1, flush=True); import time; time.sleep(100)'"
+                           " > /tmp/held & sleep 100 &")
+    for _ in range(100):
+        if (await debian.exec(["cat", "/tmp/held"])).stdout == "1\n":
+            break
+        await asyncio.sleep(0.1)
     h = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=platform.url) as hc:
         text = (await hc.get("/metrics", headers=h)).text
@@ -316,7 +321,7 @@ async def test_prometheus_metrics(platform: Platform, debian: dsec.AsyncSandbox)
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"{name} for {debian.sandbox_id} missing")
 
-    assert value("dsec_sandbox_memory_bytes") > 1024 * 1024
+    assert value("dsec_sandbox_memory_bytes") > 30 * 1024 * 1024
     assert value("dsec_sandbox_cpu_seconds") > 0
     assert value("dsec_sandbox_pids") >= 3  # init, the session shell, sleep
     assert 'dsec_sandboxes{edge="edge0",state="running"}' in text
