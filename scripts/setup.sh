@@ -4,8 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# fuse3 + libfuse3-dev + pkg-config: the node's lazy layer reader (pyfuse3 builds against libfuse3);
+# moosefs-*: the distributed filesystem the shared layer store is tested on
 PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc
-      docker-registry)
+      docker-registry fuse3 libfuse3-dev pkg-config moosefs-master moosefs-chunkserver moosefs-client curl python3-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -19,6 +19,7 @@ from dsec.edge.service import Edge, EdgeConfig
 from dsec.layers.base import build_busybox
 from dsec.layers.store import LayerStore
 from dsec.placement.engine import Placement
+from dsec.storage.chunks import DEFAULT_CHUNK_SIZE
 from dsec.watcher.watcher import Watcher
 
 DEFAULT_DATA_DIR = "/var/lib/dsec"
@@ -28,6 +29,17 @@ log = logging.getLogger("dsec")
 
 def data_dir_default() -> str:
     return os.environ.get("DSEC_DATA_DIR", DEFAULT_DATA_DIR)
+
+
+def open_store(data_dir: str, store: str | None = None) -> LayerStore:
+    """The layer store: ``store`` (or $DSEC_STORE) is a shared filesystem path mounted on
+    every node; without one, the local data dir. $DSEC_CHUNK_SIZE sets the chunk size
+    new layers are indexed with (bytes, default 1 MiB)."""
+    store = store or os.environ.get("DSEC_STORE") or None
+    chunk = int(os.environ.get("DSEC_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
+    if store:
+        return LayerStore(store, "sharedfs", chunk_size=chunk)
+    return LayerStore(os.path.join(os.path.abspath(data_dir), "layers"), "local", chunk_size=chunk)
 
 
 def load_or_create_token(data_dir: str, token: str | None = None) -> str:
@@ -46,17 +58,17 @@ def load_or_create_token(data_dir: str, token: str | None = None) -> str:
 
 
 def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "edge0",
-                   edge_cfg: dict[str, Any] | None = None) -> tuple[FastAPI, Edge]:
+                   edge_cfg: dict[str, Any] | None = None, store: str | None = None) -> tuple[FastAPI, Edge]:
     data_dir = os.path.abspath(data_dir)
     tok = load_or_create_token(data_dir, token)
     prepare_cgroups()
-    store = LayerStore(os.path.join(data_dir, "layers"))
-    build_busybox(store)  # cheap and always available; base/debian:12 comes from `dsec setup`
-    edge = Edge(EdgeConfig(name=edge_name, data_dir=data_dir, **(edge_cfg or {})), store)
+    layer_store = open_store(data_dir, store)
+    build_busybox(layer_store)  # cheap and always available; base/debian:12 comes from `dsec setup`
+    edge = Edge(EdgeConfig(name=edge_name, data_dir=data_dir, **(edge_cfg or {})), layer_store)
     edges: dict[str, EdgeAPI] = {edge.name: edge}
     watcher = Watcher(edges)
     placement = Placement(lambda: watcher.view)
-    api = Apiserver(edges, watcher, placement, tok, store, max_file_bytes=edge.cfg.max_file_bytes)
+    api = Apiserver(edges, watcher, placement, tok, layer_store, max_file_bytes=edge.cfg.max_file_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

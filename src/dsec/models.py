@@ -77,6 +77,9 @@ class ContainerArgs(Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(default=None, max_length=128)
     workdir: str = "/root"
+    record_access: bool = Field(
+        default=False, description="record which chunks of its layers this sandbox reads and save them, when "
+        "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
 
     @field_validator("image")
     @classmethod
@@ -241,6 +244,40 @@ class NodeStats(BaseModel):
     memory_reserved_mb: int
     max_sandboxes: int
     per_job: dict[str, int] = Field(default_factory=dict)
+
+
+class SandboxEvent(BaseModel):
+    t: float
+    kind: str
+    message: str
+
+
+class LayerFetchStats(BaseModel):
+    """What one node read of one data blob: from the shared store, or from its caches."""
+
+    data: str
+    layers: list[str] = []
+    remote_bytes: int = 0
+    remote_chunks: int = 0
+    hits: int = Field(default=0, description="reads served by the node's memory or disk chunk cache")
+    misses: int = Field(default=0, description="chunks fetched from the shared store for a read")
+    prefetched: int = Field(default=0, description="chunks fetched ahead of any read, from an access list")
+    errors: int = 0
+    chunk_latency_s: float = Field(default=0.0, description="mean shared-store chunk fetch latency")
+
+
+class StorageStats(BaseModel):
+    edge: str
+    backend: str
+    mode: str
+    cache_bytes: int = 0
+    cache_max_bytes: int = 0
+    cache_entries: int = 0
+    cache_evictions: int = 0
+    cache_corrupt: int = Field(default=0, description="cached chunks that failed their checksum and were refetched")
+    cache_written_bytes: int = 0
+    copied_bytes: int = Field(default=0, description="bytes copied whole from the store (metadata, eager data blobs)")
+    blobs: list[LayerFetchStats] = []
 
 
 class ErrorBody(BaseModel):

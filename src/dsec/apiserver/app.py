@@ -44,7 +44,9 @@ from dsec.models import (
     ForkRequest,
     NodeStats,
     PackDiffRequest,
+    SandboxEvent,
     SandboxInfo,
+    StorageStats,
     normalize_layer_ref,
     parse_sandbox_id,
 )
@@ -320,6 +322,21 @@ def build_app(api: Apiserver) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201)
     async def pack_diff(sandbox_id: str, req: PackDiffRequest) -> Layer:
         return await api.edge_for(sandbox_id).pack_diff(sandbox_id, req.ref, req.scrub_paths, req.default_scrub)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/events")
+    async def events(sandbox_id: str) -> list[SandboxEvent]:
+        """What happened to a sandbox that its owner should know (creation, prefetch, storage errors, ...)."""
+        return await api.edge_for(sandbox_id).events(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/access_list")
+    async def save_access_list(sandbox_id: str) -> dict[str, int]:
+        """Save what a record_access sandbox has read so far as its layers' access lists (data blob -> chunks)."""
+        return await api.edge_for(sandbox_id).save_access_lists(sandbox_id)
+
+    @app.get("/v1/storage")
+    async def storage() -> list[StorageStats]:
+        """Per edge: the layer store it reads, its chunk cache, and what it fetched per data blob."""
+        return [await e.storage_stats() for e in api.edges.values()]
 
     @app.post("/v1/fork", status_code=201)
     async def fork(req: ForkRequest) -> list[SandboxInfo]:

@@ -27,6 +27,9 @@ app.add_typer(layer_app, name="layer")
 console = Console()
 err = Console(stderr=True)
 
+StoreOpt = Annotated[str | None, typer.Option(
+    "--store", help="shared layer store: a distributed filesystem path mounted on every node (default $DSEC_STORE, "
+    "else the local data dir)")]
 UrlOpt = Annotated[str | None, typer.Option("--url", help="apiserver URL (default $DSEC_URL or local)")]
 TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (default $DSEC_TOKEN or local file)")]
 
@@ -53,34 +56,46 @@ def _api(url: str | None, token: str | None) -> Iterator[Client]:
 def serve(host: str = "127.0.0.1", port: int = 7777,
           data_dir: Annotated[str | None, typer.Option(help="state and layers (default /var/lib/dsec)")] = None,
           token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")] = None,
-          edge_name: str = "edge0", log_level: str = "info") -> None:
+          edge_name: str = "edge0", log_level: str = "info", store: StoreOpt = None,
+          fetch_mode: Annotated[str, typer.Option(help="shared store: ondemand (lazy, chunked) or eager")] = "ondemand",
+          chunk_cache_mb: Annotated[int, typer.Option(help="bound of the node's chunk cache")] = 10240,
+          fetch_timeout: Annotated[float, typer.Option(help="seconds before a stalled chunk read fails")] = 20.0,
+          ) -> None:
     """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
     import uvicorn
 
     from dsec.embedded import build_embedded, data_dir_default
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
-                                    edge_name=edge_name)
+    if fetch_mode not in ("ondemand", "eager"):
+        err.print("[red]error[/red]: --fetch-mode must be ondemand or eager")
+        raise typer.Exit(2)
+    cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout}
+    with _errors():
+        try:
+            fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
+                                            edge_name=edge_name, edge_cfg=cfg, store=store)
+        except ValueError as e:
+            err.print(f"[red]error[/red]: {e}")
+            raise typer.Exit(2) from None
     uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20)
 
 
 @app.command()
-def setup(data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """Prepare this node: cgroups, dsec-init, and the built-in base layers (cached)."""
     from dsec.agent.native import ensure_init_binary
     from dsec.edge.hostprep import prepare_cgroups
     from dsec.embedded import data_dir_default, load_or_create_token
     from dsec.layers.base import ensure_base_layers
-    from dsec.layers.store import LayerStore
 
     d = os.path.abspath(data_dir or data_dir_default())
     console.print(f"cgroups: {prepare_cgroups()}")
     ensure_init_binary(os.path.join(d, "bin", "dsec-init"))
     load_or_create_token(d)
-    store = LayerStore(os.path.join(d, "layers"))
+    layer_store = _store(d, store)
     with console.status("building base layers (first time: ~1 min)"):
-        for layer in ensure_base_layers(store):
+        for layer in ensure_base_layers(layer_store):
             console.print(f"layer {layer.ref}: {layer.digest[:12]} {layer.size / 1e6:.1f} MB")
 
 
@@ -169,21 +184,20 @@ def nodes(url: UrlOpt = None, token: TokenOpt = None) -> None:
             print(n.model_dump_json())
 
 
-def _store(data_dir: str | None):  # type: ignore[no-untyped-def]
-    from dsec.embedded import data_dir_default
-    from dsec.layers.store import LayerStore
+def _store(data_dir: str | None, store: str | None = None):  # type: ignore[no-untyped-def]
+    from dsec.embedded import data_dir_default, open_store
 
-    return LayerStore(os.path.join(os.path.abspath(data_dir or data_dir_default()), "layers"))
+    return open_store(data_dir or data_dir_default(), store)
 
 
 @layer_app.command("import-dir")
 def layer_import_dir(directory: str, ref: str,
                      kind: Annotated[str | None, typer.Option(help="base, workspace or toolkit")] = None,
-                     data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+                     data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """Publish a directory tree as an immutable EROFS layer (e.g. ws/attrs-bug-17:v1)."""
     with _errors():
         with console.status(f"building EROFS image of {directory}"):
-            layer = _store(data_dir).import_dir(directory, ref, kind=kind, source=f"import-dir {directory}")
+            layer = _store(data_dir, store).import_dir(directory, ref, kind=kind, source=f"import-dir {directory}")
     console.print(f"{layer.ref} {layer.kind} sha256:{layer.digest} {layer.size / 1e6:.1f} MB")
 
 
@@ -191,7 +205,7 @@ def layer_import_dir(directory: str, ref: str,
 def layer_import_oci(source: Annotated[str, typer.Argument(
         help="registry ref [http://]host/name:tag, oci:DIR[:tag], docker-archive:FILE.tar")],
         ref: str, collapse_mb: Annotated[int, typer.Option(help="collapse consecutive layers under this size")] = 64,
-        data_dir: Annotated[str | None, typer.Option()] = None) -> None:
+        data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """Convert an OCI image once to EROFS layers and publish it (e.g. base/python:3.12)."""
     from rich.progress import Progress as Bar
 
@@ -200,7 +214,7 @@ def layer_import_oci(source: Annotated[str, typer.Argument(
     with _errors():
         with Bar(console=console, transient=True) as bar:
             task = bar.add_task(f"importing {source}", total=None)
-            layer = import_oci(_store(data_dir), source, ref, collapse_bytes=collapse_mb * 1024 * 1024,
+            layer = import_oci(_store(data_dir, store), source, ref, collapse_bytes=collapse_mb * 1024 * 1024,
                                progress=lambda _what, done, total: bar.update(task, completed=done, total=total))
     console.print(f"{layer.ref} {layer.kind} {len(layer.all_blobs)} EROFS image(s) {layer.size / 1e6:.1f} MB")
 
@@ -241,6 +255,27 @@ def layer_rm(refs: list[str], url: UrlOpt = None, token: TokenOpt = None) -> Non
     with _api(url, token) as c:
         for ref in refs:
             console.print(f"removed {c.remove_layer(ref).ref}")
+
+
+@layer_app.command("stats")
+def layer_stats(url: UrlOpt = None, token: TokenOpt = None,
+                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """What each node fetched of each layer: bytes from the shared store, cache hits and misses, chunk latency."""
+    with _api(url, token) as c:
+        stats = c.storage_stats()
+    if as_json:
+        print(json.dumps([s.model_dump() for s in stats], indent=1))
+        return
+    for s in stats:
+        console.print(f"edge {s.edge}: {s.backend} store, {s.mode}; chunk cache {s.cache_bytes / 1e6:.1f}"
+                      f"/{s.cache_max_bytes / 1e6:.0f} MB, {s.cache_entries} chunks, {s.cache_evictions} evicted, "
+                      f"{s.cache_corrupt} corrupt refetched; copied whole {s.copied_bytes / 1e6:.1f} MB")
+        t = Table(Column("LAYERS", no_wrap=True), "DATA BLOB", "FETCHED MB", "CHUNKS", "HITS", "MISSES",
+                  "PREFETCHED", "ERRORS", "CHUNK MS")
+        for b in s.blobs:
+            t.add_row(",".join(b.layers) or "-", b.data[:12], f"{b.remote_bytes / 1e6:.1f}", str(b.remote_chunks),
+                      str(b.hits), str(b.misses), str(b.prefetched), str(b.errors), f"{b.chunk_latency_s * 1e3:.1f}")
+        console.print(t)
 
 
 @layer_app.command("gc")

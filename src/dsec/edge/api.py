@@ -11,7 +11,17 @@ from typing import Protocol
 
 from dsec.agent.aether import Aether, OnData
 from dsec.layers.store import Layer
-from dsec.models import ContainerArgs, ExecRequest, ExecResult, FileStat, HttpResponse, NodeStats, SandboxInfo
+from dsec.models import (
+    ContainerArgs,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    HttpResponse,
+    NodeStats,
+    SandboxEvent,
+    SandboxInfo,
+    StorageStats,
+)
 
 
 class EdgeAPI(Protocol):
@@ -38,4 +48,7 @@ class EdgeAPI(Protocol):
     async def pack_diff(self, sandbox_id: str, ref: str, scrub_paths: list[str] | None = None,
                         default_scrub: bool = True) -> Layer: ...
     async def layers_in_use(self) -> set[str]: ...
+    async def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
+    async def save_access_lists(self, sandbox_id: str) -> dict[str, int]: ...
+    async def storage_stats(self) -> StorageStats: ...
     async def release_layers(self) -> None: ...

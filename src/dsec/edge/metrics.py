@@ -7,8 +7,10 @@ import os
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from dsec.models import StorageStats
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
@@ -49,7 +51,8 @@ def cgroup_usage(cgroup_path: str) -> dict[str, int]:
 
 
 class EdgeMetrics:
-    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, str]]]) -> None:
+    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, str]]],
+                 storage: Callable[[], StorageStats] | None = None) -> None:
         """``sandboxes`` yields (sandbox_id, state, job, cgroup_path) at scrape time."""
         self.registry = CollectorRegistry()
         labels = {"edge": edge}
@@ -67,6 +70,8 @@ class EdgeMetrics:
                                         registry=self.registry).labels(**labels)
         self.edge = edge
         self.registry.register(_SandboxCollector(edge, sandboxes))
+        if storage is not None:
+            self.registry.register(_StorageCollector(storage))
 
 
 class _SandboxCollector(Collector):
@@ -96,3 +101,37 @@ class _SandboxCollector(Collector):
         for state, n in states.items():
             live.add_metric([self.edge, state], n)
         yield from (live, mem, cpu, pids)
+
+
+class _StorageCollector(Collector):
+    """Layer reads of this node, per data blob (labelled with the layers that use it)."""
+
+    def __init__(self, storage: Callable[[], StorageStats]) -> None:
+        self.storage = storage
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.storage()
+        per_blob: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "remote_bytes": CounterMetricFamily("dsec_layer_remote_bytes", "Bytes fetched from the shared store",
+                                                labels=["edge", "blob", "layers"]),
+            "hits": CounterMetricFamily("dsec_layer_cache_hits", "Layer reads served by the node's chunk cache",
+                                        labels=["edge", "blob", "layers"]),
+            "misses": CounterMetricFamily("dsec_layer_cache_misses", "Chunks fetched from the shared store on a read",
+                                          labels=["edge", "blob", "layers"]),
+            "prefetched": CounterMetricFamily("dsec_layer_prefetched_chunks", "Chunks fetched from access lists",
+                                              labels=["edge", "blob", "layers"]),
+            "errors": CounterMetricFamily("dsec_layer_fetch_errors", "Chunk fetches that failed or timed out",
+                                          labels=["edge", "blob", "layers"]),
+            "chunk_latency_s": GaugeMetricFamily("dsec_layer_chunk_latency_seconds",
+                                                 "Mean shared-store chunk fetch latency",
+                                                 labels=["edge", "blob", "layers"]),
+        }
+        for b in st.blobs:
+            lbl = [st.edge, b.data[:12], ",".join(b.layers)]
+            for key, fam in per_blob.items():
+                fam.add_metric(lbl, getattr(b, key))
+        node = GaugeMetricFamily("dsec_chunk_cache_bytes", "Bytes in the node's chunk cache", labels=["edge"])
+        node.add_metric([st.edge], st.cache_bytes)
+        ev = CounterMetricFamily("dsec_chunk_cache_evictions", "Chunks evicted from the node's cache", labels=["edge"])
+        ev.add_metric([st.edge], st.cache_evictions)
+        yield from (*per_blob.values(), node, ev)

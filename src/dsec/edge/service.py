@@ -17,7 +17,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 
 from prometheus_client import generate_latest
@@ -38,7 +38,7 @@ from dsec.errors import (
     SandboxError,
     SandboxNotRunning,
 )
-from dsec.layers.store import ImportOptions, Layer, LayerStore, check_erofs, layer_kind
+from dsec.layers.store import ImportOptions, Layer, LayerStore, layer_kind
 from dsec.models import (
     Backend,
     ContainerArgs,
@@ -46,11 +46,15 @@ from dsec.models import (
     ExecResult,
     FileStat,
     HttpResponse,
+    LayerFetchStats,
     NodeStats,
+    SandboxEvent,
     SandboxInfo,
     SandboxState,
+    StorageStats,
     parse_sandbox_id,
 )
+from dsec.storage.node import FetchMode, NodeLayers
 
 log = logging.getLogger("dsec.edge")
 # build residue that pack_diff leaves out unless told otherwise (regexes on paths
@@ -83,6 +87,10 @@ class EdgeConfig(BaseModel):
     max_sandboxes: int = 4096
     max_file_bytes: int = 256 * 1024 * 1024
     ttl_check_interval_s: float = 1.0
+    # how a shared layer store reaches this node: see dsec.storage.node
+    fetch_mode: FetchMode = "ondemand"
+    chunk_cache_bytes: int = 10 << 30
+    fetch_timeout_s: float = 20.0
 
 
 @dataclass
@@ -95,6 +103,7 @@ class Sandbox:
     ops: int = 0
     dirty: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    events: deque[SandboxEvent] = field(default_factory=lambda: deque(maxlen=200))
 
     @property
     def id(self) -> str:
@@ -109,8 +118,6 @@ class Edge:
         root = os.path.join(cfg.data_dir, "edges", cfg.name)
         self.sandbox_root = os.path.join(root, "sandboxes")
         os.makedirs(self.sandbox_root, exist_ok=True)
-        self.layer_mnt = os.path.join(cfg.data_dir, "layers", "mnt")
-        os.makedirs(self.layer_mnt, exist_ok=True)
         # sockets and crun state are per boot: on tmpfs, with a path short enough for AF_UNIX
         tag = hashlib.sha1(os.path.abspath(cfg.data_dir).encode()).hexdigest()[:8]
         self.run_dir = f"/run/dsec/{tag}-{cfg.name}"
@@ -119,17 +126,19 @@ class Edge:
         self.runtime = CrunRuntime(os.path.join(self.run_dir, "crun"), cgroup_parent=f"dsec-{tag}")
         self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
-        self._mount_lock = asyncio.Lock()
+        self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
+                                      cfg.fetch_timeout_s, on_error=self._storage_error)
+        self.layer_mnt = self.node_layers.mnt_dir
         self._ttl_task: asyncio.Task[None] | None = None
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
-        self.on_event: Callable[[str, str, str], None] = lambda sid, kind, msg: log.info("%s %s: %s", sid, kind, msg)
         self.metrics = EdgeMetrics(self.name, lambda: [
             (sb.id, sb.rec.info.state.value, sb.rec.info.job, self.runtime.cgroup_path(sb.id))
-            for sb in list(self.sandboxes.values())])
+            for sb in list(self.sandboxes.values())], self._storage_stats)
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
+        await self.node_layers.start()
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
 
@@ -148,6 +157,26 @@ class Edge:
         if not self.sandboxes:
             self.runtime.remove_cgroup_parent()
         await self.release_layers()
+        await self.node_layers.close(sandboxes_left=bool(self.sandboxes))
+
+    def on_event(self, sandbox_id: str, kind: str, message: str) -> None:
+        """Something a sandbox's owner should know: kept with the sandbox (``GET .../events``) and logged."""
+        log.info("%s %s: %s", sandbox_id, kind, message)
+        if sb := self.sandboxes.get(sandbox_id):
+            sb.events.append(SandboxEvent(t=time.time(), kind=kind, message=message))
+
+    def _storage_error(self, data: str, message: str) -> None:
+        for sb in list(self.sandboxes.values()):
+            if any(self.layers.data_of(d) == data for d in sb.rec.digests):
+                self.on_event(sb.id, "storage_error", message)
+
+    async def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        self._get_live(sandbox_id)
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            self._tombstone(sandbox_id)
+            return []
+        return list(sb.events)
 
     async def _recover(self) -> None:
         live = {r.info.sandbox_id: r for r in self.state.live()}
@@ -235,19 +264,6 @@ class Edge:
             digests.extend(layer.all_blobs)
         return digests
 
-    async def _mount_layer(self, digest: str) -> str:
-        mnt = os.path.join(self.layer_mnt, digest)
-        async with self._mount_lock:
-            if not os.path.ismount(mnt):
-                os.makedirs(mnt, exist_ok=True)
-                blob = self.layers.blob_path(digest)
-                check_erofs(blob)
-                try:
-                    linux.mount(blob, mnt, "erofs", linux.MS_RDONLY)
-                except OSError as e:
-                    raise SandboxError(f"layer image {digest[:12]} does not mount (corrupt?): {e.strerror}") from None
-        return mnt
-
     async def create(self, args: ContainerArgs, sandbox_id: str | None = None) -> SandboxInfo:
         t0 = time.monotonic()
         digests = self._resolve_layers(args)
@@ -265,7 +281,15 @@ class Edge:
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         self.sandboxes[sid] = sb  # reserves its share before the first await
         try:
-            lowers = [await self._mount_layer(d) for d in reversed(digests)]
+            if args.record_access and not self.node_layers.on_demand:
+                raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
+            if queued := await self.node_layers.prefetch(digests):
+                self.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
+            if args.record_access:
+                lowers = [await self.node_layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
+                          for i, d in reversed(list(enumerate(digests)))]
+            else:
+                lowers = [await self.node_layers.mount(d) for d in reversed(digests)]
             for sub in ("upper", "work", "rootfs"):
                 os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
             rootfs = os.path.join(sb.dir, "rootfs")
@@ -348,6 +372,8 @@ class Edge:
             await self.runtime.delete(sb.id)
             if sb.rec.init_pid:
                 await _wait_gone(sb.rec.init_pid)
+            if sb.rec.args.record_access:
+                await self._save_access_lists(sb, forget=True)
             for mp in linux.mounted_under(sb.dir):
                 try:
                     linux.umount(mp)
@@ -487,17 +513,60 @@ class Edge:
         self.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
         return layer
 
+    async def save_access_lists(self, sandbox_id: str) -> dict[str, int]:
+        """Save what a ``record_access`` sandbox read so far as its layers' access lists."""
+        sb, _ = self._running(sandbox_id)
+        if not sb.rec.args.record_access:
+            raise InvalidRequest(f"sandbox {sandbox_id} was not created with record_access", field="record_access")
+        return await self._save_access_lists(sb)
+
+    async def _save_access_lists(self, sb: Sandbox, forget: bool = False) -> dict[str, int]:
+        saved: dict[str, int] = {}
+        for d in sb.rec.digests:
+            try:
+                got = await self.node_layers.recorded(d, sb.id, forget=forget)
+            except (TimeoutError, OSError, RuntimeError) as e:
+                log.warning("sandbox %s: access list of %s not saved: %s", sb.id, d[:12], e)
+                continue
+            if got and got[1]:
+                data, chunks = got
+                self.layers.set_access_list(data, chunks, f"recorded by {sb.id}")
+                saved[data] = len(chunks)
+        if saved:
+            self.on_event(sb.id, "access_list", f"saved {sum(saved.values())} chunks for {len(saved)} blob(s)")
+        return saved
+
+    async def storage_stats(self) -> StorageStats:
+        return self._storage_stats()
+
+    def _storage_stats(self) -> StorageStats:
+        snap = self.node_layers.snapshot
+        cache = snap.get("cache", {})
+        refs: dict[str, list[str]] = {}
+        for layer in self.layers.list():
+            for d in layer.data.values():
+                refs.setdefault(d, []).append(layer.ref)
+        blobs = []
+        for data, st in sorted(snap.get("blobs", {}).items()):
+            fetches = sum(st["latency_buckets"])
+            blobs.append(LayerFetchStats(
+                data=data, layers=refs.get(data, []), remote_bytes=st["remote_bytes"],
+                remote_chunks=st["remote_chunks"], hits=st["hits"], misses=st["misses"],
+                prefetched=st["prefetched"], errors=st["errors"],
+                chunk_latency_s=st["latency_sum"] / fetches if fetches else 0.0))
+        return StorageStats(
+            edge=self.name, backend=self.layers.backend.kind, mode=self.cfg.fetch_mode,
+            cache_bytes=cache.get("bytes", 0), cache_max_bytes=cache.get("max_bytes", 0),
+            cache_entries=cache.get("entries", 0), cache_evictions=cache.get("evictions", 0),
+            cache_corrupt=cache.get("corrupt", 0), cache_written_bytes=cache.get("written_bytes", 0),
+            copied_bytes=self.node_layers.copied_bytes, blobs=blobs)
+
     async def layers_in_use(self) -> set[str]:
         return {d for sb in self.sandboxes.values() if not sb.stopping for d in sb.rec.digests}
 
     async def release_layers(self) -> None:
         """Unmount layer images no sandbox on this edge uses any more."""
-        in_use = await self.layers_in_use()
-        async with self._mount_lock:
-            for mp in linux.mounted_under(self.layer_mnt):
-                if os.path.basename(mp) not in in_use:
-                    with contextlib.suppress(OSError):
-                        linux.umount(mp)
+        await self.node_layers.release(await self.layers_in_use())
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.metrics.registry)

@@ -2,9 +2,13 @@
 names them.
 
 A layer reference is ``kind/name:version`` (``base/debian:12``, ``ws/attrs-bug-17:v1``,
-``tk/harness:v3``); its digest is the sha256 of the EROFS image. Blobs live under
-``blobs/sha256/``, the catalog in a small SQLite file beside them. A published name
-never changes what it points to. A layer made by pack_diff records the stack it was
+``tk/harness:v3``); its digest is the sha256 of its EROFS metadata image. Every image
+is published as metadata (``<digest>.erofs``: inodes, directories, chunk maps; small)
+plus a data blob (``<data>.data``, referenced by the metadata as its blob device) and the
+data blob's chunk index (``<data>.chunks``), so that a node can copy the metadata and
+read data on demand (docs/ondemand.md). Blobs live in a :mod:`dsec.storage.backend`,
+the catalog in a small SQLite file at the store's root. A published name never changes
+what it points to. A layer made by pack_diff records the stack it was
 taken on top of (``parent_image`` + ``parent_layers``), which is what fork restores.
 """
 
@@ -25,6 +29,10 @@ from pydantic import BaseModel, Field
 
 from dsec.errors import InvalidRequest, LayerInUse, NotFound
 from dsec.models import normalize_layer_ref
+from dsec.storage.backend import BackendKind, BlobBackend, open_backend
+from dsec.storage.chunks import DEFAULT_CHUNK_SIZE, ChunkIndex, check_chunk_size
+
+EROFS_CHUNK = 1 << 20  # mkfs.erofs --chunksize: granularity of the metadata's chunk maps (and dedup)
 
 KINDS = {"base": "base", "ws": "workspace", "tk": "toolkit"}
 EROFS_MAGIC = 0xE0F5E1E2
@@ -40,6 +48,8 @@ class Layer(BaseModel):
     parent_layers: list[str] = []
     source: str = ""
     blobs: list[str] = Field(default_factory=list, description="EROFS images bottom to top, when more than one")
+    data: dict[str, str] = Field(default_factory=dict, description="metadata image digest -> its data blob")
+    prefetch_chunks: int = Field(default=0, description="chunks in its data blobs' access lists")
 
     @property
     def all_blobs(self) -> list[str]:
@@ -86,29 +96,64 @@ def check_erofs(path: str) -> None:
 
 
 class LayerStore:
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.blob_dir = os.path.join(root, "blobs", "sha256")
-        os.makedirs(self.blob_dir, exist_ok=True)
-        self._db = sqlite3.connect(os.path.join(root, "catalog.db"), check_same_thread=False,
-                                   isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+    def __init__(self, root: str, backend: BackendKind | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+        self.backend: BlobBackend = open_backend(self.root, backend)
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.blob_dir = os.path.join(self.root, "blobs", "sha256")
+        self._db = sqlite3.connect(os.path.join(self.root, "catalog.db"), check_same_thread=False,
+                                   isolation_level=None, timeout=30)
+        # WAL needs shared memory between all users of the file, which a network
+        # filesystem cannot give; a rollback journal only needs POSIX locks.
+        self._db.execute("PRAGMA journal_mode=" + ("WAL" if self.backend.kind == "local" else "DELETE"))
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS layers (ref TEXT PRIMARY KEY, kind TEXT NOT NULL,"
             " digest TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS built (key TEXT PRIMARY KEY, digest TEXT NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS blob_data (meta TEXT PRIMARY KEY, data TEXT NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS access_lists (data TEXT PRIMARY KEY, chunks TEXT NOT NULL,"
+                         " source TEXT NOT NULL, recorded_at REAL NOT NULL)")
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(layers)")}
         for col in ("meta",):  # catalogs written before lineage was recorded
             if col not in cols:
                 self._db.execute(f"ALTER TABLE layers ADD COLUMN {col} TEXT NOT NULL DEFAULT '{{}}'")
 
     def blob_path(self, digest: str) -> str:
-        return os.path.join(self.blob_dir, f"{digest}.erofs")
+        """The metadata image (or whole image, for one published as a single file)."""
+        return self.backend.path(f"{digest}.erofs")
 
-    @staticmethod
-    def _row(row: tuple[str, str, str, int, float, str]) -> Layer:
+    def data_path(self, data: str) -> str:
+        return self.backend.path(f"{data}.data")
+
+    def data_of(self, digest: str) -> str | None:
+        """The data blob an image's metadata refers to; None for a single-file image."""
+        row = self._db.execute("SELECT data FROM blob_data WHERE meta=?", (digest,)).fetchone()
+        return str(row[0]) if row else None
+
+    def chunk_index(self, data: str) -> ChunkIndex:
+        with open(self.backend.path(f"{data}.chunks"), "rb") as f:
+            return ChunkIndex.from_bytes(f.read())
+
+    def _row(self, row: tuple[str, str, str, int, float, str]) -> Layer:
         meta = json.loads(row[5] or "{}")
-        return Layer(ref=row[0], kind=row[1], digest=row[2], size=row[3], created_at=row[4], **meta)
+        layer = Layer(ref=row[0], kind=row[1], digest=row[2], size=row[3], created_at=row[4], **meta)
+        for b in layer.all_blobs:
+            if d := self.data_of(b):
+                layer.data[b] = d
+                layer.prefetch_chunks += len(self.access_list(d))
+        return layer
+
+    # ---- access lists (prefetch hints) ------------------------------------------
+    def access_list(self, data: str) -> builtins.list[int]:
+        row = self._db.execute("SELECT chunks FROM access_lists WHERE data=?", (data,)).fetchone()
+        return [int(c) for c in json.loads(row[0])] if row else []
+
+    def set_access_list(self, data: str, chunks: builtins.list[int], source: str) -> None:
+        """Record the chunks of ``data`` a run touched, in first-touch order. Advisory
+        metadata beside the immutable layer: a later recording replaces it."""
+        self._db.execute("INSERT OR REPLACE INTO access_lists VALUES (?,?,?,?)",
+                         (data, json.dumps(chunks), source, time.time()))
 
     _COLS = "ref, kind, digest, size, created_at, meta"
 
@@ -134,12 +179,18 @@ class LayerStore:
             if self.has(layer.ref):
                 continue
             for blob in layer.all_blobs:
-                dest = self.blob_path(blob)
-                if not os.path.exists(dest):
-                    try:
-                        os.link(other.blob_path(blob), dest)
-                    except OSError:
-                        shutil.copy2(other.blob_path(blob), dest)
+                names = [f"{blob}.erofs"]
+                if data := other.data_of(blob):
+                    names += [f"{data}.data", f"{data}.chunks"]
+                for name in names:
+                    dest = self.backend.path(name)
+                    if not os.path.exists(dest):
+                        try:
+                            os.link(other.backend.path(name), dest)
+                        except OSError:
+                            shutil.copy2(other.backend.path(name), dest)
+                if data:
+                    self._db.execute("INSERT OR REPLACE INTO blob_data VALUES (?,?)", (blob, data))
             self._publish(layer)
             added += 1
         return added
@@ -164,33 +215,45 @@ class LayerStore:
         if not os.path.isdir(src):
             raise InvalidRequest(f"{src} is not a directory", field="dir")
         digest = self.build_blob(src, opts or ImportOptions())
-        return self._publish(Layer(ref=ref, kind=ref_kind, digest=digest, size=os.path.getsize(self.blob_path(digest)),
+        return self._publish(Layer(ref=ref, kind=ref_kind, digest=digest, size=self._blob_size(digest),
                                    created_at=time.time(), parent_image=parent_image,
                                    parent_layers=parent_layers or [], source=source))
 
     def build_blob(self, src: str, opts: ImportOptions) -> str:
-        """mkfs.erofs ``src`` into the blob store (not yet published); returns its digest."""
+        """mkfs.erofs ``src`` into the store as metadata image + data blob + chunk index
+        (not yet published under a name); returns the metadata image's digest."""
         if opts.content_key and (done := self.built_blob(opts.content_key)):
             return done
-        fd, tmp = tempfile.mkstemp(dir=self.blob_dir, suffix=".tmp")
-        os.close(fd)
+        work = tempfile.mkdtemp(dir=self.backend.tempdir())
         try:
-            cmd = ["mkfs.erofs", "--quiet", "--preserve-mtime"]
-            if opts.compress:
-                cmd.append(f"-z{opts.compress}")
+            meta, data = os.path.join(work, "meta"), os.path.join(work, "data")
+            # Chunked files are stored uncompressed in the blob device (erofs-utils 1.5),
+            # which is what lets a node fetch any byte range of a file on its own.
+            cmd = ["mkfs.erofs", "--quiet", "--preserve-mtime", f"--chunksize={EROFS_CHUNK}", f"--blobdev={data}"]
             cmd += [f"--exclude-regex={rx}" for rx in opts.exclude_regex]
-            proc = subprocess.run([*cmd, tmp, src], capture_output=True)
+            proc = subprocess.run([*cmd, meta, src], capture_output=True)
             if proc.returncode != 0:
                 raise InvalidRequest(f"mkfs.erofs failed for {src}: {proc.stderr.decode(errors='replace')[-500:]}")
-            digest = _sha256(tmp)
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, self.blob_path(digest))
+            data_digest, digest = _sha256(data), _sha256(meta)
+            index = os.path.join(work, "chunks")
+            with open(index, "wb") as f:
+                f.write(ChunkIndex.build(data, self.chunk_size).to_bytes())
+            # data first, metadata last: a metadata image in the store always has its data
+            for path, name in ((data, f"{data_digest}.data"), (index, f"{data_digest}.chunks"),
+                               (meta, f"{digest}.erofs")):
+                self.backend.put(path, name)
+            self._db.execute("INSERT OR REPLACE INTO blob_data VALUES (?,?)", (digest, data_digest))
             if opts.content_key:
                 self._db.execute("INSERT OR REPLACE INTO built VALUES (?,?)", (opts.content_key, digest))
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            shutil.rmtree(work, ignore_errors=True)
         return digest
+
+    def _blob_size(self, digest: str) -> int:
+        size = os.path.getsize(self.blob_path(digest))
+        if data := self.data_of(digest):
+            size += os.path.getsize(self.data_path(data))
+        return size
 
     def built_blob(self, content_key: str) -> str | None:
         """The blob an earlier build of the same input produced, if it is still stored."""
@@ -202,7 +265,7 @@ class LayerStore:
         ref = normalize_layer_ref(ref)
         kind = layer_kind(ref)
         identity = digests[0] if len(digests) == 1 else hashlib.sha256(",".join(digests).encode()).hexdigest()
-        size = sum(os.path.getsize(self.blob_path(d)) for d in digests)
+        size = sum(self._blob_size(d) for d in digests)
         return self._publish(Layer(ref=ref, kind=kind, digest=identity, size=size, created_at=time.time(),
                                    source=source, blobs=digests if len(digests) > 1 else []))
 
@@ -214,14 +277,8 @@ class LayerStore:
             raise InvalidRequest(f"layer {ref!r} already exists", field="ref")
         check_erofs(path)
         digest = _sha256(path)
-        dest = self.blob_path(digest)
-        if not os.path.exists(dest):
-            fd, tmp = tempfile.mkstemp(dir=self.blob_dir, suffix=".tmp")
-            os.close(fd)
-            shutil.copyfile(path, tmp)
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, dest)
-        return self._publish(Layer(ref=ref, kind=kind, digest=digest, size=os.path.getsize(dest),
+        self.backend.put(path, f"{digest}.erofs")
+        return self._publish(Layer(ref=ref, kind=kind, digest=digest, size=os.path.getsize(self.blob_path(digest)),
                                    created_at=time.time(), source=source))
 
     def _publish(self, layer: Layer) -> Layer:
@@ -253,12 +310,16 @@ class LayerStore:
     def gc(self, in_use: set[str]) -> builtins.list[str]:
         """Delete blobs no published layer and no running sandbox references."""
         live = {b for layer in self.list() for b in layer.all_blobs} | in_use
+        live |= {d for b in live if (d := self.data_of(b))}
         removed = []
-        for name in os.listdir(self.blob_dir):
-            digest = name.split(".", 1)[0]
-            if name.endswith(".erofs") and digest not in live:
-                os.unlink(os.path.join(self.blob_dir, name))
-                removed.append(digest)
+        for name in self.backend.names():
+            digest, _, ext = name.partition(".")
+            if ext in ("erofs", "data", "chunks") and digest not in live:
+                self.backend.remove(name)
+                if ext != "chunks":
+                    removed.append(digest)
+        marks = ",".join("?" * len(live))
+        self._db.execute(f"DELETE FROM blob_data WHERE meta NOT IN ({marks})", tuple(live))
         return removed
 
 

@@ -30,7 +30,9 @@ from dsec.models import (
     ForkRequest,
     NodeStats,
     PackDiffRequest,
+    SandboxEvent,
     SandboxInfo,
+    StorageStats,
 )
 
 DEFAULT_URL = "http://127.0.0.1:7777"
@@ -207,6 +209,15 @@ class AsyncSandbox:
         return Layer.model_validate(await self._client._json("POST", f"{self._base}/pack_diff",
                                                              json=body.model_dump(), timeout=timeout))
 
+    async def events(self) -> builtins.list[SandboxEvent]:
+        """What happened to this sandbox: creation, prefetch, storage errors, access lists saved, ..."""
+        return [SandboxEvent.model_validate(x) for x in await self._client._json("GET", f"{self._base}/events")]
+
+    async def save_access_list(self) -> dict[str, int]:
+        """For a ``record_access`` sandbox: save the chunks read so far as its layers'
+        access lists now (it also happens when the sandbox stops). Data blob -> chunks."""
+        return dict(await self._client._json("POST", f"{self._base}/access_list"))
+
     async def stop(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(await self._client._json("DELETE", self._base))
         return self.info
@@ -304,6 +315,10 @@ class AsyncClient:
         """Stop every running sandbox of ``job`` (and/or carrying ``labels``)."""
         data = await self._json("DELETE", "/v1/sandboxes", params=_filters(job, labels))
         return [SandboxInfo.model_validate(x) for x in data]
+
+    async def storage_stats(self) -> builtins.list[StorageStats]:
+        """Per edge: layer store kind, fetch mode, chunk cache, and bytes fetched per data blob."""
+        return [StorageStats.model_validate(x) for x in await self._json("GET", "/v1/storage")]
 
     async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]

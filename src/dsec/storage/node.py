@@ -1,0 +1,256 @@
+"""Layer images on one node: turning a published image into a mounted EROFS filesystem.
+
+How an image reaches the mount depends on the store and the fetch mode:
+
+* local store: the metadata image and its data blob are mounted where they lie.
+* shared store, ``ondemand`` (default): the metadata image and chunk index are copied to
+  local disk (small, verified against their digests), and the data blob is read through
+  the node's lazy reader (:mod:`dsec.storage.lazyfs`), chunk by chunk, as files are read.
+* shared store, ``eager``: metadata and the whole data blob are copied to local disk
+  first (the baseline that on-demand loading is measured against).
+
+One mount per image per node (``DATA/layers/mnt/<digest>``), shared by every sandbox;
+a sandbox that records its access list gets private mounts under its own directory.
+The edge calls this through :class:`NodeLayers` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from dsec.edge import linux
+from dsec.errors import SandboxError
+from dsec.layers.store import LayerStore, check_erofs
+from dsec.storage.chunks import ChunkIndex
+from dsec.storage.lazyfs import LazyClient
+
+log = logging.getLogger("dsec.storage")
+FetchMode = Literal["ondemand", "eager"]
+
+
+class NodeLayers:
+    def __init__(self, store: LayerStore, data_dir: str, run_dir: str, mode: FetchMode = "ondemand",
+                 cache_bytes: int = 10 << 30, fetch_timeout_s: float = 20.0,
+                 on_error: Callable[[str, str], None] | None = None) -> None:
+        self.store = store
+        self.mode = mode
+        self.cache_bytes = cache_bytes
+        self.fetch_timeout_s = fetch_timeout_s
+        self.on_error = on_error or (lambda data, msg: log.warning("%s", msg))
+        self.mnt_dir = os.path.join(data_dir, "layers", "mnt")
+        node = os.path.join(data_dir, "node")
+        self.meta_dir = os.path.join(node, "meta")
+        self.full_dir = os.path.join(node, "full")
+        self.cache_dir = os.path.join(node, "cache")
+        self.lazy_mnt = os.path.join(node, "lazy")
+        self.log_path = os.path.join(node, "lazyfs.log")
+        for d in (self.mnt_dir, self.meta_dir, self.full_dir, self.cache_dir, self.lazy_mnt):
+            os.makedirs(d, exist_ok=True)
+        self.lazy = LazyClient(os.path.join(run_dir, "lazyfs.sock"))
+        self._lock = asyncio.Lock()
+        self._poll: asyncio.Task[None] | None = None
+        self._error_seq = 0
+        self.snapshot: dict[str, Any] = {}
+        # bytes this node copied whole from the store (metadata, eager data blobs)
+        self.copied_bytes = 0
+
+    @property
+    def on_demand(self) -> bool:
+        return self.store.backend.kind == "sharedfs" and self.mode == "ondemand"
+
+    # ---- the lazy reader process --------------------------------------------------
+    async def start(self) -> None:
+        if not self.on_demand:
+            return
+        await self._ensure_reader()
+        self._poll = asyncio.create_task(self._poll_loop())
+
+    async def _alive(self) -> bool:
+        try:
+            await self.lazy.call("ping")
+            return True
+        except (TimeoutError, OSError, RuntimeError, ValueError):
+            return False
+
+    async def _ensure_reader(self) -> None:
+        if await self._alive():
+            return
+        # A reader that died leaves its mount behind (ENOTCONN): layers mounted through
+        # it cannot be revived, new mounts need a fresh one.
+        if self.lazy_mnt in linux.mounted_under(self.lazy_mnt):
+            with contextlib.suppress(OSError):
+                linux.umount(self.lazy_mnt, detach=True)
+        cmd = [sys.executable, "-m", "dsec.storage.lazyfs", "--mount", self.lazy_mnt,
+               "--store", self.store.root, "--backend", self.store.backend.kind,
+               "--cache-dir", self.cache_dir, "--cache-bytes", str(self.cache_bytes),
+               "--index-dir", self.meta_dir, "--socket", self.lazy.socket_path,
+               "--fetch-timeout-s", str(self.fetch_timeout_s)]
+        proc = await asyncio.to_thread(self._spawn, cmd)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SandboxError(f"the lazy layer reader exited with {proc.returncode}; see {self.log_path}")
+            if await self._alive():
+                log.info("lazy layer reader pid %d on %s", proc.pid, self.lazy_mnt)
+                return
+            await asyncio.sleep(0.05)
+        proc.kill()
+        raise SandboxError(f"the lazy layer reader did not start; see {self.log_path}")
+
+    def _spawn(self, cmd: list[str]) -> subprocess.Popen[bytes]:
+        with open(self.log_path, "ab") as logf:
+            # its own session: it outlives an edge restart, so mounted layers keep their device
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                self.snapshot = await self.lazy.call("stats")
+                for e in await self.lazy.call("errors", since=self._error_seq):
+                    self._error_seq = max(self._error_seq, int(e["seq"]))
+                    self.on_error(str(e["data"]), str(e["message"]))
+            except (TimeoutError, OSError, RuntimeError, ValueError) as e:
+                log.warning("lazy layer reader unreachable: %s", e)
+                with contextlib.suppress(OSError, SandboxError):
+                    await self._ensure_reader()
+            await asyncio.sleep(1.0)
+
+    async def close(self, sandboxes_left: bool) -> None:
+        if self._poll:
+            self._poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll
+        if self.on_demand and not sandboxes_left and not linux.mounted_under(self.mnt_dir):
+            with contextlib.suppress(OSError, TimeoutError, RuntimeError):
+                pid = int((await self.lazy.call("ping"))["pid"])
+                await self.lazy.call("shutdown")
+                for _ in range(200):  # it unmounts itself on the way out
+                    if not os.path.exists(f"/proc/{pid}"):
+                        break
+                    await asyncio.sleep(0.05)
+
+    # ---- mounting -------------------------------------------------------------
+    async def mount(self, digest: str, target: str | None = None, record_tag: str | None = None) -> str:
+        """Mount image ``digest`` read-only; at the shared node mount point unless
+        ``target`` is given (a private mount, read through ``<data>@<record_tag>``)."""
+        shared = target is None
+        target = target or os.path.join(self.mnt_dir, digest)
+        async with self._lock:
+            if shared and os.path.ismount(target):
+                return target
+            source, opts = await self._prepare(digest, record_tag)
+            os.makedirs(target, exist_ok=True)
+            try:
+                linux.mount(source, target, "erofs", linux.MS_RDONLY, opts)
+            except OSError as e:
+                raise SandboxError(f"layer image {digest[:12]} does not mount (corrupt?): {e.strerror}") from None
+        return target
+
+    async def _prepare(self, digest: str, record_tag: str | None) -> tuple[str, str | None]:
+        data = self.store.data_of(digest)
+        if self.store.backend.kind == "local":
+            check_erofs(self.store.blob_path(digest))
+            return self.store.blob_path(digest), f"device={self.store.data_path(data)}" if data else None
+        meta = await self._copy(f"{digest}.erofs", self.meta_dir, digest)
+        check_erofs(meta)
+        if data is None:
+            return meta, None
+        if self.on_demand:
+            await self._fetch_index(data)
+            return meta, f"device={self.lazy_mnt}/{data}" + (f"@{record_tag}" if record_tag else "")
+        return meta, f"device={await self._copy(f'{data}.data', self.full_dir, data)}"
+
+    async def _copy(self, name: str, dest_dir: str, digest: str) -> str:
+        dest = os.path.join(dest_dir, name)
+        if os.path.exists(dest):
+            return dest
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._copy_verified, name, dest, digest),
+                                   max(self.fetch_timeout_s, 60.0))
+        except TimeoutError:
+            raise SandboxError(f"shared layer store did not deliver {name[:12]} in time") from None
+        except OSError as e:
+            raise SandboxError(f"shared layer store: cannot read {name[:12]}: {e.strerror}") from None
+        return dest
+
+    def _copy_verified(self, name: str, dest: str, digest: str) -> None:
+        tmp = f"{dest}.{os.getpid()}.tmp"
+        h = hashlib.sha256()
+        with open(self.store.backend.path(name), "rb") as src, open(tmp, "wb") as out:
+            while buf := src.read(4 << 20):
+                h.update(buf)
+                out.write(buf)
+                self.copied_bytes += len(buf)
+        if h.hexdigest() != digest:
+            os.unlink(tmp)
+            raise SandboxError(f"{name[:12]} from the shared store does not match its digest")
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, dest)
+
+    async def _fetch_index(self, data: str) -> ChunkIndex:
+        dest = os.path.join(self.meta_dir, f"{data}.chunks")
+        if not os.path.exists(dest):
+            raw = await asyncio.wait_for(asyncio.to_thread(self._read_whole, f"{data}.chunks"), self.fetch_timeout_s)
+            idx = ChunkIndex.from_bytes(raw)
+            tmp = f"{dest}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(raw)
+            os.replace(tmp, dest)
+            return idx
+        with open(dest, "rb") as f:
+            return ChunkIndex.from_bytes(f.read())
+
+    def _read_whole(self, name: str) -> bytes:
+        with open(self.store.backend.path(name), "rb") as f:
+            raw = f.read()
+        self.copied_bytes += len(raw)
+        return raw
+
+    async def release(self, in_use: set[str]) -> None:
+        """Unmount node-shared layer mounts no sandbox uses any more."""
+        async with self._lock:
+            for mp in linux.mounted_under(self.mnt_dir):
+                if os.path.basename(mp) not in in_use:
+                    with contextlib.suppress(OSError):
+                        linux.umount(mp)
+
+    # ---- prefetch and recording ---------------------------------------------
+    async def prefetch(self, digests: list[str]) -> int:
+        """Queue the recorded access lists of these images' data blobs; returns chunks queued."""
+        if not self.on_demand:
+            return 0
+        queued = 0
+        for digest in digests:
+            data = self.store.data_of(digest)
+            chunks = self.store.access_list(data) if data else []
+            if data and chunks:
+                await self._fetch_index(data)
+                await self.lazy.call("prefetch", data=data, chunks=chunks)
+                queued += len(chunks)
+        return queued
+
+    async def recorded(self, digest: str, record_tag: str, forget: bool = False) -> tuple[str, list[int]] | None:
+        """(data blob, chunks in first-touch order) that the private mount read so far."""
+        data = self.store.data_of(digest)
+        if not self.on_demand or data is None:
+            return None
+        got = await self.lazy.call("recorded", name=f"{data}@{record_tag}", forget=forget)
+        return data, [int(c) for c in got["chunks"]]
+
+    async def drop_caches(self) -> None:
+        """Forget everything fetched (node chunk cache, eager copies): for benchmarks."""
+        if self.on_demand:
+            await self.lazy.call("drop_cache")
+        for d in (self.full_dir,):
+            for name in os.listdir(d):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(d, name))
