@@ -50,8 +50,9 @@ class MooseFS:
         with open(os.path.join(r, "exports.cfg"), "w") as f:
             f.write("127.0.0.1 / rw,alldirs,maproot=0\n")
         open(os.path.join(r, "topology.cfg"), "w").close()
-        with open(os.path.join(r, "master", "metadata.mfs"), "wb") as f:
-            f.write(b"MFSM NEW")
+        if not any(n.startswith("metadata.mfs") for n in os.listdir(os.path.join(r, "master"))):
+            with open(os.path.join(r, "master", "metadata.mfs"), "wb") as f:  # a new, empty filesystem
+                f.write(b"MFSM NEW")
         with open(os.path.join(r, "cs.cfg"), "w") as f:
             f.write(f"WORKING_USER = root\nWORKING_GROUP = root\nDATA_PATH = {r}/cs\nHDD_CONF_FILENAME = {r}/hdd.cfg\n"
                     f"MASTER_HOST = {self.ip}\nMASTER_PORT = {mcs}\nBIND_HOST = {self.ip}\n"

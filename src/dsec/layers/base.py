@@ -66,13 +66,15 @@ def build_busybox(store: LayerStore, ref: str = "base/busybox:latest") -> Layer:
         return store.import_dir(root, ref)
 
 
-def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "bookworm") -> Layer:
+def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "bookworm",
+                 packages: list[str] | None = None) -> Layer:
+    """A Debian ``suite`` root with ``packages`` (default: the built-in set) and their dependencies."""
     if store.has(ref):
         return store.get(ref)
     with tempfile.TemporaryDirectory(prefix="dsec-debian-") as tmp:
         root = os.path.join(tmp, "rootfs")
         subprocess.run(
-            ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}",
+            ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(packages or DEBIAN_PACKAGES)}",
              "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
              "--dpkgopt=path-exclude=/usr/share/locale/*", suite, root, host_apt_sources()],
             check=True)
