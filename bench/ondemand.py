@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from container import write_section  # noqa: E402
+from container import start_server, write_section  # noqa: E402
 from layers import _dev_of  # noqa: E402
 
 import dsec  # noqa: E402
@@ -73,29 +73,6 @@ def _drop_page_cache() -> None:
         f.write("3\n")
 
 
-def _serve(data_dir: str, store: str, mode: str) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.path.join(data_dir, "serve.log"), "ab")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--data-dir",
-                             data_dir, "--token", TOKEN, "--log-level", "warning", "--store", store,
-                             "--fetch-mode", mode], stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("dsec serve did not start")
-
-
 async def burst(url: str, per_image: int) -> tuple[float, list[float]]:
     async with dsec.AsyncClient(url=url, token=TOKEN, timeout=900) as c:
         async def one(image: str, task: str) -> float:
@@ -117,7 +94,7 @@ async def burst(url: str, per_image: int) -> tuple[float, list[float]]:
 
 def run_mode(mode: str, store_root: str, work: str, per_image: int, chunkserver: int) -> dict[str, float]:
     data_dir = tempfile.mkdtemp(prefix=f"node-{mode}-", dir=work)
-    proc, url = _serve(data_dir, store_root, mode)
+    proc, url = start_server(data_dir, TOKEN, ["--store", store_root, "--fetch-mode", mode])
     try:
         dev = _dev_of(data_dir)
         _drop_page_cache()

@@ -80,6 +80,9 @@ class ChunkReader:
         self.cache = cache
         self.index_dir = index_dir
         self.fetch_timeout_s = fetch_timeout_s
+        self._degraded_until = 0.0
+        self._probing = False
+        self._last_probe = 0.0
         self.memory_bytes = memory_bytes
         # Store reads run here. A hung store can hold every thread, never more: later
         # reads then wait for a thread and time out like the hung ones.
@@ -160,19 +163,43 @@ class ChunkReader:
             st.misses += 1
         off, length = idx.span(c)
         t0 = time.monotonic()
+        timeout, probe = self._timeout()
         try:
             got = await asyncio.wait_for(loop.run_in_executor(self._pool, self._fetch, data, off, length, digest),
-                                         self.fetch_timeout_s)
+                                         timeout)
         except (TimeoutError, FetchError, OSError) as e:
+            if isinstance(e, TimeoutError):
+                self._degraded_until = time.monotonic() + 2 * self.fetch_timeout_s
+                if timeout >= self.fetch_timeout_s:  # a full wait that failed counts as the latest probe
+                    self._last_probe = time.monotonic()
             st.errors += 1
             reason = "timed out" if isinstance(e, TimeoutError) else str(e)
             self._error(data, c, f"chunk {c} of {data[:12]}: shared store read {reason}")
             raise FetchError(reason) from None
+        finally:
+            if probe:
+                self._probing = False
+        self._degraded_until = 0.0
         st.observe(time.monotonic() - t0)
         st.remote_bytes += len(got)
         st.remote_chunks += 1
         await loop.run_in_executor(self._io, self.cache.put, digest, got)
         return got
+
+    def _timeout(self) -> tuple[float, bool]:
+        """(timeout, is_probe) for a new fetch. Right after a fetch timed out, the kernel
+        retries the failed range page by page (EROFS, then FUSE readahead); each retry
+        waiting a full timeout would hold the reader for minutes. So while the store is
+        known stalled, one fetch at a time probes it with the full timeout and the others
+        get a short grace; the first success ends that."""
+        now = time.monotonic()
+        if now >= self._degraded_until:
+            return self.fetch_timeout_s, False
+        if not self._probing and now - self._last_probe >= self.fetch_timeout_s:
+            self._probing = True
+            self._last_probe = now
+            return self.fetch_timeout_s, True
+        return min(self.fetch_timeout_s, 0.5), False
 
     def _fetch(self, data: str, off: int, length: int, digest: bytes) -> bytes:
         import hashlib
