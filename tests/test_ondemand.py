@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -281,6 +282,25 @@ async def test_reader_survives_edge_restart(node: Platform, client: dsec.AsyncCl
             # a file not read before: fetched through the same reader
             assert await _sum(again, "/od/f4") == sums["/od/f4"]
             await again.stop()
+    finally:
+        await sb.stop()
+
+
+async def test_new_sandboxes_work_after_the_reader_dies(node: Platform, client: dsec.AsyncClient,
+                                                        shared: tuple[str, dict[str, str]]) -> None:
+    sums = shared[1]
+    (old,) = _reader_pids(node.data_dir)
+    os.kill(old, signal.SIGKILL)
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{old}"):
+        assert time.time() < deadline
+        await asyncio.sleep(0.05)
+    sb = await _busybox(client, "ws/od-big:v1")  # mounts afresh through a new reader
+    try:
+        assert await _sum(sb, "/od/f5") == sums["/od/f5"]
+        assert await _sum(sb, "/od/f1") == sums["/od/f1"]  # from the chunk cache the dead reader filled
+        (new,) = _reader_pids(node.data_dir)
+        assert new != old
     finally:
         await sb.stop()
 

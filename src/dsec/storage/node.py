@@ -85,8 +85,13 @@ class NodeLayers:
         if await self._alive():
             return
         # A reader that died leaves its mount behind (ENOTCONN): layers mounted through
-        # it cannot be revived, new mounts need a fresh one.
+        # it cannot be revived. Detach them all, so that new sandboxes mount afresh
+        # through the new reader; sandboxes already on them keep them (their reads fail).
         if self.lazy_mnt in linux.mounted_under(self.lazy_mnt):
+            log.warning("lazy layer reader died; layer mounts made through it are detached")
+            for mp in linux.mounted_under(self.mnt_dir):
+                with contextlib.suppress(OSError):
+                    linux.umount(mp, detach=True)
             with contextlib.suppress(OSError):
                 linux.umount(self.lazy_mnt, detach=True)
         cmd = [sys.executable, "-m", "dsec.storage.lazyfs", "--mount", self.lazy_mnt,
@@ -121,7 +126,8 @@ class NodeLayers:
             except (TimeoutError, OSError, RuntimeError, ValueError) as e:
                 log.warning("lazy layer reader unreachable: %s", e)
                 with contextlib.suppress(OSError, SandboxError):
-                    await self._ensure_reader()
+                    async with self._lock:
+                        await self._ensure_reader()
             await asyncio.sleep(1.0)
 
     async def close(self, sandboxes_left: bool) -> None:
@@ -145,6 +151,8 @@ class NodeLayers:
         shared = target is None
         target = target or os.path.join(self.mnt_dir, digest)
         async with self._lock:
+            if self.on_demand:
+                await self._ensure_reader()
             if shared and os.path.ismount(target):
                 return target
             source, opts = await self._prepare(digest, record_tag)
@@ -232,10 +240,16 @@ class NodeLayers:
         for digest in digests:
             data = self.store.data_of(digest)
             chunks = self.store.access_list(data) if data else []
-            if data and chunks:
+            if not (data and chunks):
+                continue
+            try:  # a hint: never the reason a create fails
+                async with self._lock:
+                    await self._ensure_reader()
                 await self._fetch_index(data)
                 await self.lazy.call("prefetch", data=data, chunks=chunks)
                 queued += len(chunks)
+            except (OSError, TimeoutError, RuntimeError, ValueError, SandboxError) as e:
+                log.warning("prefetch of %s not queued: %s", data[:12], e)
         return queued
 
     async def recorded(self, digest: str, record_tag: str, forget: bool = False) -> tuple[str, list[int]] | None:
