@@ -162,13 +162,15 @@ async def bench_dsec(url: str, token: str, n: int, conc: int, execs: int) -> dic
         return {"lat": lat, "exec": ex, "session": sess, "inside": inside, "rate": rate}
 
 
-def start_server(data_dir: str, token: str, extra_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(data_dir: str, token: str, extra_args: list[str] | None = None,
+                 log: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--data-dir",
-                             data_dir, "--token", token, "--log-level", "warning", *(extra_args or [])],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             data_dir, "--token", token, "--log-level", "info" if log else "warning",
+                             *(extra_args or [])],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "ab") if log else subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:

@@ -81,7 +81,7 @@ async def burst(url: str, per_image: int) -> tuple[float, list[float]]:
             try:
                 r = await sb.exec(["sh", "-c", task], timeout=900)
                 if r.exit_code != 0 or r.stdout.split()[-1:] not in (["42"], ["8"]):
-                    raise RuntimeError(f"{image}: task failed: {r.stderr[-500:]}")
+                    raise RuntimeError(f"{image}: task failed ({r.exit_code}): {r.stdout[-200:]} {r.stderr[-500:]}")
             finally:
                 await sb.stop()
             return time.monotonic() - t0
@@ -93,7 +93,8 @@ async def burst(url: str, per_image: int) -> tuple[float, list[float]]:
 
 def run_mode(mode: str, store_root: str, work: str, per_image: int, chunkserver: int) -> dict[str, float]:
     data_dir = tempfile.mkdtemp(prefix=f"node-{mode}-", dir=work)
-    proc, url = start_server(data_dir, TOKEN, ["--store", store_root, "--fetch-mode", mode])
+    proc, url = start_server(data_dir, TOKEN, ["--store", store_root, "--fetch-mode", mode],
+                             log=os.path.join(work, f"serve-{mode}.log"))
     try:
         dev = _dev_of(data_dir)
         _drop_page_cache()
@@ -114,6 +115,10 @@ def run_mode(mode: str, store_root: str, work: str, per_image: int, chunkserver:
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+        with open("/proc/self/mountinfo") as f:
+            left = [line.split()[4] for line in f if data_dir in line]
+        if left:  # never rm -rf across mounts; a leak is a bug to look at
+            raise RuntimeError(f"node {data_dir} left mounts behind: {left}")
         subprocess.run(["rm", "-rf", data_dir])
 
 

@@ -104,6 +104,7 @@ class Sandbox:
     dirty: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     events: deque[SandboxEvent] = field(default_factory=lambda: deque(maxlen=200))
+    teardown: asyncio.Task[None] | None = None
 
     @property
     def id(self) -> str:
@@ -130,6 +131,7 @@ class Edge:
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
         self.layer_mnt = self.node_layers.mnt_dir
         self._ttl_task: asyncio.Task[None] | None = None
+        self._teardowns: set[asyncio.Task[None]] = set()
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
         self.metrics = EdgeMetrics(self.name, lambda: [
@@ -148,6 +150,8 @@ class Edge:
             self._ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ttl_task
+        if self._teardowns:  # bounded: a teardown stuck on the kernel must not hold the shutdown forever
+            await asyncio.wait(list(self._teardowns), timeout=60)
         for sb in self.sandboxes.values():
             if sb.watch:
                 sb.watch.cancel()
@@ -158,6 +162,8 @@ class Edge:
             self.runtime.remove_cgroup_parent()
         await self.release_layers()
         await self.node_layers.close(sandboxes_left=bool(self.sandboxes))
+        if not self.sandboxes:  # per-boot sockets and runtime state: nothing left to find again
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def on_event(self, sandbox_id: str, kind: str, message: str) -> None:
         """Something a sandbox's owner should know: kept with the sandbox (``GET .../events``) and logged."""
@@ -350,13 +356,25 @@ class Edge:
 
     # ---- stop and cleanup ---------------------------------------------------
     async def stop(self, sandbox_id: str) -> SandboxInfo:
-        sb = self._get_live(sandbox_id, for_stop=True)
+        self._get_live(sandbox_id)  # validates the id and its edge
+        sb = self.sandboxes.get(sandbox_id)
         if sb is None:
             return self._tombstone(sandbox_id)
+        # a teardown already under way (TTL, init exit) is waited for, not raced
         await self._teardown(sb, SandboxState.stopped, "stopped")
         return sb.rec.info
 
     async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
+        """Release everything of a sandbox, once. The work runs in its own task, shielded:
+        a caller that is cancelled (an edge shutdown, a dropped request) cannot leave it
+        half done, and :meth:`close` waits for it."""
+        if sb.teardown is None:
+            sb.teardown = asyncio.create_task(self._release(sb, final, reason, record))
+            self._teardowns.add(sb.teardown)
+            sb.teardown.add_done_callback(self._teardowns.discard)
+        await asyncio.shield(sb.teardown)
+
+    async def _release(self, sb: Sandbox, final: SandboxState, reason: str, record: bool) -> None:
         async with sb.lock:
             if sb.stopping and sb.rec.info.state in (SandboxState.stopped, SandboxState.failed):
                 return
@@ -398,7 +416,7 @@ class Edge:
             raise NotFound(f"no sandbox {sandbox_id!r} on edge {self.name}", field="sandbox_id")
         return rec.info
 
-    def _get_live(self, sandbox_id: str, for_stop: bool = False) -> Sandbox | None:
+    def _get_live(self, sandbox_id: str) -> Sandbox | None:
         try:
             if parse_sandbox_id(sandbox_id) != self.name:
                 raise NotFound(f"sandbox {sandbox_id!r} does not live on edge {self.name}", field="sandbox_id")
