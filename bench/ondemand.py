@@ -186,6 +186,12 @@ def render(results: dict[str, list[dict[str, float]]], sizes: dict[str, int], pe
         else:
             ratio = f"{(1 - o / e) * 100:.0f}% fewer" if e else ""
         out.append(f"| {name} | {e * scale:.1f} | {o * scale:.1f} | {ratio} | {target} |")
+    out += ["", "Tasks: g++ builds and runs a C++ hello world; Python imports numpy and scipy.linalg and "
+            "computes a determinant; rustc -O builds and runs a Rust hello world. Each sandbox is created, runs "
+            "its task, and is stopped; all 12 at once on a node with empty caches. On demand reads ~13% of the "
+            "images (the files the tasks touch, in 1 MiB chunks), plus metadata; eager copies every data blob "
+            "whole before the first sandbox of an image starts. DSec reports 1.71x faster and 57% fewer disk "
+            "writes for its on-demand loading."]
     return "\n".join(out)
 
 
