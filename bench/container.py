@@ -243,7 +243,8 @@ async def main() -> None:
     mounted_here = not os.path.ismount(layer_mnt)
     if mounted_here:  # the same file-backed EROFS mount the edge uses
         os.makedirs(layer_mnt, exist_ok=True)
-        linux.mount(store.blob_path(digest), layer_mnt, "erofs", linux.MS_RDONLY)
+        source, opts = store.mount_args(digest)
+        linux.mount(source, layer_mnt, "erofs", linux.MS_RDONLY, opts)
     try:
         raw = await bench_raw(layer_mnt, a.n, a.concurrency, a.execs)
     finally:

@@ -100,7 +100,8 @@ def erofs_path(root: str, store: LayerStore, refs: list[str], n: int, blk: str) 
         digest = store.get(ref).digest
         mnt = os.path.join(root, "mnt", digest)
         os.makedirs(mnt)
-        linux.mount(store.blob_path(digest), mnt, "erofs", linux.MS_RDONLY)
+        source, opts = store.mount_args(digest)
+        linux.mount(source, mnt, "erofs", linux.MS_RDONLY, opts)
         lowers.insert(0, mnt)
     for i in range(n):  # per sandbox
         d = os.path.join(root, f"sb{i}")

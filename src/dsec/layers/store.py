@@ -131,6 +131,13 @@ class LayerStore:
         row = self._db.execute("SELECT data FROM blob_data WHERE meta=?", (digest,)).fetchone()
         return str(row[0]) if row else None
 
+    def mount_args(self, digest: str) -> tuple[str, str | None]:
+        """(source, options) to mount image ``digest`` straight from this store with
+        mount(2): the metadata file, and its data blob as the EROFS extra device."""
+        check_erofs(self.blob_path(digest))
+        data = self.data_of(digest)
+        return self.blob_path(digest), f"device={self.data_path(data)}" if data else None
+
     def chunk_index(self, data: str) -> ChunkIndex:
         with open(self.backend.path(f"{data}.chunks"), "rb") as f:
             return ChunkIndex.from_bytes(f.read())

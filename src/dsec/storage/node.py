@@ -166,8 +166,7 @@ class NodeLayers:
     async def _prepare(self, digest: str, record_tag: str | None) -> tuple[str, str | None]:
         data = self.store.data_of(digest)
         if self.store.backend.kind == "local":
-            check_erofs(self.store.blob_path(digest))
-            return self.store.blob_path(digest), f"device={self.store.data_path(data)}" if data else None
+            return self.store.mount_args(digest)
         meta = await self._copy(f"{digest}.erofs", self.meta_dir, digest)
         check_erofs(meta)
         if data is None:
