@@ -13,12 +13,23 @@ from dsec.errors import (
     Unauthorized,
 )
 from dsec.layers.store import Layer
-from dsec.models import ContainerArgs, ExecEvent, ExecResult, FileStat, SandboxInfo, SandboxState
+from dsec.models import (
+    ContainerArgs,
+    ExecEvent,
+    ExecResult,
+    FileStat,
+    FnCallArgs,
+    FnCallResult,
+    SandboxInfo,
+    SandboxState,
+    TestCase,
+)
 from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DsecError",
-    "EdgeUnavailable", "ExecEvent", "ExecResult", "FileStat", "InvalidRequest", "Layer", "LayerInUse", "NotFound",
+    "EdgeUnavailable", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
+    "InvalidRequest", "Layer", "LayerInUse", "NotFound",
     "PayloadTooLarge",
-    "Sandbox", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState", "Unauthorized",
+    "Sandbox", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState", "TestCase", "Unauthorized",
 ]

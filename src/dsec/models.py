@@ -7,6 +7,7 @@ names it.
 
 from __future__ import annotations
 
+import os
 import re
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -77,9 +78,23 @@ class ContainerArgs(Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(default=None, max_length=128)
     workdir: str = "/root"
+    tmpfs: dict[str, Annotated[int, Field(ge=1, le=64 * 1024)]] = Field(
+        default_factory=dict, description="extra tmpfs mounts, absolute path -> size in MiB (charged to memory)")
     record_access: bool = Field(
         default=False, description="record which chunks of its layers this sandbox reads and save them, when "
         "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
+
+    @field_validator("tmpfs")
+    @classmethod
+    def _tmpfs(cls, v: dict[str, int]) -> dict[str, int]:
+        if len(v) > 8:
+            raise ValueError("at most 8 tmpfs mounts")
+        for path in v:
+            norm = os.path.normpath(path)
+            if not path.startswith("/") or norm == "/" or norm.split("/")[1] in ("proc", "sys", "dev") \
+                    or "\0" in path or norm != path:
+                raise ValueError(f"tmpfs path {path!r} must be absolute, normalized, and not /, /proc, /sys or /dev")
+        return v
 
     @field_validator("image")
     @classmethod
@@ -244,6 +259,85 @@ class NodeStats(BaseModel):
     memory_reserved_mb: int
     max_sandboxes: int
     per_job: dict[str, int] = Field(default_factory=dict)
+
+
+# ---- FnCall ------------------------------------------------------------------
+FnCallStatus = Literal["ok", "compile_error", "time_limit", "memory_limit", "runtime_error", "output_limit"]
+Verdict = Literal["accepted", "wrong_answer", "time_limit", "memory_limit", "runtime_error", "output_limit"]
+MAX_FNCALL_INPUT = 16 * 1024 * 1024
+
+
+class TestCase(Strict):
+    __test__ = False  # not a pytest class
+
+    stdin: str = Field(default="", max_length=MAX_FNCALL_INPUT)
+    expected_stdout: str | None = Field(default=None, max_length=MAX_FNCALL_INPUT)
+
+
+class FnCallArgs(Strict):
+    """A short stateless task: code in a language, run in a pooled warm container."""
+
+    language: str = Field(min_length=1, max_length=32)
+    code: str = Field(min_length=1, max_length=1024 * 1024)
+    stdin: str = Field(default="", max_length=MAX_FNCALL_INPUT)
+    files: dict[str, str] = Field(default_factory=dict, description="relative path -> text, put in the scratch dir")
+    tests: list[TestCase] = Field(default_factory=list, max_length=256,
+                                  description="run against each (compiled once); stdin is then ignored")
+    time_limit_s: Annotated[float, Field(gt=0, le=60)] = 5.0
+    memory_limit_mb: Annotated[int, Field(ge=16, le=8192)] = 256
+    pids_limit: Annotated[int, Field(ge=1, le=1024)] = 32
+    output_limit_kb: Annotated[int, Field(ge=1, le=64 * 1024)] = 1024
+    compile_time_limit_s: Annotated[float, Field(gt=0, le=120)] = 30.0
+    comparator: Literal["exact", "whitespace", "float"] = "whitespace"
+    float_tolerance: Annotated[float, Field(ge=0, le=1)] = 1e-6
+    image: str = Field(default="base/fncall:12", description="FnCall image: a base layer with the toolchains")
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: dict[str, str]) -> dict[str, str]:
+        total = 0
+        for path, text in v.items():
+            norm = os.path.normpath(path)
+            if not path or path.startswith("/") or norm.startswith("..") or "\0" in path or len(path) > 255:
+                raise ValueError(f"file path {path!r} must be relative and stay inside the scratch dir")
+            total += len(text)
+        if total > MAX_FNCALL_INPUT or len(v) > 1000:
+            raise ValueError("files: at most 1000 files and 16 MiB in all")
+        return v
+
+
+class FnCallRun(BaseModel):
+    status: FnCallStatus
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    time_ms: float = Field(description="CPU time, user + system")
+    wall_ms: float
+    memory_kb: int = Field(description="peak resident set size")
+
+
+class TestResult(FnCallRun):
+    __test__ = False
+
+    verdict: Verdict
+
+
+class FnCallResult(BaseModel):
+    """``status`` and the run fields describe the run of ``stdin`` (no tests), or the
+    first failing test (else the last one); ``compile`` is set for compiled languages."""
+
+    status: FnCallStatus
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    time_ms: float = 0.0
+    wall_ms: float = 0.0
+    memory_kb: int = 0
+    compile: FnCallRun | None = None
+    tests: list[TestResult] = Field(default_factory=list)
+    container: str = Field(default="", description="the pooled sandbox that ran it")
 
 
 class SandboxEvent(BaseModel):

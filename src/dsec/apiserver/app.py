@@ -41,6 +41,8 @@ from dsec.models import (
     ExecEvent,
     ExecRequest,
     FileStat,
+    FnCallArgs,
+    FnCallResult,
     ForkRequest,
     NodeStats,
     PackDiffRequest,
@@ -114,6 +116,17 @@ class Apiserver:
                 last = e
         assert last is not None
         raise last
+
+    def fncall_edge(self, image: str) -> EdgeAPI:
+        """The edge for a FnCall: placed like a small sandbox; its pool does the rest."""
+        try:
+            self.layers.get(image)
+        except (NotFound, ValueError):
+            raise NotFound(f"unknown FnCall image {image!r}", field="image") from None
+        if not self.watcher.view:
+            return next(iter(self.edges.values()))
+        name = self.placement.choose(ContainerArgs(image=image, memory_limit_mb=64, cpu_cores_limit=0.1), exclude=set())
+        return self.edges[name]
 
     async def fork(self, req: ForkRequest) -> list[SandboxInfo]:
         """n sandboxes stacked exactly as the snapshot was taken, created concurrently;
@@ -332,6 +345,15 @@ def build_app(api: Apiserver) -> FastAPI:
     async def save_access_list(sandbox_id: str) -> dict[str, int]:
         """Save what a record_access sandbox has read so far as its layers' access lists (data blob -> chunks)."""
         return await api.edge_for(sandbox_id).save_access_lists(sandbox_id)
+
+    @app.post("/v1/fncall")
+    async def fncall(args: FnCallArgs) -> FnCallResult:
+        """Run a short stateless task in a pooled warm container (compile once, run each test)."""
+        return await api.fncall_edge(args.image).fncall(args)
+
+    @app.get("/v1/fncall/languages")
+    async def fncall_languages(image: str = "base/fncall:12") -> list[str]:
+        return await api.fncall_edge(image).fncall_languages(image)
 
     @app.get("/v1/storage")
     async def storage() -> list[StorageStats]:

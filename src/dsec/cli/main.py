@@ -24,6 +24,8 @@ app = typer.Typer(help="dsec: elastic sandboxes for agentic RL", no_args_is_help
                   pretty_exceptions_enable=False)
 layer_app = typer.Typer(help="Environment layers", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
+fncall_app = typer.Typer(help="FnCall: short stateless tasks in pooled warm containers", no_args_is_help=True)
+app.add_typer(fncall_app, name="fncall")
 console = Console()
 err = Console(stderr=True)
 
@@ -284,6 +286,33 @@ def layer_gc(url: UrlOpt = None, token: TokenOpt = None) -> None:
     with _api(url, token) as c:
         removed = c.gc_layers()
     console.print(f"removed {len(removed)} blobs")
+
+
+@fncall_app.command("languages")
+def fncall_languages(image: str = "base/fncall:12", url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Languages the FnCall image has toolchains for."""
+    with _api(url, token) as c:
+        print("\n".join(c.fncall_languages(image)))
+
+
+@fncall_app.command("run")
+def fncall_run(language: str, source: Annotated[str, typer.Argument(help="source file, - for stdin")],
+               stdin_file: Annotated[str | None, typer.Option("--stdin", help="file fed to the program")] = None,
+               time_limit: float = 5.0, memory_mb: int = 256, image: str = "base/fncall:12",
+               url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Run a source file once; prints its output, exits with its exit code (3 on a limit)."""
+    from dsec.models import FnCallArgs
+
+    code = sys.stdin.read() if source == "-" else open(source).read()
+    stdin = open(stdin_file).read() if stdin_file else ""
+    with _api(url, token) as c:
+        r = c.fncall(FnCallArgs(language=language, code=code, stdin=stdin, time_limit_s=time_limit,
+                                memory_limit_mb=memory_mb, image=image))
+    sys.stdout.write(r.stdout)
+    sys.stderr.write(r.stderr)
+    err.print(f"{r.status} exit={r.exit_code} signal={r.signal} cpu={r.time_ms:.0f}ms wall={r.wall_ms:.0f}ms "
+              f"mem={r.memory_kb}KB")
+    raise typer.Exit(r.exit_code if r.status in ("ok", "runtime_error") and r.exit_code is not None else 3)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, OnData
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
+from dsec.backends.fncall.pool import FnCallService
 from dsec.edge import linux
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.state import EdgeState, Record
@@ -45,6 +46,8 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileStat,
+    FnCallArgs,
+    FnCallResult,
     HttpResponse,
     LayerFetchStats,
     NodeStats,
@@ -130,6 +133,7 @@ class Edge:
         self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
         self.layer_mnt = self.node_layers.mnt_dir
+        self.fncall_service = FnCallService(self, os.cpu_count() or 1)
         self._ttl_task: asyncio.Task[None] | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
         self.cpus = os.cpu_count() or 1
@@ -145,7 +149,9 @@ class Edge:
         self._ttl_task = asyncio.create_task(self._ttl_loop())
 
     async def close(self) -> None:
-        """Stop serving; running sandboxes keep running and are re-adopted next start."""
+        """Stop serving; running sandboxes keep running and are re-adopted next start
+        (FnCall pool containers are stopped: they hold no one's state)."""
+        await self.fncall_service.close()
         if self._ttl_task:
             self._ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -303,7 +309,7 @@ class Edge:
                         f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
             limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit)
             with open(os.path.join(sb.dir, "config.json"), "w") as f:
-                json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid)), f)
+                json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid), args.tmpfs), f)
             sock_path = self._sock_path(sid)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(sock_path)
@@ -502,6 +508,33 @@ class Edge:
         sb, agent = self._running(sandbox_id)
         master, pid, exited = await agent.open_tty(cols, rows)
         return master, pid, exited, agent
+
+    # ---- FnCall -------------------------------------------------------------
+    async def fncall(self, args: FnCallArgs) -> FnCallResult:
+        return await self.fncall_service.call(args)
+
+    async def fncall_languages(self, image: str) -> list[str]:
+        return await self.fncall_service.languages(image)
+
+    async def spawn_worker(self, sandbox_id: str, argv: list[str], files: dict[str, bytes]
+                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Put ``files`` (root-owned, read-only to others) into a sandbox and start ``argv``
+        as root with a socketpair for stdin and stdout: the FnCall pool's worker channel."""
+        _, agent = self._running(sandbox_id)
+        for path, data in files.items():
+            await asyncio.to_thread(agent.write_file, path, data, 0o644)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            await agent.init.spawn(argv, {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, "/",
+                                   [theirs.fileno(), theirs.fileno(), devnull])
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(devnull)
+        return await asyncio.open_unix_connection(sock=mine, limit=64 << 20)
 
     # ---- layers: pack_diff, in-use ------------------------------------------------
     async def pack_diff(self, sandbox_id: str, ref: str, scrub_paths: list[str] | None = None,

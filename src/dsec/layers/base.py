@@ -88,5 +88,10 @@ def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "b
         return store.import_dir(root, ref)
 
 
+# the FnCall image: the Debian base plus compilers for the worker's compiled languages
+FNCALL_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev", "make"]
+
+
 def ensure_base_layers(store: LayerStore) -> list[Layer]:
-    return [build_busybox(store), build_debian(store)]
+    return [build_busybox(store), build_debian(store),
+            build_debian(store, "base/fncall:12", packages=FNCALL_PACKAGES)]

@@ -9,6 +9,7 @@ the process that made it.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import json
 import os
@@ -27,6 +28,8 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileStat,
+    FnCallArgs,
+    FnCallResult,
     ForkRequest,
     NodeStats,
     PackDiffRequest,
@@ -315,6 +318,26 @@ class AsyncClient:
         """Stop every running sandbox of ``job`` (and/or carrying ``labels``)."""
         data = await self._json("DELETE", "/v1/sandboxes", params=_filters(job, labels))
         return [SandboxInfo.model_validate(x) for x in data]
+
+    async def fncall(self, args: FnCallArgs, timeout: float = 600.0) -> FnCallResult:
+        """Run code in a pooled warm container: one run of ``args.stdin``, or compile once
+        and run every test case with an online-judge verdict each."""
+        return FnCallResult.model_validate(await self._json("POST", "/v1/fncall", json=args.model_dump(),
+                                                            timeout=timeout))
+
+    async def fncall_many(self, calls: builtins.list[FnCallArgs], concurrency: int = 8,
+                          timeout: float = 600.0) -> builtins.list[FnCallResult]:
+        """Results in the order of ``calls``, at most ``concurrency`` in flight."""
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(a: FnCallArgs) -> FnCallResult:
+            async with gate:
+                return await self.fncall(a, timeout)
+
+        return list(await asyncio.gather(*(one(a) for a in calls)))
+
+    async def fncall_languages(self, image: str = "base/fncall:12") -> builtins.list[str]:
+        return list(await self._json("GET", "/v1/fncall/languages", params={"image": image}))
 
     async def storage_stats(self) -> builtins.list[StorageStats]:
         """Per edge: layer store kind, fetch mode, chunk cache, and bytes fetched per data blob."""

@@ -65,8 +65,12 @@ class Limits:
     pids: int
 
 
-def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str) -> dict[str, object]:
+def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
+               tmpfs: dict[str, int] | None = None) -> dict[str, object]:
+    """``tmpfs``: extra size-bounded tmpfs mounts (path -> MiB), charged to the sandbox's memory."""
     period = 100_000
+    extra = [{"destination": path, "type": "tmpfs", "source": "tmpfs",
+              "options": ["nosuid", "nodev", "mode=1777", f"size={mb}m"]} for path, mb in sorted((tmpfs or {}).items())]
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -93,6 +97,7 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str) -
              "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
+            *extra,
         ],
         "linux": {
             "cgroupsPath": cgroup_path,

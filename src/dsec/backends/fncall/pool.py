@@ -1,0 +1,295 @@
+"""FnCall on one edge: pools of pre-created containers with warm worker processes.
+
+Per FnCall image a pool keeps containers created through the edge like any sandbox
+(label ``dsec-role=fncall``), each running ``WORKERS`` warm workers
+(:mod:`dsec.backends.fncall.worker`), each under its own unprivileged uid. A call takes
+an idle worker (starting a container when all are busy, up to ``max_containers``),
+sends it the code, and gets runs back; the edge never provisions anything per call.
+A worker that reports its call left something behind retires its whole container, which
+is replaced; containers idle past ``idle_s`` beyond ``min_containers`` are stopped.
+Verdicts (accepted, wrong answer with the chosen comparator, limits) are decided here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dsec.errors import InvalidRequest, SandboxError
+from dsec.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun, SandboxInfo, TestResult
+
+log = logging.getLogger("dsec.fncall")
+WORKER_SRC = os.path.join(os.path.dirname(__file__), "worker.py")
+WORKER_PATH = "/opt/dsec-fncall/worker.py"
+WORKERS = 2
+BASE_UID = 20000
+SLOT_MEMORY_MB = 2048
+PREIMPORT = ["json", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "decimal",
+             "fractions", "random", "string", "typing", "dataclasses"]
+
+
+class FnCallEdge(Protocol):
+    """What the pool needs from its edge."""
+
+    async def create(self, args: ContainerArgs, sandbox_id: str | None = None) -> SandboxInfo: ...
+    async def stop(self, sandbox_id: str) -> SandboxInfo: ...
+    async def spawn_worker(self, sandbox_id: str, argv: list[str], files: dict[str, bytes]
+                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]: ...
+
+
+@dataclass
+class _Container:
+    sandbox_id: str
+    workers: list[_Worker] = field(default_factory=list)
+    retired: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Worker:
+    container: _Container
+    uid: int
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    async def request(self, obj: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+        async def go() -> dict[str, Any]:
+            if obj is not None:
+                data = json.dumps(obj).encode()
+                self.writer.write(struct.pack(">I", len(data)) + data)
+                await self.writer.drain()
+            n = struct.unpack(">I", await self.reader.readexactly(4))[0]
+            return dict(json.loads(await self.reader.readexactly(n)))
+
+        return await asyncio.wait_for(go(), timeout)
+
+
+class _ImagePool:
+    def __init__(self, svc: FnCallService, image: str) -> None:
+        self.svc, self.image = svc, image
+        self.containers: dict[str, _Container] = {}
+        self.idle: deque[_Worker] = deque()
+        self.waiters: deque[asyncio.Future[_Worker]] = deque()
+        self.starting = 0
+        self.languages: list[str] = []
+        self.error: Exception | None = None
+
+    async def acquire(self, timeout: float) -> _Worker:
+        while self.idle:
+            w = self.idle.popleft()
+            if not w.container.retired:
+                return w
+        if len(self.containers) + self.starting < self.svc.max_containers and \
+                self.starting * WORKERS < len(self.waiters) + 1:
+            self._start_soon()
+        fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise SandboxError(f"no FnCall worker for {self.image} within {timeout:.0f} s"
+                               + (f": {self.error}" if self.error else "")) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self.waiters.remove(fut)
+
+    def release(self, w: _Worker, retire: bool) -> None:
+        c = w.container
+        c.last_used = time.monotonic()
+        if retire and not c.retired:
+            self.retire(c, "a call left state behind")
+        if c.retired:
+            return
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(w)
+                return
+        self.idle.append(w)
+
+    def retire(self, c: _Container, why: str) -> None:
+        c.retired = True
+        self.containers.pop(c.sandbox_id, None)
+        self.idle = deque(w for w in self.idle if w.container is not c)
+        log.info("fncall: retiring %s (%s)", c.sandbox_id, why)
+        self.svc.background(self.svc.edge.stop(c.sandbox_id))
+        if self.waiters:
+            self._start_soon()
+
+    def _start_soon(self) -> None:
+        self.starting += 1
+        self.svc.background(self._start())
+
+    async def _start(self) -> None:
+        try:
+            c = await self.svc.start_container(self.image)
+        except Exception as e:  # reported to whoever waits, retried by the next call
+            self.error = e
+            log.warning("fncall: cannot start a container for %s: %s", self.image, e)
+            for fut in list(self.waiters):
+                if not fut.done():
+                    fut.set_exception(SandboxError(f"FnCall pool for {self.image}: {e}"))
+            return
+        finally:
+            self.starting -= 1
+        self.error = None
+        self.containers[c.sandbox_id] = c
+        for w in c.workers:
+            self.release(w, retire=False)
+
+
+class FnCallService:
+    def __init__(self, edge: FnCallEdge, cpus: int, min_containers: int = 1, idle_s: float = 120.0) -> None:
+        self.edge = edge
+        self.max_containers = max(2, cpus * 2)
+        self.min_containers = min_containers
+        self.idle_s = idle_s
+        self.pools: dict[str, _ImagePool] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        with open(WORKER_SRC, "rb") as f:
+            self._worker_src = f.read()
+
+    def background(self, coro: Any) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def pool(self, image: str) -> _ImagePool:
+        if image not in self.pools:
+            self.pools[image] = _ImagePool(self, image)
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap())
+        return self.pools[image]
+
+    async def start_container(self, image: str) -> _Container:
+        info = await self.edge.create(ContainerArgs(
+            image=image, memory_limit_mb=WORKERS * SLOT_MEMORY_MB + 256, cpu_cores_limit=float(WORKERS),
+            pids_limit=WORKERS * 1024 + 64, ttl_running_stop=None, max_lifetime_s=None,
+            labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, workdir="/"))
+        c = _Container(info.sandbox_id)
+        try:
+            for i in range(WORKERS):
+                uid = BASE_UID + i
+                reader, writer = await self.edge.spawn_worker(
+                    c.sandbox_id, ["python3", "-I", WORKER_PATH, str(uid), *PREIMPORT],
+                    {WORKER_PATH: self._worker_src} if i == 0 else {})
+                w = _Worker(c, uid, reader, writer)
+                hello = await w.request(None, 30)
+                pool = self.pools.get(image)
+                if pool is not None:
+                    pool.languages = list(hello.get("languages", []))
+                c.workers.append(w)
+        except BaseException:
+            self.background(self.edge.stop(c.sandbox_id))
+            raise
+        return c
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(5)
+            now = time.monotonic()
+            for pool in self.pools.values():
+                for c in sorted(pool.containers.values(), key=lambda c: c.last_used):
+                    if len(pool.containers) <= self.min_containers:
+                        break
+                    idle = all(w in pool.idle for w in c.workers)
+                    if idle and now - c.last_used > self.idle_s:
+                        pool.retire(c, "idle")
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        for pool in self.pools.values():
+            for c in list(pool.containers.values()):
+                c.retired = True
+                with contextlib.suppress(Exception):
+                    await self.edge.stop(c.sandbox_id)
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def languages(self, image: str) -> list[str]:
+        pool = self.pool(image)
+        if not pool.languages:
+            w = await pool.acquire(60)
+            pool.release(w, retire=False)
+        return pool.languages
+
+    async def call(self, args: FnCallArgs) -> FnCallResult:
+        pool = self.pool(args.image)
+        if pool.languages and args.language not in pool.languages:
+            raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
+                                 field="language")
+        stdins = [t.stdin for t in args.tests] if args.tests else [args.stdin]
+        limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": min(args.memory_limit_mb, SLOT_MEMORY_MB),
+                  "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb}
+        req = {"language": args.language, "code": args.code, "files": args.files, "stdins": stdins,
+               "limits": limits, "compile_time_limit_s": args.compile_time_limit_s}
+        budget = args.compile_time_limit_s * 2 + len(stdins) * (args.time_limit_s * 2 + 2) + 30
+        w = await pool.acquire(60)
+        if args.language not in pool.languages:
+            pool.release(w, retire=False)
+            raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
+                                 field="language")
+        retire = True
+        try:
+            out = await w.request(req, budget)
+            retire = bool(out.get("retire"))
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            raise SandboxError(f"FnCall worker in {w.container.sandbox_id} failed: {type(e).__name__}") from None
+        finally:
+            pool.release(w, retire)
+        if "error" in out:
+            if out["error"].startswith("ValueError"):
+                raise InvalidRequest(out["error"].split(": ", 1)[-1], field="files")
+            raise SandboxError(f"FnCall worker: {out['error']}")
+        return _result(args, out, w.container.sandbox_id)
+
+
+def _result(args: FnCallArgs, out: dict[str, Any], container: str) -> FnCallResult:
+    comp = FnCallRun.model_validate(out["compile"]) if out.get("compile") else None
+    if comp is not None and comp.status != "ok":
+        comp.status = "compile_error" if comp.status == "runtime_error" else comp.status
+        return FnCallResult(status="compile_error", stderr=comp.stderr, stdout=comp.stdout, compile=comp,
+                            time_ms=comp.time_ms, wall_ms=comp.wall_ms, memory_kb=comp.memory_kb,
+                            exit_code=comp.exit_code, container=container)
+    runs = [FnCallRun.model_validate(r) for r in out["runs"]]
+    tests = []
+    for t, run in zip(args.tests, runs if args.tests else [], strict=True):
+        verdict: str = run.status
+        if run.status == "ok":
+            ok = t.expected_stdout is None or _same(run.stdout, t.expected_stdout, args.comparator,
+                                                    args.float_tolerance)
+            verdict = "accepted" if ok else "wrong_answer"
+        tests.append(TestResult(**run.model_dump(), verdict=verdict))  # type: ignore[arg-type]
+    shown = next((r for r, t in zip(runs, tests, strict=False) if t.verdict != "accepted"), runs[-1])
+    return FnCallResult(**shown.model_dump(), compile=comp, tests=tests, container=container)
+
+
+def _same(got: str, want: str, comparator: str, tol: float) -> bool:
+    if comparator == "exact":
+        return got == want
+    a, b = got.split(), want.split()
+    if comparator == "whitespace":
+        return a == b
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x == y:
+            continue
+        try:
+            fx, fy = float(x), float(y)
+        except ValueError:
+            return False
+        if not math.isclose(fx, fy, rel_tol=tol, abs_tol=tol):
+            return False
+    return True
