@@ -70,6 +70,30 @@ class RawCrun:
         await self._crun("run", "-d", "--bundle", d, cid)
         return cid
 
+    async def run_once(self, argv: list[str], memory_mb: int = 512) -> bytes:
+        """A fresh container for one command (overlay, crun run in the foreground, teardown): stdout."""
+        self.n += 1
+        cid = f"rawbench{self.n}"
+        d = os.path.join(self.root, cid)
+        for sub in ("upper", "work", "rootfs"):
+            os.makedirs(os.path.join(d, sub))
+        linux.mount("overlay", f"{d}/rootfs", "overlay", 0,
+                    f"lowerdir={self.layer_mnt},upperdir={d}/upper,workdir={d}/work")
+        try:
+            cfg = oci_config(cid, f"{d}/rootfs", Limits(memory_mb, 1.0, 4096), f"/dsec-bench/{cid}")
+            cfg["process"]["args"] = argv  # type: ignore[index]
+            cfg["process"]["cwd"] = "/tmp"  # type: ignore[index]
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(cfg, f)
+            p = await asyncio.create_subprocess_exec("crun", "--root", self.state, "run", "--bundle", d, cid,
+                                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.DEVNULL)
+            out, _ = await p.communicate()
+            return out
+        finally:
+            linux.umount(os.path.join(d, "rootfs"))
+            shutil.rmtree(d)
+
     async def exec(self, cid: str) -> None:
         await self._crun("exec", cid, "/bin/true")
 

@@ -246,21 +246,25 @@ class Worker:
                     os._exit(0)
             os.waitpid(killer, 0)
             time.sleep(0.01)
-        for top in SHARED_WRITABLE:
-            for dirpath, dirnames, filenames in os.walk(top, topdown=False):
-                if dirpath.startswith(self.scratch):
+        for top in SHARED_WRITABLE:  # only their top level is writable by a call's uid
+            try:
+                entries = os.listdir(top)
+            except OSError:
+                continue
+            for name in entries:
+                path = os.path.join(top, name)
+                if path == self.scratch:
                     continue
-                for name in filenames + dirnames:
-                    path = os.path.join(dirpath, name)
-                    try:
-                        if os.lstat(path).st_uid == self.uid and not path.startswith(self.scratch):
-                            left = True
-                            if os.path.isdir(path) and not os.path.islink(path):
-                                shutil.rmtree(path, ignore_errors=True)
-                            else:
-                                os.unlink(path)
-                    except OSError:
-                        pass
+                try:
+                    if os.lstat(path).st_uid != self.uid:
+                        continue
+                    left = True
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.unlink(path)
+                except OSError:
+                    pass
         return left
 
 

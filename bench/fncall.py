@@ -1,0 +1,139 @@
+"""FnCall latency and throughput, with a baseline in the same run.
+
+dsec: ``client.fncall`` through SDK -> API -> edge -> pooled container -> warm worker.
+Baseline: a fresh crun container per call on the same FnCall image (overlay over the same
+EROFS mount), running ``python3 -c`` (or the compiler, then the program). Optionally
+ByteDance SandboxFusion, if ``--sandboxfusion-url`` points at a running server (not
+started here; its server is only in its public repository).
+
+    .venv/bin/python bench/fncall.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from container import RawCrun, pct, start_server, write_section  # noqa: E402
+
+import dsec  # noqa: E402
+from dsec.edge import linux  # noqa: E402
+from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
+from dsec.layers.store import LayerStore  # noqa: E402
+
+IMAGE = "base/fncall:12"
+PY_HELLO = "print('hello')"
+CPP = '#include <cstdio>\nint main(){std::printf("hello\\n");}\n'
+
+
+async def measure(call: Callable[[], Awaitable[str]], n: int, conc: int) -> dict[str, float]:
+    lat: list[float] = []
+    left = iter(range(n))
+
+    async def worker() -> None:
+        for _ in left:
+            t = time.perf_counter()
+            out = await call()
+            lat.append(time.perf_counter() - t)
+            if "hello" not in out:
+                raise RuntimeError(f"unexpected output {out[:200]!r}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    wall = time.perf_counter() - t0
+    return {"p50": pct(lat, 50) * 1000, "p90": pct(lat, 90) * 1000, "rps": n / wall}
+
+
+async def sandboxfusion(url: str, lang: str, code: str) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.post(f"{url.rstrip('/')}/run_code",
+                                                   json={"code": code, "language": lang}) as r:
+        body = await r.json()
+    return str((body.get("run_result") or {}).get("stdout", ""))
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--sandboxfusion-url")
+    ap.add_argument("--write", metavar="MARKDOWN")
+    a = ap.parse_args()
+    prepare_cgroups()
+    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
+    store = LayerStore(os.path.join(data_dir, "layers"))
+    store.link_from(os.path.join(a.data_dir, "layers"))
+    token = "bench-" + os.urandom(8).hex()
+    proc, url = start_server(data_dir, token)
+    rows: list[tuple[str, int, str, dict[str, float]]] = []
+    plan = [("python hello", "python", PY_HELLO, {1: 200, 8: 400, 32: 400}, {1: 20, 8: 40, 32: 40}),
+            ("C++ compile+run", "cpp", CPP, {1: 10, 8: 24, 32: 32}, {1: 5, 8: 8, 32: 8})]
+    try:
+        async with dsec.AsyncClient(url=url, token=token, timeout=600) as c:
+            # warm the pool to its working size, as a running service would be
+            await c.fncall_many([dsec.FnCallArgs(language="python", code=PY_HELLO) for _ in range(64)],
+                                concurrency=32)
+            for name, lang, code, counts, _ in plan:
+                for conc, n in counts.items():
+                    async def call(lang: str = lang, code: str = code) -> str:
+                        return (await c.fncall(dsec.FnCallArgs(language=lang, code=code))).stdout
+                    rows.append((name, conc, "dsec", await measure(call, n, conc)))
+                    print(rows[-1], flush=True)
+    finally:
+        proc.terminate()
+        proc.wait()
+    digest = store.get(IMAGE).digest
+    mnt = os.path.join(data_dir, "layers", "mnt", digest)
+    os.makedirs(mnt, exist_ok=True)
+    source, opts = store.mount_args(digest)
+    linux.mount(source, mnt, "erofs", linux.MS_RDONLY, opts)
+    raw = RawCrun(mnt)
+    argv = {"python": ["python3", "-c", PY_HELLO],
+            "cpp": ["sh", "-c", f"cat > a.cc <<'SRC'\n{CPP}SRC\ng++ -O2 a.cc -o a && ./a"]}
+    try:
+        for name, lang, code, _, counts in plan:
+            for conc, n in counts.items():
+                async def base(lang: str = lang) -> str:
+                    return (await raw.run_once(argv[lang])).decode()
+                rows.append((name, conc, "fresh crun container per call", await measure(base, n, conc)))
+                print(rows[-1], flush=True)
+                if a.sandboxfusion_url:
+                    async def sf(lang: str = lang, code: str = code) -> str:
+                        return await sandboxfusion(a.sandboxfusion_url, lang, code)
+                    rows.append((name, conc, "SandboxFusion", await measure(sf, n, conc)))
+    finally:
+        raw.close()
+        linux.umount(mnt)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    body = render(rows)
+    print(body)
+    if a.write:
+        write_section(a.write, body, "python bench/fncall.py " + " ".join(sys.argv[1:]), name="fncall",
+                      title="FnCall (`bench/fncall.py`)")
+
+
+def render(rows: list[tuple[str, int, str, dict[str, float]]]) -> str:
+    dsec_rps = {(name, conc): m["rps"] for name, conc, who, m in rows if who == "dsec"}
+    out = [f"Image {IMAGE}; {os.cpu_count()} cores, kernel {platform.release()}; the pool warmed with 64 calls "
+           "first. Latency is per call as the client sees it.", "",
+           "| workload | concurrency | runner | p50 ms | p90 ms | calls/s | dsec throughput vs this |",
+           "|---|---|---|---|---|---|---|"]
+    for name, conc, who, m in rows:
+        ratio = "" if who == "dsec" else f"{dsec_rps[(name, conc)] / m['rps']:.1f}x"
+        out.append(f"| {name} | {conc} | {who} | {m['p50']:.1f} | {m['p90']:.1f} | {m['rps']:.1f} | {ratio} |")
+    out += ["", "Targets on 2 cores: python hello p50 <= 10 ms, >= 200 calls/s at concurrency 8, >= 5x the "
+            "throughput of either baseline. SandboxFusion rows appear only when run with --sandboxfusion-url."]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
