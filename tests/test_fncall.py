@@ -41,6 +41,19 @@ async def test_cpp_compile_once_run_many_with_verdicts(client: dsec.AsyncClient)
     assert bad.status == "compile_error" and "x" in bad.stderr and "error" in bad.stderr
 
 
+async def test_compiled_artifact_reused_and_modules_prewarmed(client: dsec.AsyncClient) -> None:
+    code = '#include <stdio.h>\nint main(){int n; scanf("%d", &n); printf("%d\\n", n * 2);}\n'
+    first = await client.fncall(FnCallArgs(language="c", code=code, stdin="21"))
+    second = await client.fncall(FnCallArgs(language="c", code=code, stdin="50"))
+    assert first.compile is not None and not first.compile.cached and first.stdout == "42\n"
+    assert second.compile is not None and second.compile.cached and second.stdout == "100\n"
+    warm = await client.fncall(FnCallArgs(language="python", code="import sys; print('statistics' in sys.modules)",
+                                          preimport=["statistics"]))
+    cold = await client.fncall(FnCallArgs(language="python", code="import sys; print('statistics' in sys.modules)"))
+    assert (warm.stdout, cold.stdout) == ("True\n", "False\n")
+    assert warm.container != cold.container  # a pool of its own for that worker configuration
+
+
 async def test_limits_and_runtime_errors(client: dsec.AsyncClient) -> None:
     tle, mle, seg, ole, bash = [await client.fncall(a) for a in (
         FnCallArgs(language="python", code="while True: pass", time_limit_s=1),

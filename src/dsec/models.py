@@ -291,6 +291,10 @@ class FnCallArgs(Strict):
     comparator: Literal["exact", "whitespace", "float"] = "whitespace"
     float_tolerance: Annotated[float, Field(ge=0, le=1)] = 1e-6
     image: str = Field(default="base/fncall:12", description="FnCall image: a base layer with the toolchains")
+    layers: list[str] = Field(default_factory=list, max_length=8,
+                              description="toolkit/workspace layers on the image (e.g. pre-installed libraries)")
+    preimport: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")]] = Field(
+        default_factory=list, max_length=32, description="Python modules the warm workers import before forking")
 
     @field_validator("files")
     @classmethod
@@ -308,6 +312,7 @@ class FnCallArgs(Strict):
 
 class FnCallRun(BaseModel):
     status: FnCallStatus
+    cached: bool = Field(default=False, description="compile step: artifact reused from an identical compile")
     exit_code: int | None = None
     signal: int | None = None
     stdout: str = ""

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
 import os
 import struct
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +34,7 @@ WORKER_PATH = "/opt/dsec-fncall/worker.py"
 WORKERS = 2
 BASE_UID = 20000
 SLOT_MEMORY_MB = 2048
+ARTIFACT_CACHE_BYTES = 256 << 20  # compiled binaries kept per edge, by sha256 of what was compiled
 PREIMPORT = ["json", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "decimal",
              "fractions", "random", "string", "typing", "dataclasses"]
 
@@ -73,9 +75,16 @@ class _Worker:
         return await asyncio.wait_for(go(), timeout)
 
 
+@dataclass(frozen=True)
+class PoolKey:
+    image: str
+    layers: tuple[str, ...] = ()
+    preimport: tuple[str, ...] = ()
+
+
 class _ImagePool:
-    def __init__(self, svc: FnCallService, image: str) -> None:
-        self.svc, self.image = svc, image
+    def __init__(self, svc: FnCallService, key: PoolKey) -> None:
+        self.svc, self.key, self.image = svc, key, key.image
         self.containers: dict[str, _Container] = {}
         self.idle: deque[_Worker] = deque()
         self.waiters: deque[asyncio.Future[_Worker]] = deque()
@@ -131,7 +140,7 @@ class _ImagePool:
 
     async def _start(self) -> None:
         try:
-            c = await self.svc.start_container(self.image)
+            c = await self.svc.start_container(self.key)
         except Exception as e:  # reported to whoever waits, retried by the next call
             self.error = e
             log.warning("fncall: cannot start a container for %s: %s", self.image, e)
@@ -153,7 +162,9 @@ class FnCallService:
         self.max_containers = max(2, cpus * 2)
         self.min_containers = min_containers
         self.idle_s = idle_s
-        self.pools: dict[str, _ImagePool] = {}
+        self.pools: dict[PoolKey, _ImagePool] = {}
+        self.artifacts: OrderedDict[str, str] = OrderedDict()  # compile key -> base64 artifact, LRU
+        self.artifact_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
         with open(WORKER_SRC, "rb") as f:
@@ -164,16 +175,17 @@ class FnCallService:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def pool(self, image: str) -> _ImagePool:
-        if image not in self.pools:
-            self.pools[image] = _ImagePool(self, image)
+    def pool(self, key: PoolKey) -> _ImagePool:
+        if key not in self.pools:
+            self.pools[key] = _ImagePool(self, key)
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap())
-        return self.pools[image]
+        return self.pools[key]
 
-    async def start_container(self, image: str) -> _Container:
+    async def start_container(self, key: PoolKey) -> _Container:
         info = await self.edge.create(ContainerArgs(
-            image=image, memory_limit_mb=WORKERS * SLOT_MEMORY_MB + 256, cpu_cores_limit=float(WORKERS),
+            image=key.image, layers=list(key.layers), memory_limit_mb=WORKERS * SLOT_MEMORY_MB + 256,
+            cpu_cores_limit=float(WORKERS),
             pids_limit=WORKERS * 1024 + 64, ttl_running_stop=None, max_lifetime_s=None,
             labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, workdir="/"))
         c = _Container(info.sandbox_id)
@@ -181,11 +193,11 @@ class FnCallService:
             for i in range(WORKERS):
                 uid = BASE_UID + i
                 reader, writer = await self.edge.spawn_worker(
-                    c.sandbox_id, ["python3", "-I", WORKER_PATH, str(uid), *PREIMPORT],
+                    c.sandbox_id, ["python3", "-I", WORKER_PATH, str(uid), *PREIMPORT, *key.preimport],
                     {WORKER_PATH: self._worker_src} if i == 0 else {})
                 w = _Worker(c, uid, reader, writer)
                 hello = await w.request(None, 30)
-                pool = self.pools.get(image)
+                pool = self.pools.get(key)
                 if pool is not None:
                     pool.languages = list(hello.get("languages", []))
                 c.workers.append(w)
@@ -218,14 +230,14 @@ class FnCallService:
             t.cancel()
 
     async def languages(self, image: str) -> list[str]:
-        pool = self.pool(image)
+        pool = self.pool(PoolKey(image))
         if not pool.languages:
             w = await pool.acquire(60)
             pool.release(w, retire=False)
         return pool.languages
 
     async def call(self, args: FnCallArgs) -> FnCallResult:
-        pool = self.pool(args.image)
+        pool = self.pool(PoolKey(args.image, tuple(args.layers), tuple(args.preimport)))
         if pool.languages and args.language not in pool.languages:
             raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
                                  field="language")
@@ -234,6 +246,11 @@ class FnCallService:
                   "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb}
         req = {"language": args.language, "code": args.code, "files": args.files, "stdins": stdins,
                "limits": limits, "compile_time_limit_s": args.compile_time_limit_s}
+        ckey = hashlib.sha256(json.dumps([args.image, args.layers, args.language, args.code, args.files],
+                                         sort_keys=True).encode()).hexdigest()
+        if (artifact := self.artifacts.get(ckey)) is not None:
+            self.artifacts.move_to_end(ckey)
+            req["artifact"] = artifact
         budget = args.compile_time_limit_s * 2 + len(stdins) * (args.time_limit_s * 2 + 2) + 30
         w = await pool.acquire(60)
         if args.language not in pool.languages:
@@ -248,11 +265,23 @@ class FnCallService:
             raise SandboxError(f"FnCall worker in {w.container.sandbox_id} failed: {type(e).__name__}") from None
         finally:
             pool.release(w, retire)
+        if art := out.pop("artifact", None):
+            self._keep_artifact(ckey, str(art))
         if "error" in out:
             if out["error"].startswith("ValueError"):
                 raise InvalidRequest(out["error"].split(": ", 1)[-1], field="files")
             raise SandboxError(f"FnCall worker: {out['error']}")
         return _result(args, out, w.container.sandbox_id)
+
+
+    def _keep_artifact(self, key: str, art: str) -> None:
+        if key in self.artifacts:
+            return
+        self.artifacts[key] = art
+        self.artifact_bytes += len(art)
+        while self.artifact_bytes > ARTIFACT_CACHE_BYTES and self.artifacts:
+            _, old = self.artifacts.popitem(last=False)
+            self.artifact_bytes -= len(old)
 
 
 def _result(args: FnCallArgs, out: dict[str, Any], container: str) -> FnCallResult:
