@@ -75,8 +75,12 @@ async def main() -> None:
     token = "bench-" + os.urandom(8).hex()
     proc, url = start_server(data_dir, token)
     rows: list[tuple[str, int, str, dict[str, float]]] = []
+    # "C++ compile+run" gives every call a distinct source (a numbered comment), so each one
+    # compiles; "C++ same source" repeats one source, whose artifact dsec then reuses.
     plan = [("python hello", "python", PY_HELLO, {1: 200, 8: 400, 32: 400}, {1: 20, 8: 40, 32: 40}),
-            ("C++ compile+run", "cpp", CPP, {1: 10, 8: 24, 32: 32}, {1: 5, 8: 8, 32: 8})]
+            ("C++ compile+run", "cpp", CPP, {1: 10, 8: 24, 32: 32}, {1: 5, 8: 8, 32: 8}),
+            ("C++ same source", "cpp", CPP, {1: 100, 8: 200, 32: 200}, {})]
+    serial = iter(range(1 << 30))
     try:
         async with dsec.AsyncClient(url=url, token=token, timeout=600) as c:
             # warm the pool to its working size, as a running service would be
@@ -84,8 +88,10 @@ async def main() -> None:
                                 concurrency=32)
             for name, lang, code, counts, _ in plan:
                 for conc, n in counts.items():
-                    async def call(lang: str = lang, code: str = code) -> str:
-                        return (await c.fncall(dsec.FnCallArgs(language=lang, code=code))).stdout
+                    async def call(lang: str = lang, code: str = code, vary: bool = name == "C++ compile+run"
+                                   ) -> str:
+                        src = code + f"// {next(serial)}\n" if vary else code
+                        return (await c.fncall(dsec.FnCallArgs(language=lang, code=src))).stdout
                     rows.append((name, conc, "dsec", await measure(call, n, conc)))
                     print(rows[-1], flush=True)
     finally:
@@ -129,8 +135,13 @@ def render(rows: list[tuple[str, int, str, dict[str, float]]]) -> str:
            "|---|---|---|---|---|---|---|"]
     for name, conc, who, m in rows:
         ratio = "" if who == "dsec" else f"{dsec_rps[(name, conc)] / m['rps']:.1f}x"
+        if name == "C++ same source" and who != "dsec":
+            continue
         out.append(f"| {name} | {conc} | {who} | {m['p50']:.1f} | {m['p90']:.1f} | {m['rps']:.1f} | {ratio} |")
-    out += ["", "Targets on 2 cores: python hello p50 <= 10 ms, >= 200 calls/s at concurrency 8, >= 5x the "
+    out += ["", "C++ compile+run: a distinct source per call, so every call compiles (g++ -O2) and runs. "
+            "C++ same source: one source again and again; dsec reuses the compiled artifact (keyed by sha256 of "
+            "image, language, code and files), as a judge does on a rejudge. The baseline always compiles.",
+            "", "Targets on 2 cores: python hello p50 <= 10 ms, >= 200 calls/s at concurrency 8, >= 5x the "
             "throughput of either baseline. SandboxFusion rows appear only when run with --sandboxfusion-url."]
     return "\n".join(out)
 

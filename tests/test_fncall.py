@@ -127,6 +127,28 @@ async def test_hostile_call_then_benign_sees_nothing(client: dsec.AsyncClient) -
         assert ok.container != bad.container  # the hostile call's container was retired
 
 
+SNOOP = r"""
+import gc
+needle = 'SEC' + 'RET-'
+hits = 0
+for o in gc.get_objects():
+    if o is globals():
+        continue
+    vals = list(o.values()) if isinstance(o, dict) else o if isinstance(o, list) else []
+    hits += sum(1 for v in vals if isinstance(v, str) and needle in v and v != needle)
+print(hits)
+"""
+
+
+async def test_a_call_process_holds_no_other_input(client: dsec.AsyncClient) -> None:
+    """Call processes are forked from a zygote that never saw a request: the other test
+    cases' inputs (or an earlier call's) are not in a call's memory."""
+    await client.fncall(FnCallArgs(language="python", code="print(1)", stdin="SECRET-earlier-call"))
+    r = await client.fncall(FnCallArgs(language="python", code=SNOOP, tests=[
+        TestCase(stdin="SECRET-first-test"), TestCase(stdin="SECRET-second-test")]))
+    assert [t.stdout for t in r.tests] == ["0\n", "0\n"], r
+
+
 async def test_calls_do_not_see_each_other(client: dsec.AsyncClient) -> None:
     await client.fncall(FnCallArgs(language="python", code="open('left.txt', 'w').write('x')",
                                    files={"data/in.txt": "hello"}))

@@ -15,12 +15,12 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dsec.agent.aether import Aether, set_winsize
 from dsec.agent.initclient import exit_code
@@ -56,6 +56,7 @@ from dsec.placement.engine import Placement
 from dsec.watcher.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
+M = TypeVar("M", bound=BaseModel)
 MAX_CREATE_ATTEMPTS = 3
 MAX_EXEC_BODY = 64 * 1024 * 1024  # a command with its stdin
 
@@ -220,6 +221,16 @@ class BearerAuth:
             await send({"type": "websocket.close", "code": 4401, "reason": err.message[:120]})
 
 
+def _parse(model: type[M], body: bytes) -> M:
+    """The hot paths parse their bodies with pydantic-core directly (FastAPI's body
+    machinery costs ~0.5 ms a call here), reporting errors the same way."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None
+
+
 def build_app(api: Apiserver) -> FastAPI:
     app = FastAPI(title="dsec", version="0.1.0",
                   description="Elastic sandboxes for agentic RL: create, exec, files, HTTP, TTY.")
@@ -288,11 +299,7 @@ def build_app(api: Apiserver) -> FastAPI:
     async def exec_(sandbox_id: str, request: Request, stream: bool = False) -> Response:
         # the hot path: the body is parsed by pydantic-core directly (FastAPI's body
         # machinery costs ~0.5 ms a call here) and the result serialized once
-        try:
-            req = ExecRequest.model_validate_json(await _body(request, MAX_EXEC_BODY, "body"))
-        except ValidationError as e:
-            raise RequestValidationError(
-                [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None
+        req = _parse(ExecRequest, await _body(request, MAX_EXEC_BODY, "body"))
         edge = api.edge_for(sandbox_id)
         if not stream:  # the hot path: serialize once, skip FastAPI's re-validation
             res = await edge.exec(sandbox_id, req)
@@ -346,10 +353,15 @@ def build_app(api: Apiserver) -> FastAPI:
         """Save what a record_access sandbox has read so far as its layers' access lists (data blob -> chunks)."""
         return await api.edge_for(sandbox_id).save_access_lists(sandbox_id)
 
-    @app.post("/v1/fncall")
-    async def fncall(args: FnCallArgs) -> FnCallResult:
+    fncall_body = {"content": {"application/json": {"schema": FnCallArgs.model_json_schema()}}, "required": True}
+
+    @app.post("/v1/fncall", response_model=None, openapi_extra={"requestBody": fncall_body},
+              responses={200: {"model": FnCallResult, "description": "FnCallResult"}})
+    async def fncall(request: Request) -> Response:
         """Run a short stateless task in a pooled warm container (compile once, run each test)."""
-        return await api.fncall_edge(args.image).fncall(args)
+        args = _parse(FnCallArgs, await _body(request, MAX_EXEC_BODY, "body"))
+        res = await api.fncall_edge(args.image).fncall(args)
+        return Response(res.model_dump_json(), media_type="application/json")
 
     @app.get("/v1/fncall/languages")
     async def fncall_languages(image: str = "base/fncall:12") -> list[str]:

@@ -17,6 +17,8 @@ replaces the container instead of trusting the cleanup.
 from __future__ import annotations
 
 import base64
+import contextlib
+import gc
 import importlib
 import json
 import os
@@ -24,6 +26,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import struct
 import sys
 import time
@@ -79,6 +82,7 @@ class Worker:
         self.scratch = f"/tmp/fncall-{uid}"
         self.seq = 0
         os.makedirs(root, mode=0o700, exist_ok=True)
+        self.zygote = Zygote(self)
 
     # ---- one call ---------------------------------------------------------
     def handle(self, req: dict) -> dict:  # type: ignore[type-arg]
@@ -143,22 +147,27 @@ class Worker:
         in_fd = os.open(in_path, os.O_RDONLY)
         out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         err_fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        code_path = None
+        if python_code is not None:
+            code_path = os.path.join(self.root, "code")
+            with open(code_path, "w") as f:
+                f.write(python_code)
+        spec = {"argv": argv, "limits": limits, "cap": cap, "code_path": code_path}
         t0 = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            self._child(argv, python_code, limits, cap, in_fd, out_fd, err_fd)
-        for fd in (in_fd, out_fd, err_fd):
-            os.close(fd)
-        wall_limit = float(limits["time_limit_s"]) * 2 + 1.0
-        status, usage, timed_out = self._wait(pid, wall_limit)
+        try:
+            status, usage, timed_out = self.zygote.run(spec, [in_fd, out_fd, err_fd],
+                                                       float(limits["time_limit_s"]) * 2 + 1.0)
+        finally:
+            for fd in (in_fd, out_fd, err_fd):
+                os.close(fd)
         wall = time.monotonic() - t0
         tainted = self._sweep() or timed_out
         stdout = _read_capped(out_path, cap)
         stderr = _read_capped(err_path, 64 * 1024)
-        cpu = usage.ru_utime + usage.ru_stime
+        cpu = usage["utime"] + usage["stime"]
         res = {"exit_code": None, "signal": None, "stdout": stdout[0], "stderr": stderr[0],
                "time_ms": round(cpu * 1000, 2), "wall_ms": round(wall * 1000, 2),
-               "memory_kb": usage.ru_maxrss, "tainted": tainted}
+               "memory_kb": usage["maxrss"], "tainted": tainted}
         if os.WIFEXITED(status):
             res["exit_code"] = os.WEXITSTATUS(status)
         elif os.WIFSIGNALED(status):
@@ -168,7 +177,7 @@ class Worker:
             res["status"] = "time_limit"
         elif stdout[1] or res["signal"] == signal.SIGXFSZ:
             res["status"] = "output_limit"
-        elif usage.ru_maxrss >= mem_limit_kb * 0.95 or "MemoryError" in stderr[0] or "bad_alloc" in stderr[0]:
+        elif usage["maxrss"] >= mem_limit_kb * 0.95 or "MemoryError" in stderr[0] or "bad_alloc" in stderr[0]:
             res["status"] = "memory_limit"
         elif res["exit_code"] == 0:
             res["status"] = "ok"
@@ -224,19 +233,6 @@ class Worker:
         finally:
             os._exit(127)
 
-    def _wait(self, pid: int, wall_limit: float) -> tuple[int, resource.struct_rusage, bool]:
-        pidfd = os.pidfd_open(pid)
-        try:
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
-            timed_out = not poller.poll(wall_limit * 1000)
-            if timed_out:
-                os.killpg(pid, signal.SIGKILL)
-            _, status, usage = os.wait4(pid, 0)
-            return status, usage, timed_out
-        finally:
-            os.close(pidfd)
-
     def _sweep(self) -> bool:
         """Kill whatever the uid still runs and remove what it wrote outside the scratch
         dir; True when there was anything (the container is then retired)."""
@@ -277,6 +273,84 @@ class Worker:
         return left
 
 
+class Zygote:
+    """Forks every call's process. It is forked from the worker before the worker reads
+    any request and only ever sees small control messages (argv, limits, a path), so a
+    call's process holds no other call's code or input in its memory. It keeps one child
+    forked ahead, so a call does not wait for fork(), and reaps it for its rusage."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                self.sock.close()
+                _zygote(theirs, worker)
+            finally:
+                os._exit(0)
+        theirs.close()
+
+    def run(self, spec: dict, fds: list[int], wall_limit: float) -> tuple[int, dict, bool]:  # type: ignore[type-arg]
+        socket.send_fds(self.sock, [json.dumps(spec).encode()], fds)
+        pid = int(json.loads(self.sock.recv(4096))["pid"])
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        timed_out = not poller.poll(wall_limit * 1000)
+        if timed_out:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        done = json.loads(self.sock.recv(4096))
+        return int(done.pop("status")), done, timed_out
+
+
+def _zygote(sock: socket.socket, worker: Worker) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # the worker's channel to the edge must not live on in here
+        os.dup2(null, fd)
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    spare = _fork_ahead(worker)
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 65536, 3)
+        if not msg:
+            return
+        pid, ctl = spare
+        try:
+            socket.send_fds(ctl, [msg], fds)
+        except OSError:  # the spare died: fork another
+            pid, ctl = _fork_ahead(worker)
+            socket.send_fds(ctl, [msg], fds)
+        ctl.close()
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"pid": pid}).encode())
+        _, status, ru = os.wait4(pid, 0)
+        sock.send(json.dumps({"status": status, "utime": ru.ru_utime, "stime": ru.ru_stime,
+                              "maxrss": ru.ru_maxrss}).encode())
+        spare = _fork_ahead(worker)
+
+
+def _fork_ahead(worker: Worker) -> tuple[int, socket.socket]:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            mine.close()
+            msg, fds, _, _ = socket.recv_fds(theirs, 65536, 3)
+            if msg and len(fds) == 3:
+                spec = json.loads(msg)
+                code = None
+                if spec["code_path"]:
+                    with open(spec["code_path"]) as f:
+                        code = f.read()
+                worker._child(spec["argv"], code, spec["limits"], spec["cap"], *fds)
+        finally:
+            os._exit(127)
+    theirs.close()
+    return pid, mine
+
+
 def _pids_of(uid: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
@@ -308,6 +382,9 @@ def main() -> None:
         except ImportError:
             pass
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # everything imported so far moves out of the collector's reach: a forked call then
+    # does not dirty (copy) those pages just by running a collection
+    gc.freeze()
     w = Worker(uid, f"/run/fncall/{uid}")
     _send({"ready": True, "languages": available()})
     while (req := _recv()) is not None:
