@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import glob
 
+import pytest
+
 import dsec
 from tests.conftest import Platform
 
@@ -136,3 +138,17 @@ async def test_leftover_process_cannot_touch_a_later_command(debian: dsec.AsyncS
     assert r.exit_code == 0
     log = (await debian.exec("sort -u /tmp/spy")).stdout
     assert log and "read" not in log, log  # it saw the command, and every attempt was refused
+
+
+async def test_tmpfs_mounts_are_size_bounded(client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64,
+                                                       tmpfs={"/scratch": 4}))
+    try:
+        r = await sb.exec(["sh", "-c", "dd if=/dev/zero of=/scratch/x bs=1M count=8; ls -l /scratch/x"])
+        assert "No space left" in r.stderr and r.stdout.split()[4] == str(4 << 20), r
+    finally:
+        await sb.stop()
+    for bad in ({"/": 4}, {"/proc/x": 4}, {"rel": 4}, {"/a/../b": 4}):
+        with pytest.raises(dsec.InvalidRequest) as e:
+            await client.run_container(dsec.ContainerArgs.model_construct(image="base/busybox", tmpfs=bad))
+        assert e.value.field and "tmpfs" in e.value.field
