@@ -121,9 +121,11 @@ class Apiserver:
     def fncall_edge(self, image: str) -> EdgeAPI:
         """The edge for a FnCall: placed like a small sandbox; its pool does the rest."""
         try:
-            self.layers.get(image)
-        except (NotFound, ValueError):
-            raise NotFound(f"unknown FnCall image {image!r}", field="image") from None
+            known = self.layers.has(image)
+        except ValueError:
+            known = False
+        if not known:
+            raise NotFound(f"unknown FnCall image {image!r}", field="image")
         if not self.watcher.view:
             return next(iter(self.edges.values()))
         name = self.placement.choose(ContainerArgs(image=image, memory_limit_mb=64, cpu_cores_limit=0.1), exclude=set())

@@ -292,13 +292,11 @@ class Zygote:
 
     def run(self, spec: dict, fds: list[int], wall_limit: float) -> tuple[int, dict, bool]:  # type: ignore[type-arg]
         socket.send_fds(self.sock, [json.dumps(spec).encode()], fds)
-        pid = int(json.loads(self.sock.recv(4096))["pid"])
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         timed_out = not poller.poll(wall_limit * 1000)
-        if timed_out:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        if timed_out:  # the zygote kills the call's process group and still reports it
+            self.sock.send(b"kill")
         done = json.loads(self.sock.recv(4096))
         return int(done.pop("status")), done, timed_out
 
@@ -324,7 +322,16 @@ def _zygote(sock: socket.socket, worker: Worker) -> None:
         ctl.close()
         for fd in fds:
             os.close(fd)
-        sock.send(json.dumps({"pid": pid}).encode())
+        pidfd = os.pidfd_open(pid)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.register(sock, select.POLLIN)
+        while not any(fd == pidfd for fd, _ in poller.poll()):
+            if sock.recv(16) == b"kill":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                break
+        os.close(pidfd)
         _, status, ru = os.wait4(pid, 0)
         sock.send(json.dumps({"status": status, "utime": ru.ru_utime, "stime": ru.ru_stime,
                               "maxrss": ru.ru_maxrss}).encode())
