@@ -55,7 +55,8 @@ class RawCrun:
         if await p.wait() != 0:
             raise RuntimeError(f"crun {args[0]} failed")
 
-    async def create(self) -> str:
+    def _bundle(self, argv: list[str], memory_mb: int) -> tuple[str, str]:
+        """A fresh container bundle (overlay rootfs + config) running ``argv``: (id, dir)."""
         self.n += 1
         cid = f"rawbench{self.n}"
         d = os.path.join(self.root, cid)
@@ -63,28 +64,22 @@ class RawCrun:
             os.makedirs(os.path.join(d, sub))
         linux.mount("overlay", f"{d}/rootfs", "overlay", 0,
                     f"lowerdir={self.layer_mnt},upperdir={d}/upper,workdir={d}/work")
-        cfg = oci_config(cid, f"{d}/rootfs", Limits(64, 1.0, 4096), f"/dsec-bench/{cid}")
-        cfg["process"]["args"] = ["/bin/sleep", "100000"]  # type: ignore[index]
+        cfg = oci_config(cid, f"{d}/rootfs", Limits(memory_mb, 1.0, 4096), f"/dsec-bench/{cid}")
+        cfg["process"]["args"] = argv  # type: ignore[index]
+        cfg["process"]["cwd"] = "/tmp"  # type: ignore[index]
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
+        return cid, d
+
+    async def create(self) -> str:
+        cid, d = self._bundle(["/bin/sleep", "100000"], 64)
         await self._crun("run", "-d", "--bundle", d, cid)
         return cid
 
     async def run_once(self, argv: list[str], memory_mb: int = 512) -> bytes:
         """A fresh container for one command (overlay, crun run in the foreground, teardown): stdout."""
-        self.n += 1
-        cid = f"rawbench{self.n}"
-        d = os.path.join(self.root, cid)
-        for sub in ("upper", "work", "rootfs"):
-            os.makedirs(os.path.join(d, sub))
-        linux.mount("overlay", f"{d}/rootfs", "overlay", 0,
-                    f"lowerdir={self.layer_mnt},upperdir={d}/upper,workdir={d}/work")
+        cid, d = self._bundle(argv, memory_mb)
         try:
-            cfg = oci_config(cid, f"{d}/rootfs", Limits(memory_mb, 1.0, 4096), f"/dsec-bench/{cid}")
-            cfg["process"]["args"] = argv  # type: ignore[index]
-            cfg["process"]["cwd"] = "/tmp"  # type: ignore[index]
-            with open(os.path.join(d, "config.json"), "w") as f:
-                json.dump(cfg, f)
             p = await asyncio.create_subprocess_exec("crun", "--root", self.state, "run", "--bundle", d, cid,
                                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                      stderr=subprocess.DEVNULL)
