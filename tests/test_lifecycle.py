@@ -114,3 +114,16 @@ async def test_concurrent_creates_are_placed_and_isolated(client: dsec.AsyncClie
         assert [o.stdout for o in outs] == [s.sandbox_id for s in sbs]
     finally:
         await asyncio.gather(*(s.stop() for s in sbs))
+
+
+@pytest.mark.parametrize("crash", [True, False], ids=["sigkill", "sigterm"])
+async def test_a_client_outlives_a_server_restart(platform: Platform, crash: bool) -> None:
+    """Its pooled connections die with the server; idempotent requests on such a connection
+    are sent again (aiohttp does this itself). A POST on a dead pooled connection is not
+    repeated, since the server may have acted on it: the caller gets EdgeUnavailable.
+    (The restart blocks this test's loop, so the client only finds out when it sends.)"""
+    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
+        assert await c.nodes()
+        platform.restart(crash=crash)
+        assert (await c.nodes())[0].edge == "edge0"
+        assert isinstance(await c.list(), list)
