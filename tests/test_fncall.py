@@ -176,6 +176,7 @@ def _post(platform: Platform, body: object) -> httpx.Response:
     ({"language": "python", "code": "x", "tests": [{"stdin": 5}]}, "tests"),
     ({"language": "python", "code": "x", "files": {"../escape": "x"}}, "files"),
     ({"language": "python", "code": "x", "time_limit_s": 0}, "time_limit_s"),
+    ({"language": "python", "code": "x", "memory_limit_mb": 4096}, "memory_limit_mb"),
     ({"language": "python", "code": "x", "image": "base/nope:1"}, "image"),
 ])
 def test_bad_fncall_requests(platform: Platform, body: object, field: str) -> None:

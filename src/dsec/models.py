@@ -284,7 +284,7 @@ class FnCallArgs(Strict):
     tests: list[TestCase] = Field(default_factory=list, max_length=256,
                                   description="run against each (compiled once); stdin is then ignored")
     time_limit_s: Annotated[float, Field(gt=0, le=60)] = 5.0
-    memory_limit_mb: Annotated[int, Field(ge=16, le=8192)] = 256
+    memory_limit_mb: Annotated[int, Field(ge=16, le=2048, description="per call; a pool slot holds 2 GiB")] = 256
     pids_limit: Annotated[int, Field(ge=1, le=1024)] = 32
     output_limit_kb: Annotated[int, Field(ge=1, le=64 * 1024)] = 1024
     compile_time_limit_s: Annotated[float, Field(gt=0, le=120)] = 30.0

@@ -242,7 +242,7 @@ class FnCallService:
             raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
                                  field="language")
         stdins = [t.stdin for t in args.tests] if args.tests else [args.stdin]
-        limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": min(args.memory_limit_mb, SLOT_MEMORY_MB),
+        limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": args.memory_limit_mb,
                   "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb}
         req = {"language": args.language, "code": args.code, "files": args.files, "stdins": stdins,
                "limits": limits, "compile_time_limit_s": args.compile_time_limit_s}
