@@ -148,7 +148,9 @@ class LayerStore:
         for b in layer.all_blobs:
             if d := self.data_of(b):
                 layer.data[b] = d
-                layer.prefetch_chunks += len(self.access_list(d))
+                row = self._db.execute("SELECT json_array_length(chunks) FROM access_lists WHERE data=?",
+                                       (d,)).fetchone()
+                layer.prefetch_chunks += int(row[0]) if row else 0
         return layer
 
     # ---- access lists (prefetch hints) ------------------------------------------

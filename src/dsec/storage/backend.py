@@ -76,7 +76,7 @@ class DirBackend:
         dest = self.path(name)
         if os.path.exists(dest):
             return
-        if os.path.dirname(os.path.abspath(src)) == self.tempdir():
+        if os.path.abspath(src).startswith(self.tempdir() + os.sep):  # same filesystem: a rename
             os.chmod(src, 0o444)
             os.replace(src, dest)
             return

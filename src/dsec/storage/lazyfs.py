@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -202,8 +203,6 @@ class ChunkReader:
         return min(self.fetch_timeout_s, 0.5), False
 
     def _fetch(self, data: str, off: int, length: int, digest: bytes) -> bytes:
-        import hashlib
-
         for _ in range(3):  # a short or torn read is retried, then refused
             got = self.backend.read_range(f"{data}.data", off, length)
             if len(got) == length and hashlib.sha256(got).digest() == digest:

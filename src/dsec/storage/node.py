@@ -203,18 +203,17 @@ class NodeLayers:
         os.chmod(tmp, 0o444)
         os.replace(tmp, dest)
 
-    async def _fetch_index(self, data: str) -> ChunkIndex:
+    async def _fetch_index(self, data: str) -> None:
+        """Copy the blob's chunk index to the node (checked), once: the reader looks it up there."""
         dest = os.path.join(self.meta_dir, f"{data}.chunks")
-        if not os.path.exists(dest):
-            raw = await asyncio.wait_for(asyncio.to_thread(self._read_whole, f"{data}.chunks"), self.fetch_timeout_s)
-            idx = ChunkIndex.from_bytes(raw)
-            tmp = f"{dest}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(raw)
-            os.replace(tmp, dest)
-            return idx
-        with open(dest, "rb") as f:
-            return ChunkIndex.from_bytes(f.read())
+        if os.path.exists(dest):
+            return
+        raw = await asyncio.wait_for(asyncio.to_thread(self._read_whole, f"{data}.chunks"), self.fetch_timeout_s)
+        ChunkIndex.from_bytes(raw)
+        tmp = f"{dest}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, dest)
 
     def _read_whole(self, name: str) -> bytes:
         with open(self.store.backend.path(name), "rb") as f:
@@ -258,12 +257,3 @@ class NodeLayers:
             return None
         got = await self.lazy.call("recorded", name=f"{data}@{record_tag}", forget=forget)
         return data, [int(c) for c in got["chunks"]]
-
-    async def drop_caches(self) -> None:
-        """Forget everything fetched (node chunk cache, eager copies): for benchmarks."""
-        if self.on_demand:
-            await self.lazy.call("drop_cache")
-        for d in (self.full_dir,):
-            for name in os.listdir(d):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(d, name))

@@ -238,9 +238,6 @@ class FnCallService:
 
     async def call(self, args: FnCallArgs) -> FnCallResult:
         pool = self.pool(PoolKey(args.image, tuple(args.layers), tuple(args.preimport)))
-        if pool.languages and args.language not in pool.languages:
-            raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
-                                 field="language")
         stdins = [t.stdin for t in args.tests] if args.tests else [args.stdin]
         limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": args.memory_limit_mb,
                   "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb}
@@ -253,7 +250,7 @@ class FnCallService:
             req["artifact"] = artifact
         budget = args.compile_time_limit_s * 2 + len(stdins) * (args.time_limit_s * 2 + 2) + 30
         w = await pool.acquire(60)
-        if args.language not in pool.languages:
+        if args.language not in pool.languages:  # known once any container of the pool has started
             pool.release(w, retire=False)
             raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
                                  field="language")

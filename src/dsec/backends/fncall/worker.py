@@ -80,7 +80,6 @@ class Worker:
         self.uid = uid
         self.root = root  # /run/fncall/<uid>: root-only, holds captured output
         self.scratch = f"/tmp/fncall-{uid}"
-        self.seq = 0
         os.makedirs(root, mode=0o700, exist_ok=True)
         self.zygote = Zygote(self)
 
@@ -139,7 +138,6 @@ class Worker:
         os.chown(path, self.uid, self.uid)
 
     def run(self, argv: list[str] | None, stdin: bytes, limits: dict, python_code: str | None = None) -> dict:  # type: ignore[type-arg]
-        self.seq += 1
         out_path, err_path, in_path = (os.path.join(self.root, f"{n}") for n in ("out", "err", "in"))
         with open(in_path, "wb") as f:
             f.write(stdin)
