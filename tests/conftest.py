@@ -34,6 +34,13 @@ def _seed_layers(data_dir: str) -> None:
     if not os.path.exists(os.path.join(src, "catalog.db")):
         pytest.fail(f"no base layers in {src}: run scripts/setup.sh first")
     assert LayerStore(os.path.join(data_dir, "layers")).link_from(src) >= 2
+    # the VM guest (kernel, initramfs, accelerator verdict) that setup prepared
+    guest = os.path.join(SRC_DATA, "vm")
+    if os.path.isdir(os.path.join(guest, "guest")):
+        os.makedirs(os.path.join(data_dir, "vm"), exist_ok=True)
+        subprocess.run(["cp", "-al", os.path.join(guest, "guest"), os.path.join(data_dir, "vm", "guest")], check=True)
+        if os.path.exists(os.path.join(guest, "accel.json")):
+            subprocess.run(["cp", os.path.join(guest, "accel.json"), os.path.join(data_dir, "vm")], check=True)
 
 
 class Platform:
@@ -133,7 +140,24 @@ def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
     found += [f"runtime {p}" for p in glob.glob(f"/run/dsec/*/s/{sandbox_id}")]
     found += [f"crun {p}" for p in glob.glob(f"/run/dsec/*/crun/{sandbox_id}")]
     found += [f"netns {p}" for p in glob.glob(f"/run/netns/*{sandbox_id}*")]
+    found += [f"vm socket {p}" for p in glob.glob(f"/run/dsec/*/v/{sandbox_id}.*")]
+    found += [f"qemu {pid}" for pid in qemu_pids(sandbox_id)]
     return found
+
+
+def qemu_pids(sandbox_id: str) -> list[int]:
+    """QEMU processes serving ``sandbox_id`` (their socket paths name it)."""
+    out = []
+    for cmd in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmd, "rb") as f:
+                argv = f.read()
+        except OSError:
+            continue
+        if argv.startswith(b"qemu-system") or b"/qemu-system" in argv.split(b"\0")[0]:
+            if sandbox_id.encode() in argv:
+                out.append(int(cmd.split("/")[2]))
+    return out
 
 
 def wait_for(pred, timeout: float = 10.0, interval: float = 0.1) -> bool:  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ from dsec.errors import (
     LayerInUse,
     NotFound,
     PayloadTooLarge,
+    SandboxBusy,
     SandboxError,
     SandboxNotRunning,
     Unauthorized,
@@ -20,16 +21,19 @@ from dsec.models import (
     FileStat,
     FnCallArgs,
     FnCallResult,
+    MicroVMArgs,
     SandboxInfo,
     SandboxState,
     TestCase,
+    VMArgs,
+    VMInfo,
 )
 from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DsecError",
     "EdgeUnavailable", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
-    "InvalidRequest", "Layer", "LayerInUse", "NotFound",
-    "PayloadTooLarge",
-    "Sandbox", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState", "TestCase", "Unauthorized",
+    "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NotFound",
+    "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",
+    "TestCase", "Unauthorized", "VMArgs", "VMInfo",
 ]

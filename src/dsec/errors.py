@@ -34,6 +34,13 @@ class SandboxNotRunning(DsecError):
     code = "sandbox_not_running"
 
 
+class SandboxBusy(DsecError):
+    """The sandbox has requests in flight and cannot be paused now."""
+
+    status = 409
+    code = "sandbox_busy"
+
+
 class LayerInUse(DsecError):
     status = 409
     code = "layer_in_use"
@@ -71,6 +78,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Unauthorized,
         NotFound,
         SandboxNotRunning,
+        SandboxBusy,
         LayerInUse,
         PayloadTooLarge,
         AdmissionRejected,

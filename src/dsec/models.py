@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,11 +36,14 @@ class Strict(BaseModel):
 
 class Backend(StrEnum):
     container = "container"
+    microvm = "microvm"
+    vm = "vm"
 
 
 class SandboxState(StrEnum):
     creating = "creating"
     running = "running"
+    paused = "paused"
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
@@ -63,38 +66,17 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
-class ContainerArgs(Strict):
-    """What a caller asks for when creating a container sandbox."""
+class SandboxBase(Strict):
+    """What every kind of sandbox is created with: its layer stack, lifetime and labels."""
 
-    backend: Literal["container"] = "container"
     image: str = Field(default="base/debian:12", description="base layer, kind/name:version")
     layers: list[str] = Field(default_factory=list, description="workspace/toolkit layers, bottom to top")
-    memory_limit_mb: Annotated[int, Field(ge=16, le=1024 * 1024)] = 512
-    cpu_cores_limit: Annotated[float, Field(gt=0, le=1024)] = 1.0
-    pids_limit: Annotated[int, Field(ge=8, le=1 << 22)] = 4096
     ttl_running_stop: Annotated[int | None, Field(ge=1)] = 1800
     max_lifetime_s: Annotated[int | None, Field(ge=1)] = 24 * 3600
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(default=None, max_length=128)
     workdir: str = "/root"
-    tmpfs: dict[str, Annotated[int, Field(ge=1, le=64 * 1024)]] = Field(
-        default_factory=dict, description="extra tmpfs mounts, absolute path -> size in MiB (charged to memory)")
-    record_access: bool = Field(
-        default=False, description="record which chunks of its layers this sandbox reads and save them, when "
-        "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
-
-    @field_validator("tmpfs")
-    @classmethod
-    def _tmpfs(cls, v: dict[str, int]) -> dict[str, int]:
-        if len(v) > 8:
-            raise ValueError("at most 8 tmpfs mounts")
-        for path in v:
-            norm = os.path.normpath(path)
-            if not path.startswith("/") or norm == "/" or norm.split("/")[1] in ("proc", "sys", "dev") \
-                    or "\0" in path or norm != path:
-                raise ValueError(f"tmpfs path {path!r} must be absolute, normalized, and not /, /proc, /sys or /dev")
-        return v
 
     @field_validator("image")
     @classmethod
@@ -125,11 +107,84 @@ class ContainerArgs(Strict):
         return v
 
 
+class ContainerArgs(SandboxBase):
+    """What a caller asks for when creating a container sandbox."""
+
+    backend: Literal["container"] = "container"
+    memory_limit_mb: Annotated[int, Field(ge=16, le=1024 * 1024)] = 512
+    cpu_cores_limit: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    pids_limit: Annotated[int, Field(ge=8, le=1 << 22)] = 4096
+    tmpfs: dict[str, Annotated[int, Field(ge=1, le=64 * 1024)]] = Field(
+        default_factory=dict, description="extra tmpfs mounts, absolute path -> size in MiB (charged to memory)")
+    record_access: bool = Field(
+        default=False, description="record which chunks of its layers this sandbox reads and save them, when "
+        "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
+
+    @field_validator("tmpfs")
+    @classmethod
+    def _tmpfs(cls, v: dict[str, int]) -> dict[str, int]:
+        if len(v) > 8:
+            raise ValueError("at most 8 tmpfs mounts")
+        for path in v:
+            norm = os.path.normpath(path)
+            if not path.startswith("/") or norm == "/" or norm.split("/")[1] in ("proc", "sys", "dev") \
+                    or "\0" in path or norm != path:
+                raise ValueError(f"tmpfs path {path!r} must be absolute, normalized, and not /, /proc, /sys or /dev")
+        return v
+
+
+# QEMU's own memory beside guest RAM, reserved at admission (TCG code cache, devices)
+VM_OVERHEAD_MB = 160
+
+
+class _VMBase(SandboxBase):
+    vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+    memory_mb: Annotated[int, Field(ge=128, le=256 * 1024)] = 512
+    disk_mb: Annotated[int, Field(ge=64, le=1024 * 1024, description="size of the writable disk (sparse)")] = 2048
+    template: bool = Field(default=True, description="start by cloning a snapshotted template VM of the same "
+                           "shape (made on first use) instead of booting")
+
+    @property
+    def memory_limit_mb(self) -> int:
+        return self.memory_mb + VM_OVERHEAD_MB
+
+    @property
+    def cpu_cores_limit(self) -> float:
+        return float(self.vcpus)
+
+
+class MicroVMArgs(_VMBase):
+    """A microVM: QEMU -M microvm, the layers as read-only virtio disks, overlay root in the guest."""
+
+    backend: Literal["microvm"] = "microvm"
+
+
+class VMArgs(_VMBase):
+    """A full VM: QEMU q35 (PCI, VGA display, USB tablet) from a layer stack."""
+
+    backend: Literal["vm"] = "vm"
+    display: bool = Field(default=True, description="a VGA display for screenshots and input events")
+
+
+AnySandboxArgs = Annotated[ContainerArgs | MicroVMArgs | VMArgs, Field(discriminator="backend")]
+
+
 SandboxArgs = ContainerArgs
 
 
 class CreateRequest(Strict):
-    args: ContainerArgs
+    args: AnySandboxArgs
+
+
+class KeysRequest(Strict):
+    keys: str = Field(max_length=4096, description="key combinations, e.g. 'ctrl-alt-t' or 'h i ret' "
+                      "(QEMU key codes joined by '-', combinations separated by spaces)")
+
+
+class ClickRequest(Strict):
+    x: Annotated[int, Field(ge=0, le=65535)]
+    y: Annotated[int, Field(ge=0, le=65535)]
+    button: Literal["left", "right", "middle"] = "left"
 
 
 class PackDiffRequest(Strict):
@@ -159,6 +214,21 @@ class SandboxInfo(BaseModel):
     memory_limit_mb: int
     cpu_cores_limit: float
     error: str | None = None
+    vm: VMInfo | None = Field(default=None, description="VM sandboxes: accelerator and how it started")
+
+
+class VMInfo(BaseModel):
+    machine: str
+    accelerator: str = Field(description="kvm, or tcg (emulated: several times slower)")
+    vcpus: int
+    memory_mb: int
+    disk_mb: int
+    started_from: str = Field(description="boot, template, or snapshot (a resumed pause)")
+    boot_s: float | None = None
+    clone_s: float | None = None
+    pause_s: float | None = None
+    restore_s: float | None = None
+    snapshot_bytes: int | None = Field(default=None, description="size of the pause snapshot while paused")
 
 
 class ExecRequest(Strict):
@@ -259,6 +329,8 @@ class NodeStats(BaseModel):
     memory_reserved_mb: int
     max_sandboxes: int
     per_job: dict[str, int] = Field(default_factory=dict)
+    vm: dict[str, Any] | None = Field(default=None, description="VM support: accelerator (from a probe boot), "
+                                      "agent channel, QEMU and guest kernel")
 
 
 # ---- FnCall ------------------------------------------------------------------

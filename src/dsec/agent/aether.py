@@ -29,8 +29,9 @@ import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from dsec.agent.initclient import SETSID, ChannelLost, InitClient, SpawnFailed, boottime_ticks, exit_code
+from dsec.agent.initclient import SETSID, ChannelLost, SpawnFailed, boottime_ticks, exit_code
 from dsec.edge import linux
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
@@ -279,13 +280,10 @@ class ShellSession:
 class Aether:
     """The agent of one sandbox: exec, sessions, files, HTTP and TTY."""
 
-    def __init__(self, ctx: AgentContext, init: InitClient) -> None:
+    def __init__(self, ctx: AgentContext, init: InitChannel, files: SandboxFiles | None = None) -> None:
         self.ctx = ctx
         self.init = init
-
-    @property
-    def root(self) -> str:
-        return f"/proc/{self.ctx.init_pid}/root"
+        self.files: SandboxFiles = files or ProcRootFiles(ctx.init_pid)
 
     async def close(self) -> None:
         """The sandbox is going away: end its sessions."""
@@ -426,7 +424,93 @@ class Aether:
             os.close(slave)
         return master, pid, exited
 
-    # ---- files ------------------------------------------------------------
+    async def resize_tty(self, master: int, cols: int, rows: int) -> None:
+        set_winsize(master, cols, rows)
+        await self.init.resize(master, cols, rows)  # a VM's pty is in the guest: it is told too
+
+    # ---- HTTP -------------------------------------------------------------
+    async def http_request(self, port: int, method: str, path: str, headers: list[tuple[str, str]],
+                           body: bytes, timeout: float) -> HttpResponse:
+        """One HTTP/1.1 request to 127.0.0.1:port inside the sandbox."""
+        sock = await self.files.connect(port)
+        return await asyncio.to_thread(_http_over, sock, port, method, path, headers, body, timeout)
+
+
+class SandboxFiles(Protocol):
+    """Files and TCP inside one sandbox, whatever it runs on."""
+
+    async def exists(self, path: str) -> bool: ...
+    async def mkdirs(self, path: str) -> None: ...
+    async def read_file(self, path: str, limit: int) -> bytes: ...
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+    async def stat(self, path: str) -> FileStat: ...
+    async def list_dir(self, path: str) -> list[FileStat]: ...
+    async def remove(self, path: str, recursive: bool) -> None: ...
+    async def connect(self, port: int) -> socket.socket: ...
+
+
+class InitChannel(Protocol):
+    """dsec-init's interface, over its unix socket (containers) or a VM's channel."""
+
+    closed: asyncio.Event
+
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
+                    flags: int = SETSID) -> tuple[int, asyncio.Future[int]]: ...
+    async def kill_tree(self, pid: int, sig: int, since_ticks: int = 0, include_self: bool = False) -> int: ...
+    async def hold(self, key: str, fds: list[int]) -> None: ...
+    async def retrieve(self, key: str) -> list[int] | None: ...
+    async def drop(self, key: str) -> None: ...
+    async def held_keys(self) -> list[str]: ...
+    async def adopt(self, pid: int) -> asyncio.Future[int] | None: ...
+    async def resize(self, master: int, cols: int, rows: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class ProcRootFiles:
+    """A container's files, reached from the host through /proc/<init>/root with every
+    lookup resolved in that root (openat2 RESOLVE_IN_ROOT), and its network namespace.
+    The work is blocking syscalls, so each call runs in a thread."""
+
+    def __init__(self, init_pid: int) -> None:
+        self.init_pid = init_pid
+
+    @property
+    def root(self) -> str:
+        return f"/proc/{self.init_pid}/root"
+
+    async def exists(self, path: str) -> bool:
+        return await asyncio.to_thread(self._exists, path)
+
+    async def mkdirs(self, path: str) -> None:
+        await asyncio.to_thread(self._mkdirs, path)
+
+    async def read_file(self, path: str, limit: int) -> bytes:
+        return await asyncio.to_thread(self._read_file, path, limit)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await asyncio.to_thread(self._write_file, path, data, mode)
+
+    async def stat(self, path: str) -> FileStat:
+        return await asyncio.to_thread(self._stat, path)
+
+    async def list_dir(self, path: str) -> list[FileStat]:
+        return await asyncio.to_thread(self._list_dir, path)
+
+    async def remove(self, path: str, recursive: bool) -> None:
+        await asyncio.to_thread(self._remove, path, recursive)
+
+    async def connect(self, port: int) -> socket.socket:
+        def go() -> socket.socket:
+            sock = linux.socket_in_netns(f"/proc/{self.init_pid}/ns/net")
+            sock.settimeout(10)
+            try:
+                sock.connect(("127.0.0.1", port))
+            except OSError as e:
+                sock.close()
+                raise SandboxError(f"nothing answers on port {port} in the sandbox: {e.strerror}") from None
+            return sock
+        return await asyncio.to_thread(go)
+
     def _rootfd(self) -> int:
         return os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
@@ -479,17 +563,17 @@ class Aether:
         except OSError as e:
             raise InvalidRequest(f"{path}: {e.strerror}", field="path") from None
 
-    def exists(self, path: str) -> bool:
+    def _exists(self, path: str) -> bool:
         try:
             os.close(self._open_in_root(path, os.O_PATH))
             return True
         except OSError:
             return False
 
-    def mkdirs(self, path: str) -> None:
+    def _mkdirs(self, path: str) -> None:
         os.close(self._open_parent(os.path.join(path, "x"), create=True)[0])
 
-    def read_file(self, path: str, limit: int) -> bytes:
+    def _read_file(self, path: str, limit: int) -> bytes:
         def go() -> bytes:
             if not path.startswith("/"):
                 raise InvalidRequest("path must be absolute", field="path")
@@ -505,7 +589,7 @@ class Aether:
             return data
         return self._wrap_fs(go, path)  # type: ignore[return-value]
 
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def _write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         def go() -> None:
             os.close(self._open_parent(path, create=True)[0])
             fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, mode)
@@ -517,7 +601,7 @@ class Aether:
                 f.write(data)
         self._wrap_fs(go, path)
 
-    def stat(self, path: str) -> FileStat:
+    def _stat(self, path: str) -> FileStat:
         def go() -> FileStat:
             if os.path.normpath(path) == "/":
                 st = os.stat(self.root)
@@ -531,7 +615,7 @@ class Aether:
             return _filestat(os.path.normpath(path), name, st, target)
         return self._wrap_fs(go, path)  # type: ignore[return-value]
 
-    def list_dir(self, path: str) -> list[FileStat]:
+    def _list_dir(self, path: str) -> list[FileStat]:
         def go() -> list[FileStat]:
             fd = self._open_in_root(path, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -550,7 +634,7 @@ class Aether:
             raise InvalidRequest("path must be absolute", field="path")
         return self._wrap_fs(go, path)  # type: ignore[return-value]
 
-    def remove(self, path: str, recursive: bool) -> None:
+    def _remove(self, path: str, recursive: bool) -> None:
         import shutil
 
         def go() -> None:
@@ -568,38 +652,31 @@ class Aether:
                 os.close(d)
         self._wrap_fs(go, path)
 
-    # ---- HTTP -------------------------------------------------------------
-    def http_request(self, port: int, method: str, path: str, headers: list[tuple[str, str]],
-                     body: bytes, timeout: float) -> HttpResponse:
-        """One HTTP/1.1 request to 127.0.0.1:port inside the sandbox's network namespace."""
-        sock = linux.socket_in_netns(f"/proc/{self.ctx.init_pid}/ns/net")
-        sock.settimeout(timeout)
-        try:
-            sock.connect(("127.0.0.1", port))
-        except OSError as e:
-            sock.close()
-            raise SandboxError(f"nothing answers on port {port} in the sandbox: {e.strerror}") from None
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        conn.sock = sock
-        try:
-            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-            names = {k.lower() for k, _ in headers}
-            if "host" not in names:
-                conn.putheader("Host", f"127.0.0.1:{port}")
-            for k, v in headers:
-                conn.putheader(k, v)
-            if body or method in ("POST", "PUT", "PATCH"):
-                conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body or None)
-            resp = conn.getresponse()
-            data = resp.read(MAX_HTTP_BODY + 1)
-            if len(data) > MAX_HTTP_BODY:
-                raise SandboxError(f"response from port {port} exceeds {MAX_HTTP_BODY} bytes")
-            return HttpResponse(status=resp.status, headers=resp.getheaders(), body=data)
-        except (OSError, http.client.HTTPException) as e:
-            raise SandboxError(f"HTTP to port {port} in the sandbox failed: {e}") from None
-        finally:
-            conn.close()
+
+def _http_over(sock: socket.socket, port: int, method: str, path: str, headers: list[tuple[str, str]],
+               body: bytes, timeout: float) -> HttpResponse:
+    sock.settimeout(timeout)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.sock = sock
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        names = {k.lower() for k, _ in headers}
+        if "host" not in names:
+            conn.putheader("Host", f"127.0.0.1:{port}")
+        for k, v in headers:
+            conn.putheader(k, v)
+        if body or method in ("POST", "PUT", "PATCH"):
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body or None)
+        resp = conn.getresponse()
+        data = resp.read(MAX_HTTP_BODY + 1)
+        if len(data) > MAX_HTTP_BODY:
+            raise SandboxError(f"response from port {port} exceeds {MAX_HTTP_BODY} bytes")
+        return HttpResponse(status=resp.status, headers=resp.getheaders(), body=data)
+    except (OSError, http.client.HTTPException) as e:
+        raise SandboxError(f"HTTP to port {port} in the sandbox failed: {e}") from None
+    finally:
+        conn.close()
 
 
 def _filestat(path: str, name: str, st: os.stat_result, target: str | None) -> FileStat:

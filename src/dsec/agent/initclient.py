@@ -174,6 +174,9 @@ class InitClient:
             return None
         return fut
 
+    async def resize(self, master: int, cols: int, rows: int) -> None:
+        """Nothing to do: a container's pty is the host's own, resized by the caller."""
+
     async def kill_group(self, pgid: int, sig: int) -> None:
         await self._request(["G", str(pgid), str(sig)])
 

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from dsec.agent.aether import Aether, set_winsize
+from dsec.agent.aether import Aether
 from dsec.agent.initclient import exit_code
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
@@ -36,6 +36,7 @@ from dsec.errors import (
 )
 from dsec.layers.store import Layer, LayerStore
 from dsec.models import (
+    ClickRequest,
     ContainerArgs,
     CreateRequest,
     ExecEvent,
@@ -44,6 +45,7 @@ from dsec.models import (
     FnCallArgs,
     FnCallResult,
     ForkRequest,
+    KeysRequest,
     NodeStats,
     PackDiffRequest,
     SandboxEvent,
@@ -345,6 +347,30 @@ def build_app(api: Apiserver) -> FastAPI:
     async def pack_diff(sandbox_id: str, req: PackDiffRequest) -> Layer:
         return await api.edge_for(sandbox_id).pack_diff(sandbox_id, req.ref, req.scrub_paths, req.default_scrub)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/pause")
+    async def pause(sandbox_id: str) -> SandboxInfo:
+        """VM: RAM and devices to a snapshot file and QEMU ends; container: frozen. Any later request resumes."""
+        return await api.edge_for(sandbox_id).pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume")
+    async def resume(sandbox_id: str) -> SandboxInfo:
+        return await api.edge_for(sandbox_id).resume(sandbox_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/screenshot", response_class=Response,
+             responses={200: {"content": {"image/png": {}}, "description": "the VM's screen as PNG"}})
+    async def screenshot(sandbox_id: str) -> Response:
+        return Response(await api.edge_for(sandbox_id).screenshot(sandbox_id), media_type="image/png")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/keys", status_code=204)
+    async def send_keys(sandbox_id: str, req: KeysRequest) -> Response:
+        await api.edge_for(sandbox_id).send_keys(sandbox_id, req.keys)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/click", status_code=204)
+    async def click(sandbox_id: str, req: ClickRequest) -> Response:
+        await api.edge_for(sandbox_id).click(sandbox_id, req.x, req.y, req.button)
+        return Response(status_code=204)
+
     @app.get("/v1/sandboxes/{sandbox_id}/events")
     async def events(sandbox_id: str) -> list[SandboxEvent]:
         """What happened to a sandbox that its owner should know (creation, prefetch, storage errors, ...)."""
@@ -487,7 +513,7 @@ async def _bridge_tty(ws: WebSocket, master: int, pid: int, exited: asyncio.Futu
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     ctl = json.loads(msg["text"])
                     if "resize" in ctl:
-                        set_winsize(master, int(ctl["resize"][0]), int(ctl["resize"][1]))
+                        await agent.resize_tty(master, int(ctl["resize"][0]), int(ctl["resize"][1]))
                     if "data" in ctl:
                         os.write(master, str(ctl["data"]).encode())
             touch()

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,6 +27,8 @@ layer_app = typer.Typer(help="Environment layers", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
 fncall_app = typer.Typer(help="FnCall: short stateless tasks in pooled warm containers", no_args_is_help=True)
 app.add_typer(fncall_app, name="fncall")
+node_app = typer.Typer(help="This cluster's nodes (edges)", no_args_is_help=True)
+app.add_typer(node_app, name="node")
 console = Console()
 err = Console(stderr=True)
 
@@ -95,6 +98,15 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOp
     console.print(f"cgroups: {prepare_cgroups()}")
     ensure_init_binary(os.path.join(d, "bin", "dsec-init"))
     load_or_create_token(d)
+    if shutil.which("qemu-system-x86_64"):
+        from dsec.backends.vm.guest import ensure_guest
+        from dsec.backends.vm.qemu import probe_accel
+
+        with console.status("VM guest: kernel package, initramfs, accelerator probe"):
+            for machine in ("microvm", "q35"):
+                g = ensure_guest(d, machine)
+            verdict = probe_accel(g.kernel, g.initrd, os.path.join(d, "vm", "accel.json"))
+        console.print(f"VM guest {g.version}; accelerator {verdict['accel']} ({verdict.get('kvm_probe')})")
     layer_store = _store(d, store)
     with console.status("building base layers (first time: ~1 min)"):
         for layer in ensure_base_layers(layer_store):
@@ -110,25 +122,54 @@ def ps(url: UrlOpt = None, token: TokenOpt = None, job: str | None = None,
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in items], indent=1))
         return
-    t = Table(Column("SANDBOX", no_wrap=True), "STATE", Column("IMAGE", no_wrap=True), "CPU", "MEM", "AGE",
-              "IDLE", "JOB")
+    t = Table(Column("SANDBOX", no_wrap=True), "BACKEND", "STATE", Column("IMAGE", no_wrap=True), "CPU", "MEM",
+              "AGE", "IDLE", "JOB")
     now = time.time()
     for i in items:
-        t.add_row(i.sandbox_id, i.state.value, i.image, f"{i.cpu_cores_limit:g}", f"{i.memory_limit_mb}M",
+        backend = i.backend.value + (f" ({i.vm.accelerator})" if i.vm else "")
+        t.add_row(i.sandbox_id, backend, i.state.value, i.image, f"{i.cpu_cores_limit:g}", f"{i.memory_limit_mb}M",
                   f"{now - i.created_at:.0f}s", f"{now - i.last_active_at:.0f}s", i.job or "")
     console.print(t)
 
 
 @app.command()
 def create(image: str = "base/debian:12", memory_mb: int = 512, cpus: float = 1.0,
-           ttl: int = 1800, job: str | None = None, url: UrlOpt = None, token: TokenOpt = None) -> None:
-    """Create a container sandbox and print its id."""
-    from dsec.models import ContainerArgs
+           ttl: int = 1800, job: str | None = None,
+           backend: Annotated[str, typer.Option(help="container, microvm or vm")] = "container",
+           disk_mb: Annotated[int, typer.Option(help="VM: writable disk size")] = 2048,
+           template: Annotated[bool, typer.Option(help="VM: clone a snapshotted template")] = True,
+           url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Create a sandbox and print its id."""
+    from dsec.models import ContainerArgs, MicroVMArgs, VMArgs
 
-    with _api(url, token) as c:
-        sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
-                                           ttl_running_stop=ttl, job=job))
+    with _errors(), _api(url, token) as c:
+        if backend == "container":
+            sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
+                                               ttl_running_stop=ttl, job=job))
+        elif backend in ("microvm", "vm"):
+            kind = MicroVMArgs if backend == "microvm" else VMArgs
+            vm_args = kind(image=image, memory_mb=memory_mb, vcpus=max(1, round(cpus)), disk_mb=disk_mb,
+                           template=template, ttl_running_stop=ttl, job=job)
+            sb = c.run_microvm(vm_args) if backend == "microvm" else c.run_vm(vm_args)
+        else:
+            raise typer.BadParameter("--backend must be container, microvm or vm")
         print(sb.sandbox_id)
+
+
+@app.command()
+def pause(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Pause a sandbox (a VM's memory goes to a snapshot file); any request resumes it."""
+    with _errors(), _api(url, token) as c:
+        info = c.connect(sandbox_id).pause()
+        print(info.model_dump_json(include={"sandbox_id", "state", "vm"}))
+
+
+@app.command()
+def resume(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Resume a paused sandbox."""
+    with _errors(), _api(url, token) as c:
+        info = c.connect(sandbox_id).resume()
+        print(info.model_dump_json(include={"sandbox_id", "state", "vm"}))
 
 
 @app.command("exec", context_settings={"allow_interspersed_args": False})
@@ -184,6 +225,23 @@ def nodes(url: UrlOpt = None, token: TokenOpt = None) -> None:
     with _api(url, token) as c:
         for n in c.nodes():
             print(n.model_dump_json())
+
+
+@node_app.command("info")
+def node_info(url: UrlOpt = None, token: TokenOpt = None,
+              as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Each edge's capabilities: backends, and for VMs the accelerator (KVM only when a
+    probe boot showed it runs guests, else TCG), agent channel, QEMU and guest kernel."""
+    with _api(url, token) as c:
+        items = c.nodes()
+    if as_json:
+        print(json.dumps([n.model_dump(mode="json") for n in items], indent=1))
+        return
+    for n in items:
+        console.print(f"[bold]{n.edge}[/bold] {'healthy' if n.healthy else 'UNHEALTHY'}: {n.cpus} CPUs, "
+                      f"{n.memory_mb} MiB, {n.sandboxes} sandboxes; backends {', '.join(b.value for b in n.backends)}")
+        for k, v in (n.vm or {}).items():
+            console.print(f"  vm.{k}: {v}")
 
 
 def _store(data_dir: str | None, store: str | None = None):  # type: ignore[no-untyped-def]

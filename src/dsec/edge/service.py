@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from pydantic import BaseModel
 
-from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, OnData
+from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, InitChannel, OnData, SandboxFiles
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.backends.fncall.pool import FnCallService
+from dsec.backends.vm.channel import GuestChannel, GuestFiles
+from dsec.backends.vm.display import click, screenshot, send_keys
+from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.edge import linux
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.state import EdgeState, Record
@@ -36,6 +39,7 @@ from dsec.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    SandboxBusy,
     SandboxError,
     SandboxNotRunning,
 )
@@ -50,11 +54,14 @@ from dsec.models import (
     FnCallResult,
     HttpResponse,
     LayerFetchStats,
+    MicroVMArgs,
     NodeStats,
     SandboxEvent,
     SandboxInfo,
     SandboxState,
     StorageStats,
+    VMArgs,
+    VMInfo,
     parse_sandbox_id,
 )
 from dsec.storage.node import FetchMode, NodeLayers
@@ -108,6 +115,7 @@ class Sandbox:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     events: deque[SandboxEvent] = field(default_factory=lambda: deque(maxlen=200))
     teardown: asyncio.Task[None] | None = None
+    vm: VMInstance | None = None
 
     @property
     def id(self) -> str:
@@ -134,12 +142,14 @@ class Edge:
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
         self.layer_mnt = self.node_layers.mnt_dir
         self.fncall_service = FnCallService(self, os.cpu_count() or 1)
+        self.vms = VMRuntime(cfg.data_dir, self.run_dir, f"dsec-{tag}")
         self._ttl_task: asyncio.Task[None] | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
         self.metrics = EdgeMetrics(self.name, lambda: [
-            (sb.id, sb.rec.info.state.value, sb.rec.info.job, self.runtime.cgroup_path(sb.id))
+            (sb.id, sb.rec.info.state.value, sb.rec.info.job,
+             (self.vms if sb.vm else self.runtime).cgroup_path(sb.id))
             for sb in list(self.sandboxes.values())], self._storage_stats)
 
     # ---- lifecycle of the edge itself ---------------------------------------
@@ -196,6 +206,15 @@ class Edge:
         for sid, rec in live.items():
             sb = Sandbox(rec, os.path.join(self.sandbox_root, sid))
             self.sandboxes[sid] = sb
+            if rec.args.backend != "container":
+                try:
+                    await self._recover_vm(sb)
+                    log.info("re-adopted VM sandbox %s (%s)", sid, rec.info.state.value)
+                    continue
+                except (SandboxError, OSError, ValueError) as e:
+                    log.warning("cannot re-adopt VM %s: %s", sid, e)
+                await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
+                continue
             if sid in running and _alive(rec.init_pid):
                 try:
                     await self._attach(sb)
@@ -226,7 +245,7 @@ class Edge:
                 n += 1
         return cpu, int(mem), n
 
-    def _admit(self, args: ContainerArgs) -> None:
+    def _admit(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> None:
         cpu, mem, n = self._reserved()
         if n + 1 > self.cfg.max_sandboxes:
             raise AdmissionRejected(f"edge {self.name} is at its sandbox limit ({self.cfg.max_sandboxes})")
@@ -248,7 +267,8 @@ class Edge:
             if sb.rec.info.job and not sb.stopping:
                 per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
         return NodeStats(
-            edge=self.name, healthy=True, backends=[Backend.container], cpus=self.cpus,
+            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(),
+            backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
             memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
             memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job)
@@ -257,7 +277,7 @@ class Edge:
     def _new_id(self) -> str:
         return f"{self.name}-{''.join(secrets.choice(_ALPHABET) for _ in range(12))}"
 
-    def _resolve_layers(self, args: ContainerArgs) -> list[str]:
+    def _resolve_layers(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> list[str]:
         """Digests bottom to top, each checked against its slot's kind."""
         refs = [args.image, *args.layers]
         digests = []
@@ -276,7 +296,7 @@ class Edge:
             digests.extend(layer.all_blobs)
         return digests
 
-    async def create(self, args: ContainerArgs, sandbox_id: str | None = None) -> SandboxInfo:
+    async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None) -> SandboxInfo:
         t0 = time.monotonic()
         digests = self._resolve_layers(args)
         try:
@@ -287,43 +307,16 @@ class Edge:
         sid = sandbox_id or self._new_id()
         now = time.time()
         info = SandboxInfo(
-            sandbox_id=sid, edge=self.name, backend=Backend.container, state=SandboxState.creating,
+            sandbox_id=sid, edge=self.name, backend=Backend(args.backend), state=SandboxState.creating,
             image=args.image, layers=args.layers, created_at=now, last_active_at=now, labels=args.labels,
             job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         self.sandboxes[sid] = sb  # reserves its share before the first await
         try:
-            if args.record_access and not self.node_layers.on_demand:
-                raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
-            if queued := await self.node_layers.prefetch(digests):
-                self.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
-            if args.record_access:
-                lowers = [await self.node_layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
-                          for i, d in reversed(list(enumerate(digests)))]
+            if not isinstance(args, ContainerArgs):
+                await self._create_vm(sb, args, digests)
             else:
-                lowers = [await self.node_layers.mount(d) for d in reversed(digests)]
-            for sub in ("upper", "work", "rootfs"):
-                os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
-            rootfs = os.path.join(sb.dir, "rootfs")
-            linux.mount("overlay", rootfs, "overlay", 0,
-                        f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
-            limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit)
-            with open(os.path.join(sb.dir, "config.json"), "w") as f:
-                json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid), args.tmpfs), f)
-            sock_path = self._sock_path(sid)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(sock_path)
-            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                lsock.bind(sock_path)
-                os.chmod(sock_path, 0o600)
-                lsock.listen(64)
-                sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
-            finally:
-                lsock.close()
-                os.close(init_fd)
-            await self._attach(sb)
+                await self._create_container(sb, args, digests)
             info.state = SandboxState.running
             self.state.put(sb.rec)
         except BaseException as e:
@@ -335,19 +328,56 @@ class Edge:
         self.on_event(sid, "created", f"{args.image} {args.layers}")
         return info
 
+    async def _create_container(self, sb: Sandbox, args: ContainerArgs, digests: list[str]) -> None:
+        sid = sb.id
+        if args.record_access and not self.node_layers.on_demand:
+            raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
+        if queued := await self.node_layers.prefetch(digests):
+            self.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
+        if args.record_access:
+            lowers = [await self.node_layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
+                      for i, d in reversed(list(enumerate(digests)))]
+        else:
+            lowers = [await self.node_layers.mount(d) for d in reversed(digests)]
+        for sub in ("upper", "work", "rootfs"):
+            os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
+        rootfs = os.path.join(sb.dir, "rootfs")
+        linux.mount("overlay", rootfs, "overlay", 0,
+                    f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
+        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit)
+        with open(os.path.join(sb.dir, "config.json"), "w") as f:
+            json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid), args.tmpfs), f)
+        sock_path = self._sock_path(sid)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock_path)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lsock.bind(sock_path)
+            os.chmod(sock_path, 0o600)
+            lsock.listen(64)
+            sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
+        finally:
+            lsock.close()
+            os.close(init_fd)
+        await self._attach(sb)
+
     def _sock_path(self, sid: str) -> str:
         return os.path.join(self.run_dir, "s", sid)
 
     async def _attach(self, sb: Sandbox) -> None:
         init = InitClient(self._sock_path(sb.id))
         await init.connect()
+        await self._bind_agent(sb, init, None)
+
+    async def _bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
         args = sb.rec.args
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.id, "LANG": "C.UTF-8", **args.env}
         ctx = AgentContext(sandbox_id=sb.id, init_pid=sb.rec.init_pid, env=env, workdir="/")
-        agent = Aether(ctx, init)
-        ctx.shell = "/bin/bash" if agent.exists("/bin/bash") else "/bin/sh"
-        if not agent.exists(args.workdir):
-            await asyncio.to_thread(agent.mkdirs, args.workdir)
+        agent = Aether(ctx, init, files)
+        ctx.shell = "/bin/bash" if await agent.files.exists("/bin/bash") else "/bin/sh"
+        if not await agent.files.exists(args.workdir):
+            await agent.files.mkdirs(args.workdir)
         ctx.workdir = args.workdir
         recovered = await agent.recover_sessions()
         if recovered:
@@ -355,10 +385,137 @@ class Edge:
         sb.agent = agent
         sb.watch = asyncio.create_task(self._watch(sb, init))
 
-    async def _watch(self, sb: Sandbox, init: InitClient) -> None:
+    async def _watch(self, sb: Sandbox, init: InitChannel) -> None:
         await init.closed.wait()
         if not sb.stopping:
-            await self._teardown(sb, SandboxState.failed, "sandbox init exited")
+            why = "VM agent channel lost (QEMU or the guest's agent ended)" if sb.vm else "sandbox init exited"
+            await self._teardown(sb, SandboxState.failed, why)
+
+    # ---- VM sandboxes -------------------------------------------------------------
+    async def _create_vm(self, sb: Sandbox, args: MicroVMArgs | VMArgs, digests: list[str]) -> None:
+        os.makedirs(sb.dir, exist_ok=True)
+        machine = "microvm" if isinstance(args, MicroVMArgs) else "q35"
+        files = [await self.node_layers.image_files(d) for d in digests]
+        upper = os.path.join(sb.dir, "upper.img")
+        display = isinstance(args, VMArgs) and args.display
+        spec = await self.vms.make_spec(machine, args.vcpus, args.memory_mb, files, upper, display)
+        vm = sb.vm = VMInstance(sb.id, sb.dir, self.vms.sock_dir, spec)
+        if args.template:
+            key = self.vms.template_key(spec, digests, args.disk_mb)
+            tdir = await self.vms.ensure_template(key, spec, args.disk_mb, timeout=180)
+            ch = await self.vms.clone(vm, tdir, sb.id)
+        else:
+            await self.vms.make_upper(upper, args.disk_mb)
+            ch = await self.vms.boot(vm, sb.id, timeout=180)
+        sb.rec.init_pid = vm.pid
+        self.vms.save_spec(vm)
+        sb.rec.info.vm = VMInfo(
+            machine=machine, accelerator=spec.accel, vcpus=args.vcpus, memory_mb=args.memory_mb,
+            disk_mb=args.disk_mb, started_from="template" if args.template else "boot",
+            boot_s=vm.timings.get("boot_s"), clone_s=vm.timings.get("clone_s"))
+        await self._bind_agent(sb, ch, GuestFiles(ch))
+
+    async def _recover_vm(self, sb: Sandbox) -> None:
+        """Take back a VM left by a previous edge: a running QEMU is reconnected (the
+        guest's agent drops the old edge's channels, so sessions start afresh); a paused
+        one stays paused with its snapshot."""
+        vm = sb.vm = self.vms.load(sb.id, sb.dir)
+        if sb.rec.info.state == SandboxState.paused:
+            if not os.path.exists(vm.snapshot):
+                raise SandboxError("paused VM's snapshot is gone")
+            ch = GuestChannel(vm.agent_sock)
+            sb.agent = Aether(AgentContext(sb.id, 0, {}, sb.rec.args.workdir), ch, GuestFiles(ch))
+            return
+        if not self.vms.is_qemu(sb.rec.init_pid):
+            raise SandboxError("its QEMU is gone")
+        ch = await self.vms.adopt(vm, sb.rec.init_pid)
+        await self._bind_agent(sb, ch, GuestFiles(ch))
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """VM: guest RAM and devices to a snapshot file, QEMU ends. Container: frozen
+        (cgroup freezer); memory reclaim comes with the density work."""
+        sb, _ = self._running(sandbox_id)
+        async with sb.lock:
+            info = sb.rec.info
+            if info.state == SandboxState.paused:
+                return info
+            if sb.ops:
+                raise SandboxBusy(f"sandbox {sandbox_id} has {sb.ops} request(s) in flight; pause after they end")
+            if sb.vm:
+                meta = await self.vms.pause(sb.vm)
+                if info.vm:
+                    info.vm.pause_s = sb.vm.timings.get("pause_s")
+                    info.vm.snapshot_bytes = meta["size"]
+                msg = f"snapshot {meta['size'] >> 20} MiB in {sb.vm.timings.get('pause_s', 0):.2f} s; QEMU ended"
+            else:
+                await self.runtime.pause(sb.id)
+                msg = "frozen"
+            info.state = SandboxState.paused
+            self.state.put(sb.rec)
+        self.on_event(sb.id, "paused", msg)
+        return info
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._get_live(sandbox_id)
+        if sb is None:
+            return await self.get(sandbox_id)
+        await self._resume(sb)
+        return sb.rec.info
+
+    async def _resume(self, sb: Sandbox) -> None:
+        async with sb.lock:
+            info = sb.rec.info
+            if info.state != SandboxState.paused or sb.stopping:
+                return
+            if sb.vm:
+                try:
+                    fresh = sb.vm.channel is None
+                    await self.vms.resume(sb.vm)
+                except SnapshotError as e:
+                    self.on_event(sb.id, "snapshot_error", str(e))
+                    asyncio.create_task(self._teardown(sb, SandboxState.failed, f"resume failed: {e}"))
+                    raise
+                sb.rec.init_pid = sb.vm.pid
+                if info.vm:
+                    info.vm.restore_s = sb.vm.timings.get("restore_s")
+                    info.vm.snapshot_bytes = None
+                    info.vm.started_from = "snapshot"
+                if fresh and sb.vm.channel:  # paused across an edge restart: a new agent binding
+                    await self._bind_agent(sb, sb.vm.channel, GuestFiles(sb.vm.channel))
+                msg = f"restored in {sb.vm.timings.get('restore_s', 0):.2f} s"
+            else:
+                await self.runtime.resume(sb.id)
+                msg = "thawed"
+            info.state = SandboxState.running
+            info.last_active_at = time.time()
+            self.state.put(sb.rec)
+        self.on_event(sb.id, "resumed", msg)
+
+    async def _ready(self, sandbox_id: str) -> tuple[Sandbox, Aether]:
+        """The sandbox and its agent, resumed first if it is paused (any request resumes)."""
+        sb = self._get_live(sandbox_id)
+        if sb is not None and sb.rec.info.state == SandboxState.paused:
+            await self._resume(sb)
+        return self._running(sandbox_id)
+
+    def _display_vm(self, sandbox_id: str) -> VMInstance:
+        sb, _ = self._running(sandbox_id)
+        if sb.vm is None or not sb.vm.spec.display:
+            raise InvalidRequest(f"sandbox {sandbox_id} has no display (a VMArgs sandbox with display=True has)",
+                                 field="sandbox_id")
+        return sb.vm
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        await self._ready(sandbox_id)
+        return await screenshot(self._display_vm(sandbox_id))
+
+    async def send_keys(self, sandbox_id: str, keys: str) -> None:
+        await self._ready(sandbox_id)
+        await send_keys(self._display_vm(sandbox_id), keys)
+
+    async def click(self, sandbox_id: str, x: int, y: int, button: str = "left") -> None:
+        await self._ready(sandbox_id)
+        await click(self._display_vm(sandbox_id), x, y, button)
 
     # ---- stop and cleanup ---------------------------------------------------
     async def stop(self, sandbox_id: str) -> SandboxInfo:
@@ -384,6 +541,7 @@ class Edge:
         async with sb.lock:
             if sb.stopping and sb.rec.info.state in (SandboxState.stopped, SandboxState.failed):
                 return
+            was_paused = sb.rec.info.state == SandboxState.paused
             sb.stopping = True
             sb.rec.info.state = SandboxState.stopping
             if record:
@@ -393,10 +551,16 @@ class Edge:
             if sb.agent:
                 await sb.agent.close()
                 sb.agent = None
-            await self.runtime.delete(sb.id)
-            if sb.rec.init_pid:
-                await _wait_gone(sb.rec.init_pid)
-            if sb.rec.args.record_access:
+            if sb.vm:
+                await self.vms.destroy(sb.vm)
+            else:
+                if was_paused:  # a frozen cgroup would hold the kill
+                    with contextlib.suppress(SandboxError):
+                        await self.runtime.resume(sb.id)
+                await self.runtime.delete(sb.id)
+                if sb.rec.init_pid:
+                    await _wait_gone(sb.rec.init_pid)
+            if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.record_access:
                 await self._save_access_lists(sb, forget=True)
             for mp in linux.mounted_under(sb.dir):
                 try:
@@ -462,7 +626,7 @@ class Edge:
 
     # ---- requests into the sandbox -------------------------------------------
     async def exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:
-        sb, agent = self._running(sandbox_id)
+        sb, agent = await self._ready(sandbox_id)
         sb.ops += 1
         try:
             res = await agent.exec(req, on_data)
@@ -477,35 +641,35 @@ class Edge:
             sb.ops -= 1
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        _, agent = self._running(sandbox_id)
-        return await asyncio.to_thread(agent.read_file, path, self.cfg.max_file_bytes)
+        _, agent = await self._ready(sandbox_id)
+        return await agent.files.read_file(path, self.cfg.max_file_bytes)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         if len(data) > self.cfg.max_file_bytes:
             raise PayloadTooLarge(f"file body of {len(data)} bytes exceeds the {self.cfg.max_file_bytes}-byte limit",
                                   field="body")
-        _, agent = self._running(sandbox_id)
-        await asyncio.to_thread(agent.write_file, path, data, mode)
+        _, agent = await self._ready(sandbox_id)
+        await agent.files.write_file(path, data, mode)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        _, agent = self._running(sandbox_id)
-        return await asyncio.to_thread(agent.list_dir, path)
+        _, agent = await self._ready(sandbox_id)
+        return await agent.files.list_dir(path)
 
     async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        _, agent = self._running(sandbox_id)
-        return await asyncio.to_thread(agent.stat, path)
+        _, agent = await self._ready(sandbox_id)
+        return await agent.files.stat(path)
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        _, agent = self._running(sandbox_id)
-        await asyncio.to_thread(agent.remove, path, recursive)
+        _, agent = await self._ready(sandbox_id)
+        await agent.files.remove(path, recursive)
 
     async def http(self, sandbox_id: str, port: int, method: str, path: str,
                    headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpResponse:
-        _, agent = self._running(sandbox_id)
-        return await asyncio.to_thread(agent.http_request, port, method, path, headers, body, timeout)
+        _, agent = await self._ready(sandbox_id)
+        return await agent.http_request(port, method, path, headers, body, timeout)
 
     async def open_tty(self, sandbox_id: str, cols: int, rows: int) -> tuple[int, int, asyncio.Future[int], Aether]:
-        sb, agent = self._running(sandbox_id)
+        sb, agent = await self._ready(sandbox_id)
         master, pid, exited = await agent.open_tty(cols, rows)
         return master, pid, exited, agent
 
@@ -520,9 +684,9 @@ class Edge:
                            ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Put ``files`` (root-owned, read-only to others) into a sandbox and start ``argv``
         as root with a socketpair for stdin and stdout: the FnCall pool's worker channel."""
-        _, agent = self._running(sandbox_id)
+        _, agent = await self._ready(sandbox_id)
         for path, data in files.items():
-            await asyncio.to_thread(agent.write_file, path, data, 0o644)
+            await agent.files.write_file(path, data, 0o644)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -542,7 +706,10 @@ class Edge:
         """Publish the sandbox's writes (its overlay upper dir: new and changed files,
         whiteouts for deletions, opaque dirs) as workspace layer ``ref``, incremental
         over the stack it runs on. The sandbox is frozen while the image is built."""
-        sb, _ = self._running(sandbox_id)
+        sb, _ = await self._ready(sandbox_id)
+        if sb.vm:
+            raise InvalidRequest("pack_diff works on container sandboxes; a VM's writes are on its own ext4 disk",
+                                 field="sandbox_id")
         try:
             kind = layer_kind(ref)
         except InvalidRequest as e:
@@ -567,7 +734,7 @@ class Edge:
     async def save_access_lists(self, sandbox_id: str) -> dict[str, int]:
         """Save what a ``record_access`` sandbox read so far as its layers' access lists."""
         sb, _ = self._running(sandbox_id)
-        if not sb.rec.args.record_access:
+        if not isinstance(sb.rec.args, ContainerArgs) or not sb.rec.args.record_access:
             raise InvalidRequest(f"sandbox {sandbox_id} was not created with record_access", field="record_access")
         return await self._save_access_lists(sb)
 
@@ -645,6 +812,10 @@ class Edge:
                     if sb.stopping or sb.agent is None:
                         continue
                     args, info = sb.rec.args, sb.rec.info
+                    if info.state == SandboxState.paused:  # idle by definition; only its lifetime runs out
+                        if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
+                            await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                        continue
                     if sb.ops:
                         info.last_active_at = now
                     if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:

@@ -7,15 +7,18 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from dsec.models import ContainerArgs, SandboxInfo, SandboxState
+from pydantic import TypeAdapter
+
+from dsec.models import AnySandboxArgs, ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
 
 TOMBSTONE_TTL_S = 3600.0
+_ARGS: TypeAdapter[ContainerArgs | MicroVMArgs | VMArgs] = TypeAdapter(AnySandboxArgs)
 
 
 @dataclass
 class Record:
     info: SandboxInfo
-    args: ContainerArgs
+    args: ContainerArgs | MicroVMArgs | VMArgs
     init_pid: int
     digests: list[str]
 
@@ -59,5 +62,5 @@ class EdgeState:
 
     @staticmethod
     def _record(row: tuple[str, str, int, str]) -> Record:
-        return Record(SandboxInfo.model_validate_json(row[0]), ContainerArgs.model_validate_json(row[1]),
+        return Record(SandboxInfo.model_validate_json(row[0]), _ARGS.validate_json(row[1]),
                       int(row[2]), [d for d in row[3].split(",") if d])

@@ -9,9 +9,21 @@ import contextlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from dsec.errors import AdmissionRejected
-from dsec.models import ContainerArgs, NodeStats
+from dsec.models import NodeStats
+
+
+class Demand(Protocol):
+    """What placement needs to know of a sandbox request (any backend's args)."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def cpu_cores_limit(self) -> float: ...
+    @property
+    def memory_limit_mb(self) -> int: ...
 
 
 @dataclass
@@ -52,7 +64,7 @@ class Placement:
         return ((st.cpu_reserved + inf.cpu) / cpu_cap, (st.memory_reserved_mb + inf.memory_mb) / mem_cap,
                 st.sandboxes + inf.count)
 
-    def eligible(self, args: ContainerArgs, exclude: set[str]) -> list[NodeStats]:
+    def eligible(self, args: Demand, exclude: set[str]) -> list[NodeStats]:
         out = []
         for st in self._snapshot().values():
             if not st.healthy or st.edge in exclude or args.backend not in [b.value for b in st.backends]:
@@ -67,7 +79,7 @@ class Placement:
             out.append(st)
         return out
 
-    def choose(self, args: ContainerArgs, exclude: set[str] | None = None) -> str:
+    def choose(self, args: Demand, exclude: set[str] | None = None) -> str:
         cands = self.eligible(args, exclude or set())
         if not cands:
             raise AdmissionRejected("no healthy edge has room for this sandbox "
@@ -76,7 +88,7 @@ class Placement:
         return min(sample, key=lambda st: max(self._load(st)[:2])).edge
 
     @contextlib.contextmanager
-    def reserve(self, edge: str, args: ContainerArgs) -> Iterator[None]:
+    def reserve(self, edge: str, args: Demand) -> Iterator[None]:
         inf = self.in_flight.setdefault(edge, _InFlight())
         inf.cpu += args.cpu_cores_limit
         inf.memory_mb += args.memory_limit_mb

@@ -15,13 +15,14 @@ import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
 from dsec.errors import ERRORS_BY_CODE, DsecError, EdgeUnavailable
 from dsec.layers.store import Layer
 from dsec.models import (
+    ClickRequest,
     ContainerArgs,
     CreateRequest,
     ExecEvent,
@@ -31,11 +32,14 @@ from dsec.models import (
     FnCallArgs,
     FnCallResult,
     ForkRequest,
+    KeysRequest,
+    MicroVMArgs,
     NodeStats,
     PackDiffRequest,
     SandboxEvent,
     SandboxInfo,
     StorageStats,
+    VMArgs,
 )
 
 DEFAULT_URL = "http://127.0.0.1:7777"
@@ -221,6 +225,31 @@ class AsyncSandbox:
         access lists now (it also happens when the sandbox stops). Data blob -> chunks."""
         return dict(await self._client._json("POST", f"{self._base}/access_list"))
 
+    async def pause(self, *, timeout: float = 120.0) -> SandboxInfo:
+        """VM: memory and devices to a snapshot file, its QEMU ends; container: frozen.
+        Any later request (exec, files, HTTP) resumes it first."""
+        self.info = SandboxInfo.model_validate(await self._client._json("POST", f"{self._base}/pause",
+                                                                        timeout=timeout))
+        return self.info
+
+    async def resume(self, *, timeout: float = 120.0) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self._client._json("POST", f"{self._base}/resume",
+                                                                        timeout=timeout))
+        return self.info
+
+    async def screenshot(self) -> bytes:
+        """A full VM's screen as PNG."""
+        return (await self._client._request("GET", f"{self._base}/screenshot")).content
+
+    async def send_keys(self, keys: str) -> None:
+        """Key combinations to a full VM: ``"ctrl-alt-t"``, ``"h i ret"`` (QEMU key codes)."""
+        await self._client._request("POST", f"{self._base}/keys", json=KeysRequest(keys=keys).model_dump())
+
+    async def click(self, x: int, y: int, button: Literal["left", "right", "middle"] = "left") -> None:
+        """Click at pixel (x, y) of a full VM's screen."""
+        await self._client._request("POST", f"{self._base}/click",
+                                    json=ClickRequest(x=x, y=y, button=button).model_dump())
+
     async def stop(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(await self._client._json("DELETE", self._base))
         return self.info
@@ -277,11 +306,22 @@ class AsyncClient:
 
     async def run_container(self, args: ContainerArgs | None = None, *, timeout: float = 120.0) -> AsyncSandbox:
         """Create a container sandbox and return its handle once it accepts commands."""
-        body = CreateRequest(args=args or ContainerArgs()).model_dump(mode="json")
-        info = SandboxInfo.model_validate(await self._json("POST", "/v1/sandboxes", json=body, timeout=timeout))
-        return AsyncSandbox(self, info)
+        return await self._create(args or ContainerArgs(), timeout)
 
     create = run_container
+
+    async def run_microvm(self, args: MicroVMArgs | None = None, *, timeout: float = 300.0) -> AsyncSandbox:
+        """Create a microVM sandbox (QEMU -M microvm); the same handle as a container's."""
+        return await self._create(args or MicroVMArgs(), timeout)
+
+    async def run_vm(self, args: VMArgs | None = None, *, timeout: float = 300.0) -> AsyncSandbox:
+        """Create a full VM sandbox (QEMU q35, with a display for screenshots and input)."""
+        return await self._create(args or VMArgs(), timeout)
+
+    async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, timeout: float) -> AsyncSandbox:
+        body = CreateRequest(args=args).model_dump(mode="json")
+        info = SandboxInfo.model_validate(await self._json("POST", "/v1/sandboxes", json=body, timeout=timeout))
+        return AsyncSandbox(self, info)
 
     async def connect(self, sandbox_id: str) -> AsyncSandbox:
         """A handle to an existing sandbox, from any process."""

@@ -163,6 +163,16 @@ class NodeLayers:
                 raise SandboxError(f"layer image {digest[:12]} does not mount (corrupt?): {e.strerror}") from None
         return target
 
+    async def image_files(self, digest: str) -> tuple[str, str | None]:
+        """Image ``digest`` as files for a VM's read-only disks, without mounting it on
+        the host: (metadata image, data blob or None). From a shared store read on
+        demand the blob is the lazy reader's file, so the guest's reads fetch chunks."""
+        async with self._lock:
+            if self.on_demand:
+                await self._ensure_reader()
+            source, opts = await self._prepare(digest, None)
+        return source, opts.removeprefix("device=") if opts else None
+
     async def _prepare(self, digest: str, record_tag: str | None) -> tuple[str, str | None]:
         data = self.store.data_of(digest)
         if self.store.backend.kind == "local":

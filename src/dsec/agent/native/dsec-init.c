@@ -31,6 +31,12 @@
  *   "R" key                               reply "F" key + the held fds (dups), or "E ENOENT"
  *   "D" key                               close and forget them; "K 0"
  *   "L"                                   reply "L" key...
+ *
+ * VM mode (`dsec-init --vm MUX`): PID 1 of a VM sandbox's guest. There is no
+ * host socket to listen on; dsec-init starts MUX (dsec-vmux) with one end of a
+ * socketpair as its fd 3 and serves that single client, which speaks for the
+ * host over the virtio channel. If the mux dies the channel is gone for good,
+ * so the guest powers off and the host sees the VM end.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -43,6 +49,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/reboot.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <stdint.h>
@@ -176,8 +183,11 @@ static void on_exit_status(pid_t pid, int status) {
     }
 }
 
+static int vm_mode;
+
 static void drop_client(int idx) {
     int fd = clients[idx];
+    if (vm_mode) { sync(); reboot(RB_POWER_OFF); }
     for (int i = 0; i < MAX_TRACKED; i++)
         if (tracked[i].pid && tracked[i].client == fd) tracked[i].client = -1;
     close(fd);
@@ -394,11 +404,33 @@ done:
     for (int i = 0; i < nfds; i++) close(fds[i]);
 }
 
-int main(void) {
+static int start_mux(const char *path) {
+    int sp[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) return -1;
+    pid_t p = fork();
+    if (p == 0) {
+        dup2(sp[1], 3); /* dup2 clears close-on-exec on the copy */
+        char *argv[] = {(char *)path, NULL};
+        execve(path, argv, environ);
+        _exit(127);
+    }
+    close(sp[1]);
+    if (p < 0) { close(sp[0]); return -1; }
+    clients[nclients++] = sp[0];
+    return 0;
+}
+
+int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    close(3); /* our own binary, passed by crun --preserve-fds */
     int lfd = 4;
-    fcntl(lfd, F_SETFD, FD_CLOEXEC);
+    if (argc == 3 && !strcmp(argv[1], "--vm")) {
+        vm_mode = 1;
+        lfd = -1;
+        if (start_mux(argv[2]) < 0) { reboot(RB_POWER_OFF); return 1; }
+    } else {
+        close(3); /* our own binary, passed by crun --preserve-fds */
+        fcntl(lfd, F_SETFD, FD_CLOEXEC);
+    }
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);

@@ -1,0 +1,1 @@
+"""VM sandboxes on QEMU: microVMs (-M microvm) and full VMs (q35)."""
