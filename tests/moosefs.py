@@ -9,6 +9,7 @@ contacted); the client talks to the master over loopback.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -96,6 +97,9 @@ class MooseFS:
     def stop(self) -> None:
         self.resume_chunkserver()
         subprocess.run(["umount", "-l", self.mount], capture_output=True)
+        # end the FUSE client too: a file still open on the detached mount then fails
+        # instead of hanging once the master is gone
+        subprocess.run(["pkill", "-f", f"mfsmount.*{re.escape(self.mount)}"], capture_output=True)
         for name in ("chunkserver", "master"):
             p = self.procs.pop(name, None)
             if p is None:

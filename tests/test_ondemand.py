@@ -61,6 +61,9 @@ def shared(mfs: MooseFS, tmp_path_factory: pytest.TempPathFactory) -> tuple[str,
         src = str(tmp_path_factory.mktemp(sub))
         sums.update(_tree(src, sub, 6, seed))
         store.import_dir(src, ref)
+    # the test process must hold no file on MooseFS once it is stopped: a later fork would
+    # hang closing it
+    store.close()
     return store_root, sums
 
 

@@ -12,7 +12,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 LAYER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+$")
@@ -166,7 +166,20 @@ class VMArgs(_VMBase):
     display: bool = Field(default=True, description="a VGA display for screenshots and input events")
 
 
-AnySandboxArgs = Annotated[ContainerArgs | MicroVMArgs | VMArgs, Field(discriminator="backend")]
+def _backend_of(v: Any) -> str:
+    """The args' backend; a body without one means a container (the first backend)."""
+    if isinstance(v, dict):
+        return str(v.get("backend", "container"))
+    return str(getattr(v, "backend", "container"))
+
+
+AnySandboxArgs = Annotated[
+    Annotated[ContainerArgs, Tag("container")] | Annotated[MicroVMArgs, Tag("microvm")]
+    | Annotated[VMArgs, Tag("vm")],
+    Discriminator(_backend_of, custom_error_type="invalid_backend",
+                  custom_error_message="backend must be container, microvm or vm")]
+# what a validation error's location holds for the union's branch: not a field name
+BACKEND_TAGS = ("container", "microvm", "vm")
 
 
 SandboxArgs = ContainerArgs

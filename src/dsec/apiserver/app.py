@@ -36,6 +36,7 @@ from dsec.errors import (
 )
 from dsec.layers.store import Layer, LayerStore
 from dsec.models import (
+    BACKEND_TAGS,
     ClickRequest,
     ContainerArgs,
     CreateRequest,
@@ -247,8 +248,8 @@ def build_app(api: Apiserver) -> FastAPI:
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "args")]
-        field = ".".join(loc) or None
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "args", *BACKEND_TAGS)]
+        field = ".".join(loc) or ("backend" if first.get("type") == "invalid_backend" else None)
         msg = first.get("msg", "invalid request")
         return _error(InvalidRequest(f"{field}: {msg}" if field else msg, field=field))
 

@@ -119,6 +119,10 @@ class LayerStore:
             if col not in cols:
                 self._db.execute(f"ALTER TABLE layers ADD COLUMN {col} TEXT NOT NULL DEFAULT '{{}}'")
 
+    def close(self) -> None:
+        """Close the catalog (a process must not hold files on a shared store it is done with)."""
+        self._db.close()
+
     def blob_path(self, digest: str) -> str:
         """The metadata image (or whole image, for one published as a single file)."""
         return self.backend.path(f"{digest}.erofs")
