@@ -7,6 +7,8 @@ Nothing is mocked."""
 from __future__ import annotations
 
 import asyncio
+import glob
+import hashlib
 import json
 import os
 import signal
@@ -330,3 +332,19 @@ def test_node_info_reports_the_accelerator(platform: Platform) -> None:
     assert "microvm" in node["backends"] and "vm" in node["backends"]
     if node["vm"]["accelerator"] == "tcg":
         assert "slower" in node["vm"]["note"]  # never silently pretending TCG is fast
+
+
+def test_restart_kills_qemu_no_sandbox_owns(platform: Platform) -> None:
+    """A QEMU left by a crash mid-create (no record owns it) is killed when the edge starts."""
+    run_dirs = glob.glob(f"/run/dsec/{hashlib.sha1(os.path.abspath(platform.data_dir).encode()).hexdigest()[:8]}-*")
+    assert len(run_dirs) == 1
+    sock = os.path.join(run_dirs[0], "v", "edge0-stray0000001.q")
+    stray = subprocess.Popen(["qemu-system-x86_64", "-M", "microvm", "-nodefaults", "-display", "none", "-S",
+                              "-qmp", f"unix:{sock},server=on,wait=off"], start_new_session=True)
+    try:
+        assert wait_for(lambda: os.path.exists(sock), 10)
+        platform.restart(crash=True)
+        assert wait_for(lambda: stray.poll() is not None, 10)
+    finally:
+        stray.kill()
+        stray.wait()

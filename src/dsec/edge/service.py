@@ -225,6 +225,8 @@ class Edge:
             await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
         for sid in running - set(self.sandboxes):
             await self.runtime.delete(sid)
+        for name in await self.vms.reap_strays(set(self.sandboxes)):
+            log.warning("killed a QEMU no sandbox owns: %s", name)
         for mp in linux.mounted_under(self.sandbox_root):
             sid = os.path.basename(os.path.dirname(mp))
             if sid not in self.sandboxes or self.sandboxes[sid].stopping:

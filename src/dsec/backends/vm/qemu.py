@@ -81,7 +81,9 @@ class VMSpec:
         else:
             machine = "q35"
         accel = "kvm" if self.accel == "kvm" else "tcg,thread=multi,tb-size=64"
+        # seccomp: no spawning (migrations go through fds), no setuid, no new privileges
         a = [qemu_binary(), "-nodefaults", "-no-user-config", "-no-reboot", "-accel", accel,
+             "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
              "-smp", str(self.vcpus), "-m", f"{self.memory_mb}M",
              "-kernel", self.kernel, "-initrd", self.initrd, "-append", self.cmdline,
              "-qmp", f"unix:{qmp_sock},server=on,wait=off",

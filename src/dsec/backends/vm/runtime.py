@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import logging
@@ -296,6 +297,39 @@ class VMRuntime:
         self.remove_cgroup(vm.sid)
 
     # ---- records, for an edge restart ----------------------------------------------------
+    def qemus(self) -> dict[str, int]:
+        """QEMU processes of this runtime (their sockets are in our socket dir): name -> pid."""
+        out: dict[str, int] = {}
+        marker = f"unix:{self.sock_dir}/".encode()
+        for cmd in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                with open(cmd, "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if not argv or b"qemu-system" not in argv[0]:
+                continue
+            for a in argv:
+                if a.startswith(marker) and a.endswith(b".q,server=on,wait=off"):
+                    out[a[len(marker):-len(b".q,server=on,wait=off")].decode()] = int(cmd.split("/")[2])
+        return out
+
+    async def reap_strays(self, keep: set[str]) -> list[str]:
+        """Kill QEMUs no record owns (a crash mid-create, a template boot cut short) and
+        drop half-built templates."""
+        killed = []
+        for name, pid in self.qemus().items():
+            if name not in keep:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(name)
+                self.remove_cgroup(name)
+        if os.path.isdir(self.templates_dir):
+            for key in os.listdir(self.templates_dir):
+                if not os.path.exists(os.path.join(self.templates_dir, key, "ready")):
+                    shutil.rmtree(os.path.join(self.templates_dir, key), ignore_errors=True)
+        return killed
+
     @staticmethod
     def save_spec(vm: VMInstance) -> None:
         with open(os.path.join(vm.dir, "spec.json.tmp"), "w") as f:
@@ -438,7 +472,13 @@ class VMRuntime:
             if ignore_shared:
                 await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
                     {"capability": "x-ignore-shared", "state": True}]})
-            await vm.qmp.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(state)}"})
+            # an fd, not exec: QEMU's seccomp sandbox forbids it to spawn anything
+            fd = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await vm.qmp.execute("getfd", {"fdname": "state"}, fds=[fd])
+            finally:
+                os.close(fd)
+            await vm.qmp.execute("migrate-incoming", {"uri": "fd:state"})
             await vm.qmp.wait_status("paused")
             await vm.qmp.execute("cont")
         except QMPError as e:
@@ -489,7 +529,12 @@ class VMRuntime:
                 await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
                     {"capability": "x-ignore-shared", "state": True}]})
                 state = os.path.join(tdir, "state")
-                await vm.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(state)}"})
+                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    await vm.qmp.execute("getfd", {"fdname": "state"}, fds=[fd])
+                finally:
+                    os.close(fd)
+                await vm.qmp.execute("migrate", {"uri": "fd:state"})
                 await vm.qmp.wait_migration()
                 digest, size = await asyncio.to_thread(_hash_file, state)
                 # a clone's spec differs from the template's only in paths and share=off
