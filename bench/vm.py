@@ -107,7 +107,7 @@ async def main() -> None:
         accel = json.load(f)["accel"]
     guest = ensure_guest(data_dir, "microvm")
     token = "bench-" + os.urandom(8).hex()
-    proc, url = start_server(data_dir, token)
+    proc, url = start_server(data_dir, token, log=os.path.join(data_dir, "serve.log"))
     res: dict[str, list[float]] = {k: [] for k in ("bare", "cold", "template", "pause", "resume", "template_build")}
     rss: dict[str, list[tuple[int, int, int]]] = {"cold": [], "clone": []}
     snap_mb: list[float] = []
