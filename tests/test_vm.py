@@ -229,12 +229,14 @@ async def test_vm_http_and_tty(platform: Platform, client: dsec.AsyncClient) -> 
         await vm.stop()
 
 
-async def test_edge_restart_readopts_running_and_paused_vms(platform: Platform,
+async def test_edge_restart_readopts_running_and_paused_vms_with_sessions(platform: Platform,
                                                             client: dsec.AsyncClient) -> None:
     running = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256))
     paused = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256))
     await running.write_file("/root/f", b"running")
     await running.exec("sleep 1000 >/dev/null 2>&1 &")
+    await running.run_shell("cd /srv && export S=kept")
+    shell = (await running.run_shell("echo $$")).stdout
     await paused.write_file("/root/f", b"paused")
     await paused.pause()
     platform.restart(crash=True)
@@ -243,6 +245,8 @@ async def test_edge_restart_readopts_running_and_paused_vms(platform: Platform,
         assert r.info.state == "running"
         assert await r.read_file("/root/f") == b"running"
         assert (await r.exec("pgrep -x sleep")).exit_code == 0
+        # the shell session too: the guest held its channels for the next edge
+        assert (await r.run_shell("echo $$ $PWD $S")).stdout.split() == [shell.strip(), "/srv", "kept"]
         p = await c2.connect(paused.sandbox_id)
         assert p.info.state == "paused"
         assert (await p.run_shell("cat /root/f")).stdout == "paused"

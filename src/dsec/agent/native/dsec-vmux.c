@@ -21,7 +21,14 @@
  *   id S nspec spec... <dsec-init's S fields after "S">  spawn; spec is
  *        i<ch> (child reads), o<ch> (child writes), b<ch> (both, socketpair),
  *        t<ch>:<cols>:<rows> (a pty), n (/dev/null); same channel twice = same fd.
- *   id T|G|W|A|L|D ...       passed to dsec-init as is (see dsec-init.c)
+ *   id T|G|W|A ...           passed to dsec-init as is (see dsec-init.c)
+ *   id H key ch...           hold: these channels outlive the host's connection (a
+ *                            shell session's, so it survives a restart of the edge)
+ *   id L                     reply "L key..." of the held sets
+ *   id R key                 retrieve: reply "F key ch:kind..." (kind i: the child
+ *                            reads, o: it writes), the channels now belong to this
+ *                            connection; "E 2" if unknown
+ *   id D key                 forget a held set (its channels stay as they are)
  *   id Fr ch path limit      read a file: reply "K size", bytes on ch, then EOF
  *   id Fw ch mode path       write a file from ch's bytes; reply after EOF
  *   id Fs path               stat: reply "K type size mode mtime target"
@@ -36,7 +43,9 @@
  *                            /proc/PID/stat units), re-read after a restore
  *   id V epoch               resynchronise after the host (re)connected: all
  *                            channels are dropped; the reply is the raw marker
- *                            DSEC-SYNC:<epoch>:<boottime ticks>\n, then frames
+ *                            DSEC-SYNC:<epoch>:<boottime ticks>:<highest channel id
+ *                            kept>\n, then frames. Held channels are kept, parked
+ *                            (not read) until retrieved; all others are dropped.
  * Replies: "id K ...", "id E errno", "id P pid" (spawn). Exit notices from
  * dsec-init are forwarded as "0 X pid status".
  */
@@ -82,7 +91,11 @@ struct chan {
     size_t blen, boff;
     char reqid[32];  /* K_FILE_IN: reply to send at EOF ("" for none) */
     int err;         /* K_FILE_IN: first write error */
+    int parked;      /* held across a reconnect and not yet retrieved: not read */
 };
+
+#define MAX_HELD 64
+static struct { char key[128]; uint32_t ids[8]; int n; } held[MAX_HELD];
 
 static struct chan ch[MAX_CH];
 static int port = -1;
@@ -253,6 +266,7 @@ static void on_data(uint32_t id, const char *p, size_t n) {
 }
 
 static long long boot_ticks(void);
+static void do_held(const char *id, char **a, int na);
 
 /* ---- requests ------------------------------------------------------------ */
 
@@ -502,7 +516,8 @@ static void on_control(char *p, size_t n) {
     int na = nf - 1;
     switch (a[0][0]) {
     case 'S': do_spawn(id, a, na); break;
-    case 'T': case 'G': case 'W': case 'A': case 'L': case 'D': {
+    case 'H': case 'L': case 'R': case 'D': do_held(id, a, na); break;
+    case 'T': case 'G': case 'W': case 'A': {
         /* the request without its id */
         char *start = a[0];
         to_init(id, start, (size_t)(p + n - start), NULL, 0);
@@ -531,15 +546,85 @@ static long long boot_ticks(void) {
     return (long long)bt.tv_sec * tck + (long long)bt.tv_nsec * tck / 1000000000LL;
 }
 
+static int is_held(uint32_t id) {
+    for (int i = 0; i < MAX_HELD; i++)
+        for (int k = 0; held[i].key[0] && k < held[i].n; k++)
+            if (held[i].ids[k] == id) return 1;
+    return 0;
+}
+
 static void resync(const char *epoch) {
     /* the host repeats its hello until it sees the marker: answer each epoch once */
     static char last[64];
     if (!strcmp(last, epoch)) return;
     snprintf(last, sizeof last, "%s", epoch);
-    for (int i = 0; i < MAX_CH; i++) if (ch[i].kind != K_FREE) free_ch(&ch[i]);
-    char m[128];
-    int n = snprintf(m, sizeof m, "DSEC-SYNC:%s:%lld\n", epoch, boot_ticks());
+    uint32_t maxid = 0;
+    for (int i = 0; i < MAX_CH; i++) {
+        if (ch[i].kind == K_FREE) continue;
+        if (is_held(ch[i].id)) {
+            ch[i].parked = 1;
+            free(ch[i].buf); ch[i].buf = NULL; ch[i].blen = ch[i].boff = 0;
+            if (ch[i].wr_open == 2) ch[i].wr_open = 1;
+            if (ch[i].id > maxid) maxid = ch[i].id;
+        } else {
+            free_ch(&ch[i]);
+        }
+    }
+    char m[160];
+    int n = snprintf(m, sizeof m, "DSEC-SYNC:%s:%lld:%u\n", epoch, boot_ticks(), maxid);
     write_all(port, m, (size_t)n);
+}
+
+static int held_find(const char *key) {
+    for (int i = 0; i < MAX_HELD; i++) if (held[i].key[0] && !strcmp(held[i].key, key)) return i;
+    return -1;
+}
+
+static void do_held(const char *id, char **a, int na) {
+    char op = a[0][0];
+    if (op == 'H') {
+        if (na < 3 || na - 2 > 8 || strlen(a[1]) >= sizeof held[0].key) { reply(id, "E %d", EINVAL); return; }
+        int i = held_find(a[1]);
+        for (int k = 0; i < 0 && k < MAX_HELD; k++) if (!held[k].key[0]) i = k;
+        if (i < 0) { reply(id, "E %d", ENOSPC); return; }
+        snprintf(held[i].key, sizeof held[i].key, "%s", a[1]);
+        held[i].n = na - 2;
+        for (int k = 0; k < held[i].n; k++) held[i].ids[k] = (uint32_t)strtoul(a[2 + k], NULL, 10);
+        reply(id, "K 0");
+    } else if (op == 'L') {
+        char *keys[MAX_HELD + 1];
+        int n = 0;
+        keys[n++] = "L";
+        for (int i = 0; i < MAX_HELD; i++) if (held[i].key[0]) keys[n++] = held[i].key;
+        reply_fields(id, keys, n);
+    } else if (op == 'R' && na >= 2) {
+        int i = held_find(a[1]);
+        if (i < 0) { reply(id, "E %d", ENOENT); return; }
+        static char specs[8][32];
+        char *out[10];
+        int n = 0;
+        out[n++] = "F";
+        out[n++] = held[i].key;
+        for (int k = 0; k < held[i].n; k++) {
+            struct chan *c = find(held[i].ids[k]);
+            if (c) c->parked = 0;
+            snprintf(specs[k], sizeof specs[k], "%u:%c", held[i].ids[k], !c ? 'x' : c->kind == K_IN ? 'i' : 'o');
+            out[n++] = specs[k];
+        }
+        reply_fields(id, out, n);
+    } else if (op == 'D' && na >= 2) {
+        int i = held_find(a[1]);
+        if (i >= 0) {
+            for (int k = 0; k < held[i].n; k++) {
+                struct chan *c = find(held[i].ids[k]);
+                if (c && c->parked) free_ch(c); /* nobody will take them back */
+            }
+            held[i].key[0] = '\0';
+        }
+        reply(id, "K 0");
+    } else {
+        reply(id, "E %d", EINVAL);
+    }
 }
 
 /* ---- replies from dsec-init --------------------------------------------- */
@@ -607,7 +692,7 @@ int main(void) {
         int map[MAX_CH];
         for (int i = 0; i < MAX_CH; i++) {
             struct chan *c = &ch[i];
-            if (c->kind == K_FREE || c->kind == K_FILE_IN || c->fd < 0) continue;
+            if (c->kind == K_FREE || c->kind == K_FILE_IN || c->fd < 0 || c->parked) continue;
             short ev = 0;
             if (c->rd_open) ev |= POLLIN;
             if (c->wr_open && c->blen > c->boff) ev |= POLLOUT;

@@ -67,6 +67,7 @@ class GuestChannel:
         self._replies: dict[str, asyncio.Future[list[bytes]]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._chans: dict[int, _Chan] = {}
+        self._spawned: dict[int, list[int]] = {}  # pid -> channel per fd position (0: /dev/null)
         self.closed = asyncio.Event()
         self.tick_offset = 0  # guest boottime ticks minus host boottime ticks, at sync
 
@@ -111,8 +112,9 @@ class GuestChannel:
                 if i >= 0:
                     j = buf.find(b"\n", i)
                     if j >= 0:
-                        ticks = int(buf[i + len(marker):j])
+                        ticks, maxid = (int(x) for x in bytes(buf[i + len(marker):j]).split(b":"))
                         self.tick_offset = ticks - boottime_ticks()
+                        self._next_ch = maxid + 1  # the guest kept held channels up to maxid
                         self._rbuf = bytearray(buf[j + 1:])
                         break
                 if len(buf) > 1 << 20:
@@ -456,6 +458,9 @@ class GuestChannel:
             raise
         if reply[0] == b"P":
             pid = int(reply[1])
+            self._spawned[pid] = [int(sp[1:].split(":")[0]) if sp != "n" else 0 for sp in specs]
+            if len(self._spawned) > 4096:  # only the newest matter (a session is held right after its spawn)
+                self._spawned.pop(next(iter(self._spawned)))
             fut = self._exits.get(pid)
             if fut is None:
                 fut = self._exits[pid] = asyncio.get_running_loop().create_future()
@@ -476,22 +481,61 @@ class GuestChannel:
     async def ping(self) -> None:
         await self.request("W")
 
-    # Sessions' pipes are host fds; a VM cannot hold them, so after an edge restart a
-    # VM's sessions start afresh (its processes and files carry on).
+    # The fd store of a container's init, VM style: the guest holds the *channels* of a
+    # session (its shell's pipes stay open in the guest), and a new edge takes them back
+    # with fresh host ends. Keys end in "/<pid>" of the spawn whose channels they hold.
     async def hold(self, key: str, fds: list[int]) -> None:
-        return None
+        try:
+            ids = self._spawned.get(int(key.rsplit("/", 1)[1]))
+        except (IndexError, ValueError):
+            ids = None
+        if ids is None or len(ids) != len(fds) or 0 in ids:
+            return
+        reply = await self.request("H", key, *ids)
+        if reply[0] != b"K":
+            raise SandboxError(f"the VM's agent cannot hold {key}")
 
     async def retrieve(self, key: str) -> list[int] | None:
-        return None
+        reply = await self.request("R", key)
+        if reply[0] != b"F":
+            return None
+        ours: list[int] = []
+        for spec in reply[2:]:
+            cid_s, _, kind = spec.decode().partition(":")
+            read_end, write_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            read_end.shutdown(socket.SHUT_WR)
+            write_end.shutdown(socket.SHUT_RD)
+            if kind == "i":  # the child reads: we write, the mux pumps it to the guest
+                c = _Chan(int(cid_s), read_end.detach(), True, False)
+                ours.append(write_end.detach())
+            else:  # the child writes ("x": already gone, an immediate end of file)
+                c = _Chan(int(cid_s), write_end.detach(), False, kind == "o")
+                ours.append(read_end.detach())
+            if kind == "x":
+                os.close(c.fd)  # type: ignore[arg-type]
+                continue
+            self._chans[c.id] = c
+            assert c.fd is not None
+            os.set_blocking(c.fd, False)
+            if c.to_guest:
+                asyncio.get_running_loop().add_reader(c.fd, self._pump_in, c)
+        return ours
 
     async def drop(self, key: str) -> None:
-        return None
+        await self.request("D", key)
 
     async def held_keys(self) -> list[str]:
-        return []
+        reply = await self.request("L")
+        return [k.decode(errors="replace") for k in reply[1:] if k]
 
     async def adopt(self, pid: int) -> asyncio.Future[int] | None:
-        return None
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._exits[pid] = fut  # before the request: the exit notice may follow the reply at once
+        reply = await self.request("A", pid)
+        if reply[0] != b"K" or reply[1] != b"0":
+            self._exits.pop(pid, None)
+            return None
+        return fut
 
     async def resize(self, master: int, cols: int, rows: int) -> None:
         """Resize the guest pty standing for the host pty whose master is ``master``."""
