@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsec.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks
+from dsec.backends.vm.qemu import connect_unix
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import FileStat
 
@@ -77,17 +78,10 @@ class GuestChannel:
         the guest's marker for our epoch is the leftover of an earlier connection."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            s.setblocking(False)
-            try:
-                await loop.sock_connect(s, self.sock_path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError) as e:
-                s.close()
-                if loop.time() > deadline or (alive is not None and not alive()):
-                    raise ChannelLost(f"VM agent channel unreachable: {e}") from e
-                await asyncio.sleep(0.005)
+        try:
+            s = await connect_unix(self.sock_path, timeout, alive)
+        except ConnectionError as e:
+            raise ChannelLost(f"VM agent channel unreachable: {e}") from None
         epoch = secrets.token_hex(8)
         marker = f"DSEC-SYNC:{epoch}:".encode()
         hello = f"0\0V\0{epoch}".encode()
@@ -153,19 +147,11 @@ class GuestChannel:
     async def reattach(self, sock_path: str, timeout: float = 30.0) -> None:
         """Continue the stream through a new QEMU (a restored snapshot)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.setblocking(False)
-        while True:
-            try:
-                await loop.sock_connect(s, sock_path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError) as e:
-                if loop.time() > deadline:
-                    s.close()
-                    self._lost(f"restored VM's agent channel unreachable: {e}")
-                    raise ChannelLost(f"restored VM's agent channel unreachable: {e}") from e
-                await asyncio.sleep(0.005)
+        try:
+            s = await connect_unix(sock_path, timeout)
+        except ConnectionError as e:
+            self._lost(f"restored VM's agent channel unreachable: {e}")
+            raise ChannelLost(f"restored VM's agent channel unreachable: {e}") from None
         self.sock_path = sock_path
         self._sock = s
         loop.add_reader(s.fileno(), self._on_readable)

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,24 @@ QEMU = "qemu-system-x86_64"
 
 class QMPError(SandboxError):
     """QEMU refused a QMP command or its monitor went away."""
+
+
+async def connect_unix(path: str, timeout: float, alive: Callable[[], bool] | None = None) -> socket.socket:
+    """A non-blocking connection to a unix socket that QEMU creates once it is up, retried
+    until ``timeout``; ConnectionError when it runs out or ``alive()`` says QEMU is gone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.setblocking(False)
+        try:
+            await loop.sock_connect(s, path)
+            return s
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            s.close()
+            if loop.time() > deadline or (alive is not None and not alive()):
+                raise ConnectionError(f"{os.path.basename(path)}: {e.strerror}") from None
+            await asyncio.sleep(0.005)
 
 
 def qemu_binary() -> str:
@@ -122,20 +141,11 @@ class QMP:
         self._lock = asyncio.Lock()
         self.events: list[dict[str, Any]] = []
 
-    async def connect(self, timeout: float = 10.0, alive: Any = None) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            s.setblocking(False)
-            try:
-                await loop.sock_connect(s, self.path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                s.close()
-                if loop.time() > deadline or (alive is not None and not alive()):
-                    raise QMPError("QEMU's monitor socket never came up") from None
-                await asyncio.sleep(0.005)
+    async def connect(self, timeout: float = 10.0, alive: Callable[[], bool] | None = None) -> None:
+        try:
+            s = await connect_unix(self.path, timeout, alive)
+        except ConnectionError:
+            raise QMPError("QEMU's monitor socket never came up") from None
         self._sock = s
         await self._read_msg()  # greeting
         await self.execute("qmp_capabilities")
