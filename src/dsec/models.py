@@ -71,7 +71,9 @@ class SandboxBase(Strict):
 
     image: str = Field(default="base/debian:12", description="base layer, kind/name:version")
     layers: list[str] = Field(default_factory=list, description="workspace/toolkit layers, bottom to top")
-    ttl_running_stop: Annotated[int | None, Field(ge=1)] = 1800
+    ttl_running_stop: Annotated[int | None, Field(ge=1, description="idle seconds before it is stopped")] = 1800
+    ttl_running_pause: Annotated[int | None, Field(ge=1, description="idle seconds before it is paused")] = None
+    ttl_paused_stop: Annotated[int | None, Field(ge=1, description="seconds paused before it is stopped")] = None
     max_lifetime_s: Annotated[int | None, Field(ge=1)] = 24 * 3600
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -114,6 +116,9 @@ class ContainerArgs(SandboxBase):
     memory_limit_mb: Annotated[int, Field(ge=16, le=1024 * 1024)] = 512
     cpu_cores_limit: Annotated[float, Field(gt=0, le=1024)] = 1.0
     pids_limit: Annotated[int, Field(ge=8, le=1 << 22)] = 4096
+    qos: Literal["best_effort", "latency_sensitive"] = Field(
+        default="best_effort", description="best_effort runs under SCHED_IDLE with minimal CPU shares: it only "
+        "gets CPU time latency-sensitive work leaves idle")
     tmpfs: dict[str, Annotated[int, Field(ge=1, le=64 * 1024)]] = Field(
         default_factory=dict, description="extra tmpfs mounts, absolute path -> size in MiB (charged to memory)")
     record_access: bool = Field(
@@ -228,6 +233,16 @@ class SandboxInfo(BaseModel):
     cpu_cores_limit: float
     error: str | None = None
     vm: VMInfo | None = Field(default=None, description="VM sandboxes: accelerator and how it started")
+    paused_at: float | None = None
+    pause: PauseInfo | None = Field(default=None, description="the last pause: memory before and after, timings")
+
+
+class PauseInfo(BaseModel):
+    memory_before_bytes: int = Field(description="memory charged to the sandbox's cgroup when the pause began")
+    memory_after_bytes: int = Field(description="... once paused (containers: after reclaim to swap; VMs: QEMU ended)")
+    swap_bytes: int = 0
+    pause_s: float
+    resume_s: float | None = None
 
 
 class VMInfo(BaseModel):
@@ -344,6 +359,8 @@ class NodeStats(BaseModel):
     per_job: dict[str, int] = Field(default_factory=dict)
     vm: dict[str, Any] | None = Field(default=None, description="VM support: accelerator (from a probe boot), "
                                       "agent channel, QEMU and guest kernel")
+    density: dict[str, Any] | None = Field(default=None, description="swap for paused sandboxes, CPU QoS "
+                                           "mechanisms (SCHED_IDLE, core scheduling)")
 
 
 # ---- FnCall ------------------------------------------------------------------

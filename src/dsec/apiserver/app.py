@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Query, Request, WebSocket
@@ -31,6 +31,7 @@ from dsec.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    SandboxBusy,
     SandboxError,
     Unauthorized,
 )
@@ -287,6 +288,31 @@ def build_app(api: Apiserver) -> FastAPI:
                                  field="job")
         targets = [i for i in await api.list(job, labels) if i.state == "running"]
         return list(await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)))
+
+    @app.post("/v1/sandboxes/pause")
+    async def pause_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
+        """Pause every running sandbox of a job (and/or with these labels), on every edge; the ones that
+        have requests in flight are left running (they appear unchanged in the answer)."""
+        return await _each(job, label, "running", "pause", lambda e, sid: e.pause(sid))
+
+    @app.post("/v1/sandboxes/resume")
+    async def resume_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
+        return await _each(job, label, "paused", "resume", lambda e, sid: e.resume(sid))
+
+    async def _each(job: str | None, label: list[str], state: str, what: str,
+                    op: Callable[[EdgeAPI, str], Awaitable[SandboxInfo]]) -> list[SandboxInfo]:
+        labels = _parse_labels(label)
+        if job is None and not labels:
+            raise InvalidRequest(f"give a job or at least one label; {what} of everything is not offered",
+                                 field="job")
+        targets = [i for i in await api.list(job, labels) if i.state == state]
+
+        async def one(i: SandboxInfo) -> SandboxInfo:
+            try:
+                return await op(api.edge_for(i.sandbox_id), i.sandbox_id)
+            except SandboxBusy:
+                return i
+        return list(await asyncio.gather(*(one(i) for i in targets)))
 
     @app.get("/v1/sandboxes/{sandbox_id}")
     async def get(sandbox_id: str) -> SandboxInfo:

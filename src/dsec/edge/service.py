@@ -31,7 +31,7 @@ from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.vm.channel import GuestChannel, GuestFiles
 from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
-from dsec.edge import linux
+from dsec.edge import linux, memory
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.state import EdgeState, Record
 from dsec.errors import (
@@ -56,6 +56,7 @@ from dsec.models import (
     LayerFetchStats,
     MicroVMArgs,
     NodeStats,
+    PauseInfo,
     SandboxEvent,
     SandboxInfo,
     SandboxState,
@@ -143,6 +144,12 @@ class Edge:
         self.layer_mnt = self.node_layers.mnt_dir
         self.fncall_service = FnCallService(self, os.cpu_count() or 1)
         self.vms = VMRuntime(cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        core = memory.has_core_scheduling()
+        self.density: dict[str, object] = {
+            "swap": "not set up yet", "sched_idle": True, "core_scheduling": core,
+            "qos": "best_effort: SCHED_IDLE + minimal CPU shares; latency_sensitive: normal" + (
+                ", core-scheduled" if core else "; no core scheduling in this kernel (CONFIG_SCHED_CORE), "
+                "so latency-sensitive sandboxes are not isolated from sibling hyperthreads")}
         self._ttl_task: asyncio.Task[None] | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
         self.cpus = os.cpu_count() or 1
@@ -154,6 +161,7 @@ class Edge:
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
+        self.density["swap"] = await asyncio.to_thread(memory.ensure_swap)
         await self.node_layers.start()
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
@@ -216,6 +224,9 @@ class Edge:
                 await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
                 continue
             if sid in running and _alive(rec.init_pid):
+                if rec.info.state == SandboxState.paused:  # frozen: its init answers once thawed
+                    log.info("re-adopted paused sandbox %s", sid)
+                    continue
                 try:
                     await self._attach(sb)
                     log.info("re-adopted sandbox %s", sid)
@@ -269,7 +280,7 @@ class Edge:
             if sb.rec.info.job and not sb.stopping:
                 per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
         return NodeStats(
-            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(),
+            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), density=self.density,
             backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
             memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
@@ -346,7 +357,8 @@ class Edge:
         rootfs = os.path.join(sb.dir, "rootfs")
         linux.mount("overlay", rootfs, "overlay", 0,
                     f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
-        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit)
+        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit,
+                        cpu_shares=2 if args.qos == "best_effort" else 1024)
         with open(os.path.join(sb.dir, "config.json"), "w") as f:
             json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid), args.tmpfs), f)
         sock_path = self._sock_path(sid)
@@ -362,6 +374,9 @@ class Edge:
         finally:
             lsock.close()
             os.close(init_fd)
+        if args.qos == "best_effort":  # everything it runs is a child of init and inherits the policy
+            memory.sched_idle_tree([sb.rec.init_pid])
+            memory.cgroup_cpu_idle(self.runtime.cgroup_path(sid))
         await self._attach(sb)
 
     def _sock_path(self, sid: str) -> str:
@@ -435,7 +450,10 @@ class Edge:
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         """VM: guest RAM and devices to a snapshot file, QEMU ends. Container: frozen
-        (cgroup freezer); memory reclaim comes with the density work."""
+        and its memory pushed out to swap."""
+        live = self._get_live(sandbox_id)
+        if live is not None and live.rec.info.state == SandboxState.paused:
+            return live.rec.info
         sb, _ = self._running(sandbox_id)
         async with sb.lock:
             info = sb.rec.info
@@ -443,6 +461,9 @@ class Edge:
                 return info
             if sb.ops:
                 raise SandboxBusy(f"sandbox {sandbox_id} has {sb.ops} request(s) in flight; pause after they end")
+            t0 = time.monotonic()
+            cg = self._cgroup(sb)
+            before = memory.cgroup_memory(cg)
             if sb.vm:
                 meta = await self.vms.pause(sb.vm)
                 if info.vm:
@@ -450,12 +471,21 @@ class Edge:
                     info.vm.snapshot_bytes = meta["size"]
                 msg = f"snapshot {meta['size'] >> 20} MiB in {sb.vm.timings.get('pause_s', 0):.2f} s; QEMU ended"
             else:
-                await self.runtime.pause(sb.id)
-                msg = "frozen"
+                await self.runtime.pause(sb.id)  # frozen first: nothing touches the memory we push out
+                await asyncio.to_thread(memory.page_out, cg)
+                msg = "frozen, memory pushed out to swap"
+            after = memory.cgroup_memory(cg)
+            info.pause = PauseInfo(memory_before_bytes=before.get("total", 0), memory_after_bytes=after.get("total", 0),
+                                   swap_bytes=after.get("swap", 0), pause_s=time.monotonic() - t0)
             info.state = SandboxState.paused
+            info.paused_at = time.time()
             self.state.put(sb.rec)
-        self.on_event(sb.id, "paused", msg)
+        self.on_event(sb.id, "paused", f"{msg}; memory {info.pause.memory_before_bytes >> 20} -> "
+                      f"{info.pause.memory_after_bytes >> 20} MiB in {info.pause.pause_s * 1000:.0f} ms")
         return info
+
+    def _cgroup(self, sb: Sandbox) -> str:
+        return (self.vms if sb.vm else self.runtime).cgroup_path(sb.id)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         sb = self._get_live(sandbox_id)
@@ -469,6 +499,7 @@ class Edge:
             info = sb.rec.info
             if info.state != SandboxState.paused or sb.stopping:
                 return
+            t0 = time.monotonic()
             if sb.vm:
                 try:
                     fresh = sb.vm.channel is None
@@ -486,9 +517,16 @@ class Edge:
                     await self._bind_agent(sb, sb.vm.channel, GuestFiles(sb.vm.channel))
                 msg = f"restored in {sb.vm.timings.get('restore_s', 0):.2f} s"
             else:
+                # swap-in starts (asynchronously) before the processes run and fault it in one page at a time
+                await asyncio.to_thread(memory.prefetch, self.runtime.cgroup_path(sb.id))
                 await self.runtime.resume(sb.id)
-                msg = "thawed"
+                if sb.agent is None:  # paused across an edge restart: bound now that init answers
+                    await self._attach(sb)
+                msg = "memory prefetch started, thawed"
+            if info.pause:
+                info.pause.resume_s = time.monotonic() - t0
             info.state = SandboxState.running
+            info.paused_at = None
             info.last_active_at = time.time()
             self.state.put(sb.rec)
         self.on_event(sb.id, "resumed", msg)
@@ -811,12 +849,14 @@ class Edge:
                 self._flush_activity()
                 now = time.time()
                 for sb in list(self.sandboxes.values()):
-                    if sb.stopping or sb.agent is None:
-                        continue
                     args, info = sb.rec.args, sb.rec.info
-                    if info.state == SandboxState.paused:  # idle by definition; only its lifetime runs out
+                    if sb.stopping or (sb.agent is None and info.state != SandboxState.paused):
+                        continue
+                    if info.state == SandboxState.paused:  # idle by definition: lifetime and paused TTL only
                         if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
                             await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                        elif args.ttl_paused_stop and now - (info.paused_at or now) > args.ttl_paused_stop:
+                            await self._teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
                         continue
                     if sb.ops:
                         info.last_active_at = now
@@ -824,6 +864,9 @@ class Edge:
                         await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
                     elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
                         await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
+                    elif args.ttl_running_pause and now - info.last_active_at > args.ttl_running_pause:
+                        with contextlib.suppress(SandboxBusy, SandboxError):
+                            await self.pause(sb.id)
             except Exception:
                 log.exception("TTL sweep failed")
 

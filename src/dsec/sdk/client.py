@@ -353,6 +353,17 @@ class AsyncClient:
     async def gc_layers(self) -> builtins.list[str]:
         return list((await self._json("POST", "/v1/layers/gc"))["removed_blobs"])
 
+    async def pause_many(self, job: str | None = None, labels: dict[str, str] | None = None,
+                         *, timeout: float = 600.0) -> builtins.list[SandboxInfo]:
+        """Pause every running sandbox of a job (and/or with these labels) across edges."""
+        data = await self._json("POST", "/v1/sandboxes/pause", params=_filters(job, labels), timeout=timeout)
+        return [SandboxInfo.model_validate(x) for x in data]
+
+    async def resume_many(self, job: str | None = None, labels: dict[str, str] | None = None,
+                          *, timeout: float = 600.0) -> builtins.list[SandboxInfo]:
+        data = await self._json("POST", "/v1/sandboxes/resume", params=_filters(job, labels), timeout=timeout)
+        return [SandboxInfo.model_validate(x) for x in data]
+
     async def stop_many(self, job: str | None = None, labels: dict[str, str] | None = None
                         ) -> builtins.list[SandboxInfo]:
         """Stop every running sandbox of ``job`` (and/or carrying ``labels``)."""

@@ -63,6 +63,7 @@ class Limits:
     memory_mb: int
     cpu_cores: float
     pids: int
+    cpu_shares: int = 1024  # best-effort sandboxes get the minimum: CPU only when others leave it idle
 
 
 def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
@@ -103,7 +104,7 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
             "cgroupsPath": cgroup_path,
             "resources": {
                 "memory": {"limit": limits.memory_mb * 1024 * 1024},
-                "cpu": {"quota": int(limits.cpu_cores * period), "period": period},
+                "cpu": {"quota": int(limits.cpu_cores * period), "period": period, "shares": limits.cpu_shares},
                 "pids": {"limit": limits.pids},
             },
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],

@@ -175,7 +175,8 @@ class VMRuntime:
         rel = self.cgroup_path(sid).lstrip("/")
         if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
             return [("v2", os.path.join(CGROUP_ROOT, rel))]
-        return [(ctl, os.path.join(CGROUP_ROOT, ctl, rel)) for ctl in ("memory", "cpu,cpuacct", "pids")
+        cpu = "cpu" if os.path.isdir(os.path.join(CGROUP_ROOT, "cpu")) else "cpu,cpuacct"
+        return [(ctl, os.path.join(CGROUP_ROOT, ctl, rel)) for ctl in ("memory", cpu, "pids")
                 if os.path.isdir(os.path.join(CGROUP_ROOT, ctl))]
 
     def make_cgroup(self, sid: str, memory_mb: int, vcpus: int) -> list[str]:

@@ -1,0 +1,182 @@
+"""Memory of paused sandboxes: the node's compressed swap (zram, set up and sized by the
+edge), pushing a frozen sandbox's anonymous memory out to it (process_madvise
+MADV_PAGEOUT on every mapping of every process in its cgroup: proactive reclaim that
+works the same on cgroup v1 and v2), and prefetching it back (MADV_WILLNEED starts
+asynchronous swap-in) before the sandbox is thawed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import subprocess
+
+log = logging.getLogger("dsec.edge.memory")
+CGROUP_ROOT = "/sys/fs/cgroup"
+SYS_PROCESS_MADVISE = 440
+MADV_WILLNEED = 3
+MADV_PAGEOUT = 21
+IOV_MAX = 1024
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def swap_status() -> list[dict[str, str]]:
+    with open("/proc/swaps") as f:
+        lines = f.read().splitlines()[1:]
+    return [dict(zip(("name", "type", "size_kb", "used_kb", "priority"), line.split(), strict=False))
+            for line in lines if line.strip()]
+
+
+def ensure_swap(fraction: float = 0.5, device: str = "zram0") -> str:
+    """Compressed swap for paused sandboxes: zram sized at ``fraction`` of RAM (its
+    uncompressed capacity; it holds only what is pushed out, compressed). Left alone when
+    the node already has swap. Returns a line saying what the node has."""
+    active = swap_status()
+    if active:
+        return ", ".join(f"{s['name']} ({int(s['size_kb']) >> 10} MiB)" for s in active)
+    sysdir = f"/sys/block/{device}"
+    if not os.path.isdir(sysdir):
+        with contextlib.suppress(OSError):
+            subprocess.run(["modprobe", "zram"], capture_output=True, check=False)
+    if not os.path.isdir(sysdir):
+        return "none (no zram device; paused sandboxes keep their memory)"
+    with open("/proc/meminfo") as f:
+        total_kb = int(f.readline().split()[1])
+    size = int(total_kb * 1024 * fraction) & ~0xFFFFF
+    try:
+        with open(f"{sysdir}/disksize") as f:
+            configured = int(f.read().strip())
+        if configured == 0:
+            with contextlib.suppress(OSError), open(f"{sysdir}/comp_algorithm", "w") as f:
+                f.write("lz4")
+            with open(f"{sysdir}/disksize", "w") as f:
+                f.write(str(size))
+        subprocess.run(["mkswap", f"/dev/{device}"], capture_output=True, check=True)
+        subprocess.run(["swapon", "-p", "100", f"/dev/{device}"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"none (zram setup failed: {e})"
+    return f"/dev/{device} ({size >> 20} MiB zram, lz4)"
+
+
+def cgroup_pids(cgroup_path: str) -> list[int]:
+    rel = cgroup_path.lstrip("/")
+    for cand in (os.path.join(CGROUP_ROOT, "memory", rel), os.path.join(CGROUP_ROOT, rel)):
+        try:
+            with open(os.path.join(cand, "cgroup.procs")) as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return []
+
+
+def cgroup_memory(cgroup_path: str) -> dict[str, int]:
+    """Memory charged to a cgroup: total, anon, file and swap (bytes), v1 or v2 names."""
+    rel = cgroup_path.lstrip("/")
+    out: dict[str, int] = {}
+    v1 = os.path.join(CGROUP_ROOT, "memory", rel)
+    if os.path.isdir(v1):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(v1, "memory.usage_in_bytes")) as f:
+                out["total"] = int(f.read())
+            with open(os.path.join(v1, "memory.stat")) as f:
+                st = dict(line.split() for line in f)
+            out["anon"] = int(st.get("total_rss", st.get("rss", 0)))
+            out["file"] = int(st.get("total_cache", st.get("cache", 0)))
+            out["swap"] = int(st.get("total_swap", st.get("swap", 0)))
+        return out
+    v2 = os.path.join(CGROUP_ROOT, rel)
+    with contextlib.suppress(OSError):
+        with open(os.path.join(v2, "memory.current")) as f:
+            out["total"] = int(f.read())
+        with open(os.path.join(v2, "memory.stat")) as f:
+            st = dict(line.split() for line in f)
+        out["anon"] = int(st.get("anon", 0))
+        out["file"] = int(st.get("file", 0))
+        with open(os.path.join(v2, "memory.swap.current")) as f:
+            out["swap"] = int(f.read())
+    return out
+
+
+def _ranges(pid: int) -> list[tuple[int, int]]:
+    """The private mappings of ``pid`` worth paging out: anonymous and private file
+    mappings that can hold dirty anonymous copies (not shared ones, not [vsyscall])."""
+    out = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split()
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                perms = parts[1]
+                name = parts[5] if len(parts) > 5 else ""
+                if perms[3] != "p" or name in ("[vsyscall]", "[vvar]", "[vdso]"):
+                    continue
+                out.append((start, end - start))
+    except OSError:
+        pass
+    return out
+
+
+def _madvise_process(pid: int, advice: int) -> int:
+    """process_madvise over every private mapping of ``pid``; bytes advised."""
+    ranges = _ranges(pid)
+    if not ranges:
+        return 0
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return 0
+    done = 0
+    try:
+        for i in range(0, len(ranges), IOV_MAX):
+            batch = ranges[i:i + IOV_MAX]
+            iov = (_IOVec * len(batch))(*[_IOVec(start, length) for start, length in batch])
+            r = _libc.syscall(SYS_PROCESS_MADVISE, pidfd, iov, len(batch), advice, 0)
+            if r > 0:
+                done += r
+    finally:
+        os.close(pidfd)
+    return done
+
+
+def page_out(cgroup_path: str) -> int:
+    """Push the anonymous memory of every process in the cgroup out to swap (it should
+    be frozen, so nothing touches it meanwhile)."""
+    return sum(_madvise_process(pid, MADV_PAGEOUT) for pid in cgroup_pids(cgroup_path))
+
+
+def prefetch(cgroup_path: str) -> int:
+    """Start bringing a paused sandbox's memory back (asynchronous swap-in)."""
+    return sum(_madvise_process(pid, MADV_WILLNEED) for pid in cgroup_pids(cgroup_path))
+
+
+def sched_idle_tree(pids: list[int]) -> None:
+    """SCHED_IDLE for these processes (children inherit it)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def cgroup_cpu_idle(cgroup_path: str) -> bool:
+    """Mark the cgroup SCHED_IDLE as a whole (cpu.idle, v2 and recent v1), where the kernel has it."""
+    rel = cgroup_path.lstrip("/")
+    for d in (os.path.join(CGROUP_ROOT, "cpu", rel), os.path.join(CGROUP_ROOT, "cpu,cpuacct", rel),
+              os.path.join(CGROUP_ROOT, rel)):
+        with contextlib.suppress(OSError), open(os.path.join(d, "cpu.idle"), "w") as f:
+            f.write("1")
+            return True
+    return False
+
+
+def has_core_scheduling() -> bool:
+    """Whether the kernel offers core scheduling (prctl PR_SCHED_CORE)."""
+    PR_SCHED_CORE, PR_SCHED_CORE_GET = 62, 0  # noqa: N806
+    cookie = ctypes.c_ulong(0)
+    r = _libc.prctl(PR_SCHED_CORE, PR_SCHED_CORE_GET, 0, 0, ctypes.byref(cookie))
+    return bool(r == 0)
+

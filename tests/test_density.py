@@ -1,0 +1,151 @@
+"""Density mechanisms on real cgroups and swap: pausing a container freezes it and pushes
+its memory out to the node's zram swap, any request resumes it (memory prefetched, then
+thawed), TTLs pause and stop idle sandboxes, best-effort sandboxes run under SCHED_IDLE.
+Nothing is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dsec
+from tests.conftest import TOKEN, Platform, leftovers
+
+HOG = (b"import hashlib, os, time\n"
+       b"b = bytearray(os.urandom(32 << 20)) + bytearray(b'x' * (128 << 20))\n"
+       b"open('/tmp/sum', 'w').write(hashlib.sha256(b).hexdigest())\n"
+       b"while True:\n"
+       b"    time.sleep(0.5)\n"
+       b"    open('/tmp/sum2.tmp', 'w').write(hashlib.sha256(b).hexdigest())\n"
+       b"    os.rename('/tmp/sum2.tmp', '/tmp/sum2')\n")
+
+
+async def _start_hog(sb: dsec.AsyncSandbox) -> str:
+    await sb.write_file("/root/hog.py", HOG)
+    await sb.exec("nohup python3 /root/hog.py >/dev/null 2>&1 &")
+    for _ in range(200):
+        r = await sb.exec("cat /tmp/sum 2>/dev/null")
+        if r.stdout:
+            return r.stdout
+        await asyncio.sleep(0.1)
+    raise AssertionError("the memory hog did not start")
+
+
+async def test_pause_pushes_memory_out_and_resume_brings_it_back(platform: Platform,
+                                                                 client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(memory_limit_mb=512))
+    try:
+        digest = await _start_hog(sb)
+        info = await sb.pause()
+        assert info.state == "paused" and info.pause is not None and info.paused_at
+        p = info.pause
+        assert p.memory_before_bytes > 150 << 20
+        assert p.memory_after_bytes < p.memory_before_bytes // 5  # pushed out while frozen
+        assert p.swap_bytes > 100 << 20
+        # a paused sandbox is frozen: its processes do not run
+        with open(glob.glob(f"/sys/fs/cgroup/freezer/*/{sb.sandbox_id}/freezer.state")[0]) as f:
+            assert f.read().strip() == "FROZEN"
+        # any request resumes it; the process and its memory are intact
+        assert await sb.read_file("/tmp/sum") == digest.encode()
+        info = await sb.refresh()
+        assert info.state == "running" and info.paused_at is None
+        assert info.pause is not None and info.pause.resume_s is not None
+        await asyncio.sleep(1.5)
+        assert (await sb.exec("cat /tmp/sum2")).stdout == digest
+        kinds = [e.kind for e in await sb.events()]
+        assert "paused" in kinds and "resumed" in kinds
+    finally:
+        await sb.stop()
+    assert leftovers(platform, sb.sandbox_id) == []
+
+
+async def test_pause_refused_while_a_command_runs(client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(image="base/busybox"))
+    try:
+        task = asyncio.create_task(sb.exec("sleep 2"))
+        await asyncio.sleep(0.5)
+        with pytest.raises(dsec.SandboxBusy):
+            await sb.pause()
+        assert (await task).exit_code == 0
+        assert (await sb.pause()).state == "paused"
+        assert (await sb.run_shell("echo ok")).stdout == "ok\n"  # a session command resumes it too
+    finally:
+        await sb.stop()
+
+
+async def test_pause_and_resume_a_job(client: dsec.AsyncClient) -> None:
+    sbs = [await client.run_container(dsec.ContainerArgs(image="base/busybox", job="rl-pause-7"))
+           for _ in range(3)]
+    other = await client.run_container(dsec.ContainerArgs(image="base/busybox", job="other"))
+    try:
+        paused = await client.pause_many(job="rl-pause-7")
+        assert sorted(i.sandbox_id for i in paused) == sorted(s.sandbox_id for s in sbs)
+        assert {i.state for i in paused} == {"paused"}
+        assert (await other.refresh()).state == "running"
+        resumed = await client.resume_many(job="rl-pause-7")
+        assert {i.state for i in resumed} == {"running"} and len(resumed) == 3
+        with pytest.raises(dsec.InvalidRequest):
+            await client.pause_many()
+    finally:
+        for s in [*sbs, other]:
+            await s.stop()
+
+
+async def test_idle_ttls_pause_then_stop_across_an_edge_restart(platform: Platform,
+                                                                client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(image="base/busybox", ttl_running_pause=1,
+                                                       ttl_paused_stop=4))
+    for _ in range(50):
+        if (await sb.refresh()).state == "paused":
+            break
+        await asyncio.sleep(0.2)
+    assert sb.info.state == "paused"
+    platform.restart(crash=True)  # the TTLs are the edge's, kept in its records, not a client's
+    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c2:
+        again = await c2.connect(sb.sandbox_id)
+        assert again.info.state == "paused"
+        for _ in range(80):
+            if (await again.refresh()).state == "stopped":
+                break
+            await asyncio.sleep(0.2)
+        assert again.info.state == "stopped"
+    assert leftovers(platform, sb.sandbox_id) == []
+
+
+async def test_best_effort_runs_under_sched_idle(platform: Platform, client: dsec.AsyncClient) -> None:
+    be = await client.run_container(dsec.ContainerArgs())
+    ls = await client.run_container(dsec.ContainerArgs(qos="latency_sensitive"))
+    probe = "python3 -c 'import os; print(os.sched_getscheduler(0))'"
+    escape = ("python3 -c 'import os\ntry:\n    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))\n"
+              "    print(\"escaped\")\nexcept PermissionError:\n    print(\"refused\")'")
+    try:
+        assert (await be.exec(probe)).stdout.strip() == "5"  # SCHED_IDLE, inherited from its init
+        assert (await be.run_shell(probe)).stdout.strip() == "5"
+        assert (await be.exec(escape)).stdout.strip() == "refused"  # root in it cannot lift itself out
+        assert (await ls.exec(probe)).stdout.strip() == "0"  # SCHED_OTHER
+        cpu = {}
+        for sb in (be, ls):
+            (d,) = glob.glob(f"/sys/fs/cgroup/cpu/*/{sb.sandbox_id}") or glob.glob(
+                f"/sys/fs/cgroup/cpu,cpuacct/*/{sb.sandbox_id}")
+            with open(f"{d}/cpu.shares") as f, open(f"{d}/cpu.idle") as g:
+                cpu[sb.sandbox_id] = (int(f.read()), int(g.read()))
+        assert cpu[be.sandbox_id][1] == 1 and cpu[ls.sandbox_id] == (1024, 0)
+    finally:
+        await be.stop()
+        await ls.stop()
+
+
+def test_node_info_reports_swap_and_qos(platform: Platform) -> None:
+    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "node", "info", "--json", "--url", platform.url,
+                          "--token", TOKEN], check=True, capture_output=True, text=True).stdout
+    (node,) = json.loads(out)
+    d = node["density"]
+    assert d["sched_idle"] is True
+    assert "zram" in d["swap"] or "MiB" in d["swap"]
+    if not d["core_scheduling"]:
+        assert "no core scheduling" in d["qos"]  # said, not hidden
