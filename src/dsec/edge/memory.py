@@ -144,15 +144,28 @@ def _madvise_process(pid: int, advice: int) -> int:
     return done
 
 
+def _v2_swap_max(cgroup_path: str, value: str) -> None:
+    """cgroup v2 keeps a running sandbox out of swap with memory.swap.max 0 (crun's
+    reading of the OCI limit); a paused one may use it. v1 charges memory+swap together
+    (memsw), so paging out needs no change there."""
+    path = os.path.join(CGROUP_ROOT, cgroup_path.lstrip("/"), "memory.swap.max")
+    if os.path.exists(path):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(value)
+
+
 def page_out(cgroup_path: str) -> int:
     """Push the anonymous memory of every process in the cgroup out to swap (it should
     be frozen, so nothing touches it meanwhile)."""
+    _v2_swap_max(cgroup_path, "max")
     return sum(_madvise_process(pid, MADV_PAGEOUT) for pid in cgroup_pids(cgroup_path))
 
 
 def prefetch(cgroup_path: str) -> int:
     """Start bringing a paused sandbox's memory back (asynchronous swap-in)."""
-    return sum(_madvise_process(pid, MADV_WILLNEED) for pid in cgroup_pids(cgroup_path))
+    n = sum(_madvise_process(pid, MADV_WILLNEED) for pid in cgroup_pids(cgroup_path))
+    _v2_swap_max(cgroup_path, "0")  # what is still out comes back as it is touched
+    return n
 
 
 def sched_idle_tree(pids: list[int]) -> None:

@@ -103,7 +103,9 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
         "linux": {
             "cgroupsPath": cgroup_path,
             "resources": {
-                "memory": {"limit": limits.memory_mb * 1024 * 1024},
+                # memory+swap capped at the same limit: the node's swap (there for paused
+                # sandboxes) must not stretch a running sandbox's memory past what it asked for
+                "memory": {"limit": limits.memory_mb * 1024 * 1024, "swap": limits.memory_mb * 1024 * 1024},
                 "cpu": {"quota": int(limits.cpu_cores * period), "period": period, "shares": limits.cpu_shares},
                 "pids": {"limit": limits.pids},
             },

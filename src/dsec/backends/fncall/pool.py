@@ -187,7 +187,8 @@ class FnCallService:
             image=key.image, layers=list(key.layers), memory_limit_mb=WORKERS * SLOT_MEMORY_MB + 256,
             cpu_cores_limit=float(WORKERS),
             pids_limit=WORKERS * 1024 + 64, ttl_running_stop=None, max_lifetime_s=None,
-            labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, workdir="/"))
+            labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, workdir="/",
+            qos="latency_sensitive"))  # a caller waits on every call: not work to run in idle time
         c = _Container(info.sandbox_id)
         try:
             for i in range(WORKERS):

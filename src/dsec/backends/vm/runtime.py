@@ -192,8 +192,8 @@ class VMRuntime:
                     f.write("+memory +cpu +pids")
                 settings = [("memory.max", str(limit)), ("memory.swap.max", "0"),
                             ("cpu.max", f"{vcpus * 100000} 100000"), ("pids.max", "64")]
-            elif ctl == "memory":
-                settings = [("memory.limit_in_bytes", str(limit))]
+            elif ctl == "memory":  # memory+swap capped too: the node's swap is for paused sandboxes
+                settings = [("memory.limit_in_bytes", str(limit)), ("memory.memsw.limit_in_bytes", str(limit))]
             elif ctl.startswith("cpu"):
                 settings = [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", str(vcpus * 100000))]
             elif ctl == "pids":

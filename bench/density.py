@@ -1,0 +1,155 @@
+"""Density: memory per idle sandbox running vs paused, pause and resume latency, and the
+step latency of a latency-sensitive task under best-effort load with and without QoS.
+
+- N idle container sandboxes, each with a live shell session and an idle ``python3`` that
+  imported a few stdlib modules; memory charged to each sandbox's cgroup, running and
+  paused (frozen, memory pushed to zram); pause latency and resume-to-first-exec latency.
+- One latency-sensitive sandbox runs a CPU-bound step (a fixed Python loop) repeatedly and
+  times each step inside the sandbox, while best-effort sandboxes spin on 0, 25 and 50% of
+  the node's cores; once with the spinners as ``best_effort`` (SCHED_IDLE, cpu.idle) and
+  once as ``latency_sensitive`` (the same as no QoS). The baseline is the unloaded step.
+
+    .venv/bin/python bench/density.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from container import pct, start_server, write_section  # noqa: E402
+
+import dsec  # noqa: E402
+from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
+from dsec.edge.memory import cgroup_memory  # noqa: E402
+from dsec.layers.store import LayerStore  # noqa: E402
+
+IDLE_PY = "import json, re, sqlite3, subprocess, http.client, time\nwhile True: time.sleep(3600)\n"
+STEP_PY = ("import time\n"
+           "out = []\n"
+           "for _ in range({steps}):\n"
+           "    t = time.perf_counter()\n"
+           "    x = 0\n"
+           "    for i in range(200000): x += i * i\n"
+           "    out.append(time.perf_counter() - t)\n"
+           "    time.sleep(0.02)\n"
+           "print(' '.join(f'{{v:.6f}}' for v in out))\n")
+
+
+def cgroup_of(sandbox_id: str) -> str:
+    for root, dirs, _ in os.walk("/sys/fs/cgroup/memory"):
+        if sandbox_id in dirs:
+            return os.path.join(root, sandbox_id).removeprefix("/sys/fs/cgroup/memory")
+        if root.count("/") > 5:
+            dirs.clear()
+    raise RuntimeError(f"no cgroup for {sandbox_id}")
+
+
+async def idle_fleet(c: dsec.AsyncClient, n: int) -> dict[str, list[float]]:
+    sbs = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(memory_limit_mb=128, cpu_cores_limit=0.1,
+                                                                     job="density-idle")) for _ in range(n)))
+    try:
+        for sb in sbs:
+            await sb.write_file("/root/idle.py", IDLE_PY.encode())
+            await sb.run_shell("cd /root && export IDLE=1")  # a live session shell
+            await sb.exec("nohup python3 /root/idle.py >/dev/null 2>&1 &")
+        await asyncio.sleep(3)
+        groups = {sb.sandbox_id: cgroup_of(sb.sandbox_id) for sb in sbs}
+        running = [cgroup_memory(groups[sb.sandbox_id]).get("total", 0) / 2**20 for sb in sbs]
+        pause, resume, paused = [], [], []
+        for sb in sbs:
+            t0 = time.monotonic()
+            await sb.pause()
+            pause.append(time.monotonic() - t0)
+            paused.append(cgroup_memory(groups[sb.sandbox_id]).get("total", 0) / 2**20)
+        for sb in sbs:
+            t0 = time.monotonic()
+            r = await sb.exec("true")
+            resume.append(time.monotonic() - t0)
+            assert r.exit_code == 0
+        return {"running_mb": running, "paused_mb": paused, "pause": pause, "resume": resume}
+    finally:
+        await c.stop_many(job="density-idle")
+
+
+async def ls_steps(c: dsec.AsyncClient, load_cores: int, qos: str, steps: int) -> list[float]:
+    spinners = [await c.run_container(dsec.ContainerArgs(image="base/busybox", cpu_cores_limit=1.0, qos=qos,
+                                                         job="density-load")) for _ in range(load_cores)]
+    ls = await c.run_container(dsec.ContainerArgs(qos="latency_sensitive", cpu_cores_limit=1.0))
+    try:
+        for s in spinners:
+            await s.exec("nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &")
+        await asyncio.sleep(0.5)
+        r = await ls.exec(["python3", "-c", STEP_PY.format(steps=steps)], timeout=300)
+        return [float(v) for v in r.stdout.split()][5:]  # the first steps warm up
+    finally:
+        await ls.stop()
+        if spinners:
+            await c.stop_many(job="density-load")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=50, help="idle sandboxes")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--write", metavar="MARKDOWN")
+    a = ap.parse_args()
+    prepare_cgroups()
+    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
+    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(a.data_dir, "layers"))
+    token = "bench-" + os.urandom(8).hex()
+    proc, url = start_server(data_dir, token, log=os.path.join(data_dir, "serve.log"))
+    cores = os.cpu_count() or 1
+    steps: dict[tuple[int, str], list[float]] = {}
+    try:
+        async with dsec.AsyncClient(url=url, token=token, timeout=600) as c:
+            idle = await idle_fleet(c, a.n)
+            print({k: round(statistics.median(v), 3) for k, v in idle.items()}, flush=True)
+            for pct_load in (0, 25, 50):
+                load = cores * pct_load // 100
+                for qos in (("best_effort", "latency_sensitive") if load else ("best_effort",)):
+                    steps[(pct_load, qos)] = await ls_steps(c, load, qos, a.steps)
+                    print(pct_load, qos, round(statistics.median(steps[(pct_load, qos)]) * 1000, 2), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait()
+    ms = 1000.0
+    run_mb, paused_mb = statistics.median(idle["running_mb"]), statistics.median(idle["paused_mb"])
+    base = statistics.median(steps[(0, "best_effort")])
+    out = [f"{a.n} idle container sandboxes (base/debian:12, a live shell session and an idle python3 that "
+           f"imported json, re, sqlite3, subprocess, http.client); {cores} cores, kernel {platform.release()}", "",
+           "| idle sandbox | median | p90 | ratio | target |", "|---|---|---|---|---|",
+           f"| memory charged, running (MiB) | {run_mb:.1f} | {pct(idle['running_mb'], 90):.1f} | 1.00 | |",
+           f"| memory charged, paused (MiB) | {paused_mb:.2f} | {pct(idle['paused_mb'], 90):.2f} | "
+           f"{paused_mb / run_mb:.3f} | <= 0.10 |",
+           f"| pause (ms) | {statistics.median(idle['pause']) * ms:.0f} | {pct(idle['pause'], 90) * ms:.0f} | "
+           f"| <= 100 |",
+           f"| resume to first exec (ms) | {statistics.median(idle['resume']) * ms:.0f} | "
+           f"{pct(idle['resume'], 90) * ms:.0f} | | <= 100 |",
+           "", f"Latency-sensitive step (a fixed CPU-bound Python loop, {a.steps} steps) under best-effort spinners:",
+           "", "| best-effort load | spinners as | step p50 (ms) | step p90 (ms) | slowdown vs unloaded | target |",
+           "|---|---|---|---|---|---|"]
+    for (load, qos), v in steps.items():
+        label = "best_effort (QoS: SCHED_IDLE)" if qos == "best_effort" and load else (
+            "latency_sensitive (no QoS)" if load else "-")
+        slow = statistics.median(v) / base - 1
+        out.append(f"| {load}% | {label} | {statistics.median(v) * ms:.2f} | {pct(v, 90) * ms:.2f} | "
+                   f"{slow * 100:+.0f}% | {'<= +25%' if load == 50 and qos == 'best_effort' else ''} |")
+    body = "\n".join(out)
+    print(body)
+    if a.write:
+        write_section(a.write, body, "python bench/density.py --write docs/benchmarks.md", name="density",
+                      title="Density (`bench/density.py`)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
