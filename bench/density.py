@@ -4,10 +4,11 @@ step latency of a latency-sensitive task under best-effort load with and without
 - N idle container sandboxes, each with a live shell session and an idle ``python3`` that
   imported a few stdlib modules; memory charged to each sandbox's cgroup, running and
   paused (frozen, memory pushed to zram); pause latency and resume-to-first-exec latency.
-- One latency-sensitive sandbox runs a CPU-bound step (a fixed Python loop) repeatedly and
-  times each step inside the sandbox, while best-effort sandboxes spin on 0, 25 and 50% of
-  the node's cores; once with the spinners as ``best_effort`` (SCHED_IDLE, cpu.idle) and
-  once as ``latency_sensitive`` (the same as no QoS). The baseline is the unloaded step.
+- One latency-sensitive sandbox runs a CPU-bound step (a fixed Python loop) repeatedly,
+  pinned to core 0, and times each step inside the sandbox, while a best-effort sandbox
+  spins on the same core 0, 25 or 50% of the time; once with the spinner as ``best_effort``
+  (SCHED_IDLE, cpu.idle) and once as ``latency_sensitive`` (the same as no QoS). The
+  baseline is the unloaded step.
 
     .venv/bin/python bench/density.py --write docs/benchmarks.md
 """
@@ -32,8 +33,16 @@ from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
 from dsec.edge.memory import cgroup_memory  # noqa: E402
 from dsec.layers.store import LayerStore  # noqa: E402
 
+# best-effort load: a spinner on the latency-sensitive task's core, busy a given share of each 100 ms
+SPIN_PY = ("import os, time\n"
+           "os.sched_setaffinity(0, {{0}})\n"
+           "while True:\n"
+           "    t = time.perf_counter()\n"
+           "    while time.perf_counter() - t < {duty} * 0.1: pass\n"
+           "    time.sleep((1 - {duty}) * 0.1)\n")
 IDLE_PY = "import json, re, sqlite3, subprocess, http.client, time\nwhile True: time.sleep(3600)\n"
-STEP_PY = ("import time\n"
+STEP_PY = ("import os, time\n"
+           "os.sched_setaffinity(0, {{0}})\n"
            "out = []\n"
            "for _ in range({steps}):\n"
            "    t = time.perf_counter()\n"
@@ -80,13 +89,14 @@ async def idle_fleet(c: dsec.AsyncClient, n: int) -> dict[str, list[float]]:
         await c.stop_many(job="density-idle")
 
 
-async def ls_steps(c: dsec.AsyncClient, load_cores: int, qos: str, steps: int) -> list[float]:
-    spinners = [await c.run_container(dsec.ContainerArgs(image="base/busybox", cpu_cores_limit=1.0, qos=qos,
-                                                         job="density-load")) for _ in range(load_cores)]
+async def ls_steps(c: dsec.AsyncClient, load_pct: int, qos: str, steps: int) -> list[float]:
+    spinners = [await c.run_container(dsec.ContainerArgs(cpu_cores_limit=1.0, qos=qos, job="density-load"))
+                for _ in range(1 if load_pct else 0)]
     ls = await c.run_container(dsec.ContainerArgs(qos="latency_sensitive", cpu_cores_limit=1.0))
     try:
         for s in spinners:
-            await s.exec("nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &")
+            await s.write_file("/root/spin.py", SPIN_PY.format(duty=load_pct / 100).encode())
+            await s.exec("nohup python3 /root/spin.py >/dev/null 2>&1 &")
         await asyncio.sleep(0.5)
         r = await ls.exec(["python3", "-c", STEP_PY.format(steps=steps)], timeout=300)
         return [float(v) for v in r.stdout.split()][5:]  # the first steps warm up
@@ -115,9 +125,8 @@ async def main() -> None:
             idle = await idle_fleet(c, a.n)
             print({k: round(statistics.median(v), 3) for k, v in idle.items()}, flush=True)
             for pct_load in (0, 25, 50):
-                load = cores * pct_load // 100
-                for qos in (("best_effort", "latency_sensitive") if load else ("best_effort",)):
-                    steps[(pct_load, qos)] = await ls_steps(c, load, qos, a.steps)
+                for qos in (("best_effort", "latency_sensitive") if pct_load else ("best_effort",)):
+                    steps[(pct_load, qos)] = await ls_steps(c, pct_load, qos, a.steps)
                     print(pct_load, qos, round(statistics.median(steps[(pct_load, qos)]) * 1000, 2), flush=True)
     finally:
         proc.terminate()
@@ -135,7 +144,8 @@ async def main() -> None:
            f"| <= 100 |",
            f"| resume to first exec (ms) | {statistics.median(idle['resume']) * ms:.0f} | "
            f"{pct(idle['resume'], 90) * ms:.0f} | | <= 100 |",
-           "", f"Latency-sensitive step (a fixed CPU-bound Python loop, {a.steps} steps) under best-effort spinners:",
+           "", f"Latency-sensitive step (a fixed CPU-bound Python loop, {a.steps} steps, pinned to core 0) under a "
+           "best-effort spinner pinned to the same core, busy 25% or 50% of each 100 ms:",
            "", "| best-effort load | spinners as | step p50 (ms) | step p90 (ms) | slowdown vs unloaded | target |",
            "|---|---|---|---|---|---|"]
     for (load, qos), v in steps.items():
