@@ -149,3 +149,32 @@ def test_node_info_reports_swap_and_qos(platform: Platform) -> None:
     assert "zram" in d["swap"] or "MiB" in d["swap"]
     if not d["core_scheduling"]:
         assert "no core scheduling" in d["qos"]  # said, not hidden
+
+
+async def test_usage_accounting_api_ps_and_metrics(platform: Platform, client: dsec.AsyncClient) -> None:
+    sb = await client.run_container(dsec.ContainerArgs(memory_limit_mb=512, job="usage-acct"))
+    try:
+        await sb.exec("head -c 20000000 /dev/urandom > /root/blob")
+        await _start_hog(sb)
+        u = await sb.usage()
+        assert u.disk_bytes >= 20_000_000  # the writable layer
+        assert u.anon_bytes >= 150 << 20 and u.memory_bytes >= u.anon_bytes
+        assert u.pids >= 2 and u.cpu_s > 0 and u.oom_kills == 0
+        await sb.pause()
+        paused = await sb.usage()  # reading usage does not resume it
+        assert (await sb.refresh()).state == "paused"
+        assert paused.swap_bytes >= 100 << 20 and paused.anon_bytes < u.anon_bytes // 4
+        (listed,) = await client.list(job="usage-acct", usage=True)
+        assert listed.usage is not None and listed.usage.swap_bytes >= 100 << 20
+        assert (await client.list(job="usage-acct"))[0].usage is None
+        metrics = (await client._request("GET", "/metrics")).text
+        line = next(x for x in metrics.splitlines()
+                    if x.startswith("dsec_sandbox_swap_bytes") and sb.sandbox_id in x)
+        assert float(line.split()[-1]) >= 100 << 20
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.cli.main", "ps", "--usage", "--json",
+                                                       "--job", "usage-acct", "--url", platform.url, "--token", TOKEN],
+                                      capture_output=True, text=True, check=True)
+        (row,) = json.loads(out.stdout)
+        assert row["sandbox_id"] == sb.sandbox_id and row["usage"]["swap_bytes"] >= 100 << 20
+    finally:
+        await sb.stop()

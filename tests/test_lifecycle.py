@@ -34,6 +34,13 @@ async def test_workload_crash_is_contained(platform: Platform, client: dsec.Asyn
     sb = await client.run_container(dsec.ContainerArgs(image="base/debian:12", memory_limit_mb=64))
     r = await sb.exec(["python3", "-c", "x = bytearray(512 * 1024 * 1024); print('allocated')"])
     assert r.exit_code == 137 and "allocated" not in r.stdout  # OOM-killed inside its own cgroup
+    for _ in range(50):  # and said: the edge notices the kill (its TTL loop reads the cgroup's OOM count)
+        events = [e for e in await sb.events() if e.kind == "oom_killed"]
+        if events:
+            break
+        await asyncio.sleep(0.1)
+    assert events and "64 MiB" in events[0].message
+    assert (await sb.usage()).oom_kills == 1
     r = await sb.exec(["python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
     assert r.exit_code == 128 + 11
     assert (await sb.exec("echo alive")).stdout == "alive\n"

@@ -234,7 +234,21 @@ class SandboxInfo(BaseModel):
     error: str | None = None
     vm: VMInfo | None = Field(default=None, description="VM sandboxes: accelerator and how it started")
     paused_at: float | None = None
+    usage: SandboxUsage | None = Field(default=None, description="filled on request (?usage=true, GET .../usage)")
     pause: PauseInfo | None = Field(default=None, description="the last pause: memory before and after, timings")
+
+
+class SandboxUsage(BaseModel):
+    """What a sandbox uses now, from its cgroup and its writable layer."""
+
+    cpu_s: float = 0.0
+    memory_bytes: int = Field(0, description="charged to its cgroup (anon + file)")
+    anon_bytes: int = 0
+    file_bytes: int = 0
+    swap_bytes: int = 0
+    pids: int = 0
+    disk_bytes: int = Field(0, description="allocated by its writable layer (upper dir, or a VM's disk image)")
+    oom_kills: int = Field(0, description="processes the kernel killed at its memory limit")
 
 
 class PauseInfo(BaseModel):

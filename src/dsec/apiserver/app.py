@@ -52,6 +52,7 @@ from dsec.models import (
     PackDiffRequest,
     SandboxEvent,
     SandboxInfo,
+    SandboxUsage,
     StorageStats,
     normalize_layer_ref,
     parse_sandbox_id,
@@ -160,8 +161,9 @@ class Apiserver:
         parts = await asyncio.gather(*(e.layers_in_use() for e in self.edges.values()))
         return set().union(*parts)
 
-    async def list(self, job: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
-        parts = await asyncio.gather(*(e.list_sandboxes(job=job, labels=labels) for e in self.edges.values()))
+    async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]:
+        parts = await asyncio.gather(*(e.list_sandboxes(job=job, labels=labels, usage=usage)
+                                       for e in self.edges.values()))
         return sorted((i for p in parts for i in p), key=lambda i: i.created_at)
 
 
@@ -276,8 +278,14 @@ def build_app(api: Apiserver) -> FastAPI:
         return await api.create(req)
 
     @app.get("/v1/sandboxes")
-    async def list_sandboxes(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
-        return await api.list(job, _parse_labels(label))
+    async def list_sandboxes(job: str | None = None, label: list[str] = Query(default=[]),
+                             usage: bool = False) -> list[SandboxInfo]:
+        """``usage=true`` adds each sandbox's CPU, memory (anon, file, swap), pids, disk and OOM kills."""
+        return await api.list(job, _parse_labels(label), usage)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/usage")
+    async def usage(sandbox_id: str) -> SandboxUsage:
+        return await api.edge_for(sandbox_id).usage(sandbox_id)
 
     @app.delete("/v1/sandboxes")
     async def stop_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:

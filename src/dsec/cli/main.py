@@ -115,20 +115,26 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOp
 
 @app.command()
 def ps(url: UrlOpt = None, token: TokenOpt = None, job: str | None = None,
+       usage: Annotated[bool, typer.Option("--usage", help="CPU, memory, swap, disk, OOM kills of each")] = False,
        as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List sandboxes."""
     with _api(url, token) as c:
-        items = c.list(job=job)
+        items = c.list(job=job, usage=usage)
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in items], indent=1))
         return
-    t = Table(Column("SANDBOX", no_wrap=True), "BACKEND", "STATE", Column("IMAGE", no_wrap=True), "CPU", "MEM",
+    cols = ["CPU", "MEM"] + (["CPU S", "USED", "SWAP", "DISK", "PIDS", "OOM"] if usage else [])
+    t = Table(Column("SANDBOX", no_wrap=True), "BACKEND", "STATE", Column("IMAGE", no_wrap=True), *cols,
               "AGE", "IDLE", "JOB")
     now = time.time()
+    mib = 1 << 20
     for i in items:
         backend = i.backend.value + (f" ({i.vm.accelerator})" if i.vm else "")
+        u = i.usage
+        used = [f"{u.cpu_s:.1f}", f"{u.memory_bytes / mib:.1f}M", f"{u.swap_bytes / mib:.1f}M",
+                f"{u.disk_bytes / mib:.1f}M", str(u.pids), str(u.oom_kills)] if u else ([""] * 6 if usage else [])
         t.add_row(i.sandbox_id, backend, i.state.value, i.image, f"{i.cpu_cores_limit:g}", f"{i.memory_limit_mb}M",
-                  f"{now - i.created_at:.0f}s", f"{now - i.last_active_at:.0f}s", i.job or "")
+                  *used, f"{now - i.created_at:.0f}s", f"{now - i.last_active_at:.0f}s", i.job or "")
     console.print(t)
 
 

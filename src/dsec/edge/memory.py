@@ -103,6 +103,35 @@ def cgroup_memory(cgroup_path: str) -> dict[str, int]:
     return out
 
 
+def oom_kills(cgroup_path: str) -> int:
+    """How many processes of the cgroup the kernel has killed at its memory limit."""
+    rel = cgroup_path.lstrip("/")
+    for path in (os.path.join(CGROUP_ROOT, "memory", rel, "memory.oom_control"),
+                 os.path.join(CGROUP_ROOT, rel, "memory.events")):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == "oom_kill":
+                        return int(v)
+    return 0
+
+
+def disk_usage(path: str) -> int:
+    """Bytes allocated under ``path`` (a file or a tree), not following links."""
+    total = 0
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        total += st.st_blocks * 512
+        if not os.path.isdir(path) or os.path.islink(path):
+            return total
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
 def _ranges(pid: int) -> list[tuple[int, int]]:
     """The private mappings of ``pid`` worth paging out: anonymous and private file
     mappings that can hold dirty anonymous copies (not shared ones, not [vsyscall])."""

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dsec.models import StorageStats
+from dsec.models import SandboxUsage, StorageStats
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
@@ -51,9 +51,9 @@ def cgroup_usage(cgroup_path: str) -> dict[str, int]:
 
 
 class EdgeMetrics:
-    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, str]]],
+    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, SandboxUsage]]],
                  storage: Callable[[], StorageStats] | None = None) -> None:
-        """``sandboxes`` yields (sandbox_id, state, job, cgroup_path) at scrape time."""
+        """``sandboxes`` yields (sandbox_id, state, job, usage) at scrape time."""
         self.registry = CollectorRegistry()
         labels = {"edge": edge}
         self.created = Counter("dsec_sandboxes_created", "Sandboxes created", ["edge"],
@@ -75,32 +75,33 @@ class EdgeMetrics:
 
 
 class _SandboxCollector(Collector):
-    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, str]]]) -> None:
+    GAUGES = (("memory_bytes", "dsec_sandbox_memory_bytes", "Memory charged to the sandbox's cgroup"),
+              ("anon_bytes", "dsec_sandbox_anon_bytes", "Anonymous memory charged to the sandbox"),
+              ("file_bytes", "dsec_sandbox_file_bytes", "Page cache charged to the sandbox"),
+              ("swap_bytes", "dsec_sandbox_swap_bytes", "The sandbox's memory out in swap (paused sandboxes)"),
+              ("cpu_s", "dsec_sandbox_cpu_seconds", "CPU time used by the sandbox"),
+              ("pids", "dsec_sandbox_pids", "Processes and threads in the sandbox"),
+              ("disk_bytes", "dsec_sandbox_disk_bytes", "Disk allocated by the sandbox's writable layer"),
+              ("oom_kills", "dsec_sandbox_oom_kills", "Processes killed at the sandbox's memory limit"))
+
+    def __init__(self, edge: str, sandboxes: Callable[[], Iterable[tuple[str, str, str | None, SandboxUsage]]]) -> None:
         self.edge = edge
         self.sandboxes = sandboxes
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        mem = GaugeMetricFamily("dsec_sandbox_memory_bytes", "Memory charged to the sandbox's cgroup",
-                                labels=["edge", "sandbox", "job"])
-        cpu = GaugeMetricFamily("dsec_sandbox_cpu_seconds", "CPU time used by the sandbox",
-                                labels=["edge", "sandbox", "job"])
-        pids = GaugeMetricFamily("dsec_sandbox_pids", "Processes and threads in the sandbox",
-                                 labels=["edge", "sandbox", "job"])
+        fams = [(key, GaugeMetricFamily(name, doc, labels=["edge", "sandbox", "job"]))
+                for key, name, doc in self.GAUGES]
         states: dict[str, int] = {}
-        for sid, state, job, cg in self.sandboxes():
+        for sid, state, job, use in self.sandboxes():
             states[state] = states.get(state, 0) + 1
-            use = cgroup_usage(cg)
             lbl = [self.edge, sid, job or ""]
-            if "memory_bytes" in use:
-                mem.add_metric(lbl, use["memory_bytes"])
-            if "cpu_ns" in use:
-                cpu.add_metric(lbl, use["cpu_ns"] / 1e9)
-            if "pids" in use:
-                pids.add_metric(lbl, use["pids"])
+            for key, fam in fams:
+                fam.add_metric(lbl, getattr(use, key))
         live = GaugeMetricFamily("dsec_sandboxes", "Sandboxes on this edge by state", labels=["edge", "state"])
         for state, n in states.items():
             live.add_metric([self.edge, state], n)
-        yield from (live, mem, cpu, pids)
+        yield live
+        yield from (fam for _, fam in fams)
 
 
 class _StorageCollector(Collector):

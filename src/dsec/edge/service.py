@@ -32,7 +32,7 @@ from dsec.backends.vm.channel import GuestChannel, GuestFiles
 from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.edge import linux, memory
-from dsec.edge.metrics import EdgeMetrics
+from dsec.edge.metrics import EdgeMetrics, cgroup_usage
 from dsec.edge.state import EdgeState, Record
 from dsec.errors import (
     AdmissionRejected,
@@ -60,6 +60,7 @@ from dsec.models import (
     SandboxEvent,
     SandboxInfo,
     SandboxState,
+    SandboxUsage,
     StorageStats,
     VMArgs,
     VMInfo,
@@ -117,6 +118,8 @@ class Sandbox:
     events: deque[SandboxEvent] = field(default_factory=lambda: deque(maxlen=200))
     teardown: asyncio.Task[None] | None = None
     vm: VMInstance | None = None
+    oom_seen: int = 0
+    disk: tuple[float, int] = (0.0, 0)  # (when measured, bytes): a tree walk, so cached
 
     @property
     def id(self) -> str:
@@ -155,9 +158,8 @@ class Edge:
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
         self.metrics = EdgeMetrics(self.name, lambda: [
-            (sb.id, sb.rec.info.state.value, sb.rec.info.job,
-             (self.vms if sb.vm else self.runtime).cgroup_path(sb.id))
-            for sb in list(self.sandboxes.values())], self._storage_stats)
+            (sb.id, sb.rec.info.state.value, sb.rec.info.job, self._usage(sb))
+            for sb in list(self.sandboxes.values()) if not sb.stopping], self._storage_stats)
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
@@ -648,19 +650,44 @@ class Edge:
         sb.dirty = True
         return sb, sb.agent
 
+    async def usage(self, sandbox_id: str) -> SandboxUsage:
+        self._get_live(sandbox_id)
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            self._tombstone(sandbox_id)
+            raise SandboxNotRunning(f"sandbox {sandbox_id} has ended: it uses nothing")
+        return await asyncio.to_thread(self._usage, sb, 0.0)
+
+    def _usage(self, sb: Sandbox, disk_max_age: float = 30.0) -> SandboxUsage:
+        cg = self._cgroup(sb)
+        use = cgroup_usage(cg)
+        mem = memory.cgroup_memory(cg)
+        when, disk = sb.disk
+        if time.monotonic() - when > disk_max_age:
+            target = sb.vm.spec.disks[0].path if sb.vm else os.path.join(sb.dir, "upper")
+            disk = memory.disk_usage(target)
+            sb.disk = (time.monotonic(), disk)
+        return SandboxUsage(cpu_s=use.get("cpu_ns", 0) / 1e9, memory_bytes=mem.get("total", 0),
+                            anon_bytes=mem.get("anon", 0), file_bytes=mem.get("file", 0),
+                            swap_bytes=mem.get("swap", 0), pids=use.get("pids", 0), disk_bytes=disk,
+                            oom_kills=memory.oom_kills(cg))
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         self._get_live(sandbox_id)  # validates the id and its edge
         sb = self.sandboxes.get(sandbox_id)
         return sb.rec.info if sb else self._tombstone(sandbox_id)
 
-    async def list_sandboxes(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+    async def list_sandboxes(self, job: str | None = None, labels: dict[str, str] | None = None,
+                             usage: bool = False) -> list[SandboxInfo]:
         out = []
-        for sb in self.sandboxes.values():
+        for sb in list(self.sandboxes.values()):
             info = sb.rec.info
             if job is not None and info.job != job:
                 continue
             if labels and any(info.labels.get(k) != v for k, v in labels.items()):
                 continue
+            if usage:
+                info = info.model_copy(update={"usage": await asyncio.to_thread(self._usage, sb)})
             out.append(info)
         return out
 
@@ -852,6 +879,11 @@ class Edge:
                     args, info = sb.rec.args, sb.rec.info
                     if sb.stopping or (sb.agent is None and info.state != SandboxState.paused):
                         continue
+                    kills = memory.oom_kills(self._cgroup(sb)) if info.state == SandboxState.running else 0
+                    if kills > sb.oom_seen:
+                        self.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
+                                      f"{args.memory_limit_mb} MiB limit (OOM inside the sandbox only)")
+                        sb.oom_seen = kills
                     if info.state == SandboxState.paused:  # idle by definition: lifetime and paused TTL only
                         if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
                             await self._teardown(sb, SandboxState.stopped, "max lifetime reached")

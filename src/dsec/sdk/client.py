@@ -38,6 +38,7 @@ from dsec.models import (
     PackDiffRequest,
     SandboxEvent,
     SandboxInfo,
+    SandboxUsage,
     StorageStats,
     VMArgs,
 )
@@ -250,6 +251,10 @@ class AsyncSandbox:
         await self._client._request("POST", f"{self._base}/click",
                                     json=ClickRequest(x=x, y=y, button=button).model_dump())
 
+    async def usage(self) -> SandboxUsage:
+        """CPU, memory (anon, file, swap), pids, writable-layer disk and OOM kills, now."""
+        return SandboxUsage.model_validate(await self._client._json("GET", f"{self._base}/usage"))
+
     async def stop(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(await self._client._json("DELETE", self._base))
         return self.info
@@ -328,8 +333,11 @@ class AsyncClient:
         info = SandboxInfo.model_validate(await self._json("GET", f"/v1/sandboxes/{sandbox_id}"))
         return AsyncSandbox(self, info)
 
-    async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        data = await self._json("GET", "/v1/sandboxes", params=_filters(job, labels))
+    async def list(self, job: str | None = None, labels: dict[str, str] | None = None,
+                   usage: bool = False) -> list[SandboxInfo]:
+        """Sandboxes on every edge; ``usage=True`` fills each one's ``usage`` (CPU, memory, swap, disk, ...)."""
+        params = _filters(job, labels) + ([("usage", "true")] if usage else [])
+        data = await self._json("GET", "/v1/sandboxes", params=params)
         return [SandboxInfo.model_validate(x) for x in data]
 
     async def fork(self, snapshot: Layer | str, n: int = 1, args: ContainerArgs | None = None,
