@@ -10,11 +10,12 @@ import glob
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
 import dsec
-from tests.conftest import TOKEN, Platform, leftovers
+from tests.conftest import TOKEN, Platform, _seed_layers, leftovers
 
 HOG = (b"import hashlib, os, time\n"
        b"b = bytearray(os.urandom(32 << 20)) + bytearray(b'x' * (128 << 20))\n"
@@ -178,3 +179,45 @@ async def test_usage_accounting_api_ps_and_metrics(platform: Platform, client: d
         assert row["sandbox_id"] == sb.sandbox_id and row["usage"]["swap_bytes"] >= 100 << 20
     finally:
         await sb.stop()
+
+
+@pytest.fixture(scope="module")
+def pressured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """A node told that any amount of available memory is too little (a threshold above its
+    RAM), so its real pressure check always fires."""
+    data_dir = str(tmp_path_factory.mktemp("pressured"))
+    _seed_layers(data_dir)
+    p = Platform(data_dir, ["--pause-below-mb", str(1 << 30)])
+    p.start()
+    yield p
+    with dsec.Client(url=p.url, token=TOKEN) as c:
+        for info in c.list():
+            c.connect(info.sandbox_id).stop()
+    p.stop()
+
+
+async def test_memory_pressure_pauses_idle_best_effort_first(pressured: Platform) -> None:
+    async with dsec.AsyncClient(url=pressured.url, token=TOKEN) as c:
+        be = await c.run_container(dsec.ContainerArgs(image="base/busybox"))
+        ls = await c.run_container(dsec.ContainerArgs(image="base/busybox", qos="latency_sensitive"))
+        for _ in range(100):
+            if (await be.refresh()).state == "paused":
+                break
+            await asyncio.sleep(0.2)
+        assert be.info.state == "paused"
+        assert any(e.kind == "pressure" and "available" in e.message for e in await be.events())
+        assert (await ls.refresh()).state == "running"  # latency-sensitive work is not paused for pressure
+        for sb in (be, ls):
+            await sb.stop()
+
+
+def test_admission_refuses_under_memory_pressure(tmp_path: str) -> None:
+    data_dir = str(tmp_path)
+    _seed_layers(data_dir)
+    p = Platform(data_dir, ["--admit-max-psi", "-1"])  # any pressure, even none, is over the limit
+    p.start()
+    try:
+        with dsec.Client(url=p.url, token=TOKEN) as c, pytest.raises(dsec.AdmissionRejected, match="pressure"):
+            c.run_container(dsec.ContainerArgs(image="base/busybox"))
+    finally:
+        p.stop()

@@ -65,6 +65,10 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
           fetch_mode: Annotated[str, typer.Option(help="shared store: ondemand (lazy, chunked) or eager")] = "ondemand",
           chunk_cache_mb: Annotated[int, typer.Option(help="bound of the node's chunk cache")] = 10240,
           fetch_timeout: Annotated[float, typer.Option(help="seconds before a stalled chunk read fails")] = 20.0,
+          pause_below_mb: Annotated[int, typer.Option(
+              help="pause idle best-effort sandboxes while the node has less memory available (MiB)")] = 1024,
+          admit_max_psi: Annotated[float, typer.Option(
+              help="refuse new sandboxes while memory pressure (PSI full avg10, %) is above this")] = 20.0,
           ) -> None:
     """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
     import uvicorn
@@ -75,7 +79,8 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
     if fetch_mode not in ("ondemand", "eager"):
         err.print("[red]error[/red]: --fetch-mode must be ondemand or eager")
         raise typer.Exit(2)
-    cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout}
+    cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
+           "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi}
     with _errors():
         try:
             fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),

@@ -64,6 +64,22 @@ def ensure_swap(fraction: float = 0.5, device: str = "zram0") -> str:
     return f"/dev/{device} ({size >> 20} MiB zram, lz4)"
 
 
+def pressure() -> dict[str, float]:
+    """Memory pressure (PSI, % of the last 10 s): ``some`` (a task stalled on memory) and
+    ``full`` (all non-idle tasks stalled), plus MemAvailable in MiB."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/pressure/memory") as f:
+            for line in f:
+                kind, *fields = line.split()
+                out[kind] = float(dict(x.split("=") for x in fields)["avg10"])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                out["available_mb"] = int(line.split()[1]) / 1024
+    return out
+
+
 def cgroup_pids(cgroup_path: str) -> list[int]:
     rel = cgroup_path.lstrip("/")
     for cand in (os.path.join(CGROUP_ROOT, "memory", rel), os.path.join(CGROUP_ROOT, rel)):

@@ -103,6 +103,10 @@ class EdgeConfig(BaseModel):
     fetch_mode: FetchMode = "ondemand"
     chunk_cache_bytes: int = 10 << 30
     fetch_timeout_s: float = 20.0
+    # memory pressure: below this much available memory, idle best-effort sandboxes are
+    # paused (longest idle first); above this PSI "full" share, creations are refused
+    pause_below_mb: int = 1024
+    admit_max_psi: float = 20.0
 
 
 @dataclass
@@ -261,6 +265,10 @@ class Edge:
         return cpu, int(mem), n
 
     def _admit(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> None:
+        psi = memory.pressure().get("full", 0.0)
+        if psi > self.cfg.admit_max_psi:
+            raise AdmissionRejected(f"edge {self.name} is under memory pressure ({psi:.1f}% of the last 10 s "
+                                    f"fully stalled on memory, limit {self.cfg.admit_max_psi:g}%)")
         cpu, mem, n = self._reserved()
         if n + 1 > self.cfg.max_sandboxes:
             raise AdmissionRejected(f"edge {self.name} is at its sandbox limit ({self.cfg.max_sandboxes})")
@@ -282,7 +290,9 @@ class Edge:
             if sb.rec.info.job and not sb.stopping:
                 per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
         return NodeStats(
-            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), density=self.density,
+            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(),
+            density={**self.density, "pressure": memory.pressure(), "pause_below_mb": self.cfg.pause_below_mb,
+                     "admit_max_psi": self.cfg.admit_max_psi},
             backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
             memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
@@ -869,11 +879,33 @@ class Edge:
                 sb.dirty = False
                 self.state.touch(sb.id, sb.rec.info.last_active_at)
 
+    async def _relieve_pressure(self) -> None:
+        """Below ``pause_below_mb`` available, pause the longest-idle best-effort container
+        (idle: no request for 5 s) before the kernel's OOM killer has to pick something.
+        Latency-sensitive sandboxes, busy ones and VMs are left alone. One per tick."""
+        avail = memory.pressure().get("available_mb", float("inf"))
+        if avail >= self.cfg.pause_below_mb:
+            return
+        now = time.time()
+        idle = sorted((sb for sb in self.sandboxes.values()
+                       if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.qos == "best_effort"
+                       and sb.rec.info.state == SandboxState.running and not sb.stopping and sb.agent
+                       and not sb.ops and now - sb.rec.info.last_active_at > 5
+                       and sb.rec.args.labels.get("dsec-role") != "fncall"),
+                      key=lambda sb: sb.rec.info.last_active_at)
+        if idle:
+            sb = idle[0]
+            with contextlib.suppress(SandboxBusy, SandboxError):
+                await self.pause(sb.id)
+                self.on_event(sb.id, "pressure", f"paused: the node had {avail:.0f} MiB available, "
+                              f"below {self.cfg.pause_below_mb} MiB")
+
     async def _ttl_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.ttl_check_interval_s)
             try:
                 self._flush_activity()
+                await self._relieve_pressure()
                 now = time.time()
                 for sb in list(self.sandboxes.values()):
                     args, info = sb.rec.args, sb.rec.info
