@@ -89,6 +89,46 @@ async def idle_fleet(c: dsec.AsyncClient, n: int) -> dict[str, list[float]]:
         await c.stop_many(job="density-idle")
 
 
+async def capacity(c: dsec.AsyncClient, memory_mb: int, limit: int) -> dict[str, float]:
+    """Create idle sandboxes (session + idle python3 each) until admission refuses or
+    ``limit``; then pause them all and create more until refused again or 2 x ``limit``."""
+    made: list[dsec.AsyncSandbox] = []
+
+    async def one() -> bool:
+        try:
+            sb = await c.run_container(dsec.ContainerArgs(memory_limit_mb=memory_mb, cpu_cores_limit=0.01,
+                                                          job="density-cap", ttl_running_stop=None))
+        except dsec.AdmissionRejected:
+            return False
+        made.append(sb)
+        await sb.write_file("/root/idle.py", IDLE_PY.encode())
+        await sb.run_shell("cd /root")
+        await sb.exec("nohup python3 /root/idle.py >/dev/null 2>&1 &")
+        return True
+
+    async def fill(upto: int) -> None:
+        while len(made) < upto:
+            ok = await asyncio.gather(*(one() for _ in range(min(8, upto - len(made)))))
+            if not all(ok):
+                return
+
+    t0 = time.monotonic()
+    try:
+        await fill(limit)
+        running = len(made)
+        with open("/proc/meminfo") as f:
+            avail_running = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable")) / 1024
+        t_fill = time.monotonic() - t0
+        await c.pause_many(job="density-cap")
+        await fill(2 * limit)
+        with open("/proc/meminfo") as f:
+            avail_after = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable")) / 1024
+        return {"running": running, "with_paused": len(made), "fill_s": t_fill,
+                "avail_running_mb": avail_running, "avail_after_mb": avail_after}
+    finally:
+        await c.stop_many(job="density-cap")
+
+
 async def ls_steps(c: dsec.AsyncClient, load_pct: int, qos: str, steps: int) -> list[float]:
     spinners = [await c.run_container(dsec.ContainerArgs(cpu_cores_limit=1.0, qos=qos, job="density-load"))
                 for _ in range(1 if load_pct else 0)]
@@ -110,6 +150,9 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=50, help="idle sandboxes")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--capacity", type=int, default=0, metavar="N",
+                    help="also fill the node with up to N running idle sandboxes, pause them, fill again")
+    ap.add_argument("--capacity-memory-mb", type=int, default=32)
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
     ap.add_argument("--write", metavar="MARKDOWN")
     a = ap.parse_args()
@@ -124,6 +167,8 @@ async def main() -> None:
         async with dsec.AsyncClient(url=url, token=token, timeout=600) as c:
             idle = await idle_fleet(c, a.n)
             print({k: round(statistics.median(v), 3) for k, v in idle.items()}, flush=True)
+            cap = await capacity(c, a.capacity_memory_mb, a.capacity) if a.capacity else None
+            print(cap, flush=True)
             for pct_load in (0, 25, 50):
                 for qos in (("best_effort", "latency_sensitive") if pct_load else ("best_effort",)):
                     steps[(pct_load, qos)] = await ls_steps(c, pct_load, qos, a.steps)
@@ -144,6 +189,13 @@ async def main() -> None:
            f"| <= 100 |",
            f"| resume to first exec (ms) | {statistics.median(idle['resume']) * ms:.0f} | "
            f"{pct(idle['resume'], 90) * ms:.0f} | | <= 100 |",
+           *([] if cap is None else [
+               "", f"Capacity: idle sandboxes as above, {a.capacity_memory_mb} MiB limit each, created 8 at a time "
+               f"until admission refused or {a.capacity}, then all paused and more created:", "",
+               "| | sandboxes | MemAvailable after (MiB) | target |", "|---|---|---|---|",
+               f"| running idle | {cap['running']:.0f} (in {cap['fill_s']:.0f} s) | {cap['avail_running_mb']:.0f} | "
+               f">= 1000 |",
+               f"| with the first ones paused | {cap['with_paused']:.0f} | {cap['avail_after_mb']:.0f} | >= 2000 |"]),
            "", f"Latency-sensitive step (a fixed CPU-bound Python loop, {a.steps} steps, pinned to core 0) under a "
            "best-effort spinner pinned to the same core, busy 25% or 50% of each 100 ms:",
            "", "| best-effort load | spinners as | step p50 (ms) | step p90 (ms) | slowdown vs unloaded | target |",

@@ -79,6 +79,12 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
     if fetch_mode not in ("ondemand", "eager"):
         err.print("[red]error[/red]: --fetch-mode must be ondemand or eager")
         raise typer.Exit(2)
+    import resource
+
+    # a sandbox holds a few fds in the edge (init socket, session pipes): thousands need more than 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
            "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi}
     with _errors():

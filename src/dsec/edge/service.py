@@ -256,12 +256,21 @@ class Edge:
 
     # ---- admission ----------------------------------------------------------
     def _reserved(self) -> tuple[float, int, int]:
+        """CPU and memory reserved by the sandboxes here. A paused one reserves no CPU and
+        only what it still holds (its memory is in swap, or a VM's in a file): that is what
+        lets idle sandboxes be packed far beyond the running ones. Resuming many at once is
+        what the pressure policy and swap are for."""
         cpu, mem, n = 0.0, 0, 0
         for sb in self.sandboxes.values():
-            if not sb.stopping:
-                cpu += sb.rec.args.cpu_cores_limit
-                mem += sb.rec.args.memory_limit_mb
-                n += 1
+            if sb.stopping:
+                continue
+            n += 1
+            info = sb.rec.info
+            if info.state == SandboxState.paused and info.pause is not None:
+                mem += max(1, info.pause.memory_after_bytes >> 20)
+                continue
+            cpu += sb.rec.args.cpu_cores_limit
+            mem += sb.rec.args.memory_limit_mb
         return cpu, int(mem), n
 
     def _admit(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> None:
