@@ -69,6 +69,8 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
               help="pause idle best-effort sandboxes while the node has less memory available (MiB)")] = 1024,
           admit_max_psi: Annotated[float, typer.Option(
               help="refuse new sandboxes while memory pressure (PSI full avg10, %) is above this")] = 20.0,
+          cpu_overcommit: Annotated[float, typer.Option(help="admit CPU limits up to this many times the cores")] = 8.0,
+          memory_overcommit: Annotated[float, typer.Option(help="admit memory limits up to this many times RAM")] = 1.5,
           ) -> None:
     """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
     import uvicorn
@@ -86,7 +88,8 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
-           "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi}
+           "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi, "cpu_overcommit": cpu_overcommit,
+           "memory_overcommit": memory_overcommit}
     with _errors():
         try:
             fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
