@@ -60,7 +60,9 @@ class _Capture:
         self.limit, self.on_data = limit, on_data
 
     def drain(self) -> None:
-        while True:
+        # once closed, the fd number may already belong to something else (another
+        # sandbox's pipe, a client's socket): reading it would steal its bytes or block
+        while self.active:
             try:
                 chunk = os.read(self.fd, 65536)
             except BlockingIOError:
