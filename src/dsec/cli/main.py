@@ -97,7 +97,9 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
         except ValueError as e:
             err.print(f"[red]error[/red]: {e}")
             raise typer.Exit(2) from None
-    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20)
+    # keep-alive longer than clients keep idle connections (the SDK: 30 s), so a client never
+    # sends on a connection the server is closing
+    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65)
 
 
 @app.command()

@@ -273,7 +273,9 @@ class AsyncClient:
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(
                 self.url, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=256, force_close=False))
+                # idle connections are dropped well before the server's keep-alive (65 s) ends
+                # them: reusing one the server is closing fails a request that is not retried
+                connector=aiohttp.TCPConnector(limit=256, force_close=False, keepalive_timeout=30))
         return self._http
 
     async def __aenter__(self) -> AsyncClient:
