@@ -92,6 +92,9 @@ async def test_pause_and_resume_a_job(client: dsec.AsyncClient) -> None:
         assert {i.state for i in resumed} == {"running"} and len(resumed) == 3
         with pytest.raises(dsec.InvalidRequest):
             await client.pause_many()
+        await client.pause_many(job="rl-pause-7")
+        stopped = await client.stop_many(job="rl-pause-7")  # paused ones are stopped too
+        assert len(stopped) == 3 and {i.state for i in stopped} == {"stopped"}
     finally:
         for s in [*sbs, other]:
             await s.stop()

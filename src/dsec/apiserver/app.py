@@ -289,12 +289,12 @@ def build_app(api: Apiserver) -> FastAPI:
 
     @app.delete("/v1/sandboxes")
     async def stop_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
-        """Stop every running sandbox of a job (and/or with these labels), on every edge."""
+        """Stop every running or paused sandbox of a job (and/or with these labels), on every edge."""
         labels = _parse_labels(label)
         if job is None and not labels:
             raise InvalidRequest("give a job or at least one label; stopping everything is not offered",
                                  field="job")
-        targets = [i for i in await api.list(job, labels) if i.state == "running"]
+        targets = [i for i in await api.list(job, labels) if i.state in ("running", "paused")]
         return list(await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)))
 
     @app.post("/v1/sandboxes/pause")
