@@ -138,7 +138,8 @@ class ContainerArgs(SandboxBase):
         return v
 
 
-# QEMU's own memory beside guest RAM, reserved at admission (TCG code cache, devices)
+# QEMU's own memory beside guest RAM (TCG code cache of 64 MiB, devices): reserved at
+# admission and added to the VM cgroup's limit
 VM_OVERHEAD_MB = 160
 
 

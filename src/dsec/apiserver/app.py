@@ -266,7 +266,8 @@ def build_app(api: Apiserver) -> FastAPI:
     async def metrics() -> Response:
         """Prometheus text format: the edge's counters and per-sandbox cgroup usage (embedded mode has one
         edge; in cluster mode each edge is scraped on its own)."""
-        body = b"".join(e.metrics_text() for e in api.edges.values())
+        # a scrape reads every sandbox's cgroup (and now and then walks its writable layer): not on the loop
+        body = b"".join([await asyncio.to_thread(e.metrics_text) for e in api.edges.values()])
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/nodes")

@@ -31,11 +31,10 @@ from dsec.backends.vm.channel import GuestChannel
 from dsec.backends.vm.guest import KERNEL_CMDLINE, GuestImage, ensure_guest
 from dsec.backends.vm.qemu import QMP, Disk, QMPError, VMSpec, probe_accel, qemu_version
 from dsec.errors import SandboxError
+from dsec.models import VM_OVERHEAD_MB
 
 log = logging.getLogger("dsec.vm")
 CGROUP_ROOT = "/sys/fs/cgroup"
-# QEMU's own memory beside guest RAM (TCG code cache of 64 MiB, device state)
-QEMU_OVERHEAD_MB = 160
 SNAPSHOT_VERSION = 1
 
 
@@ -181,7 +180,7 @@ class VMRuntime:
 
     def make_cgroup(self, sid: str, memory_mb: int, vcpus: int) -> list[str]:
         """The sandbox's cgroup with its limits; returns the cgroup.procs files to join."""
-        limit = (memory_mb + QEMU_OVERHEAD_MB) << 20
+        limit = (memory_mb + VM_OVERHEAD_MB) << 20
         procs = []
         for ctl, d in self._cgroup_dirs(sid):
             os.makedirs(d, exist_ok=True)
@@ -395,28 +394,12 @@ class VMRuntime:
         await vm.qmp.execute("stop")
         if vm.channel:
             vm.channel.detach_socket()
-        r, w = os.pipe()
-        with contextlib.suppress(OSError):  # fewer, larger hops between QEMU and the hashing thread
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
         tmp = vm.snapshot + ".tmp"
-        saver = asyncio.create_task(asyncio.to_thread(_save_stream, r, tmp))
         try:
-            try:
-                # a clone restored with x-ignore-shared keeps the capability; its RAM is private,
-                # and the stream must say the capability is off for a plain restore to take it
-                await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
-                    {"capability": "x-ignore-shared", "state": False}]})
-                await self._unthrottle(vm)
-                await vm.qmp.execute("getfd", {"fdname": "snap"}, fds=[w])
-            finally:
-                os.close(w)
-            await vm.qmp.execute("migrate", {"uri": "fd:snap"})
-            await vm.qmp.wait_migration()
-            digest, size = await asyncio.wait_for(asyncio.shield(saver), 30)
+            # a clone restored with x-ignore-shared keeps the capability; its RAM is private,
+            # and the stream must say the capability is off for a plain restore to take it
+            digest, size = await self._save_state(vm, tmp, ignore_shared=False)
         except BaseException:
-            saver.cancel()
-            with contextlib.suppress(BaseException):
-                await saver
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             with contextlib.suppress(QMPError):
@@ -438,11 +421,33 @@ class VMRuntime:
         return meta
 
     @staticmethod
-    async def _unthrottle(vm: VMInstance) -> None:
-        """QEMU caps migration at 128 MiB/s by default (to spare a live guest's network);
-        a snapshot of a stopped guest to local disk should go as fast as the disk takes it."""
+    async def _save_state(vm: VMInstance, path: str, ignore_shared: bool) -> tuple[str, int]:
+        """Migrate the stopped VM into ``path`` through a pipe (QEMU may not spawn or open
+        files), hashed on the way; (sha256, size). ``ignore_shared`` leaves shared RAM (a
+        template's file) out of the stream."""
         assert vm.qmp is not None
-        await vm.qmp.execute("migrate-set-parameters", {"max-bandwidth": 64 << 30})
+        r, w = os.pipe()
+        with contextlib.suppress(OSError):  # fewer, larger hops between QEMU and the hashing thread
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        saver = asyncio.create_task(asyncio.to_thread(_save_stream, r, path))
+        try:
+            try:
+                await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
+                    {"capability": "x-ignore-shared", "state": ignore_shared}]})
+                # QEMU caps migration at 128 MiB/s by default (to spare a live guest's
+                # network); a stopped guest to local disk should go as fast as the disk takes it
+                await vm.qmp.execute("migrate-set-parameters", {"max-bandwidth": 64 << 30})
+                await vm.qmp.execute("getfd", {"fdname": "state"}, fds=[w])
+            finally:
+                os.close(w)
+            await vm.qmp.execute("migrate", {"uri": "fd:state"})
+            await vm.qmp.wait_migration()
+            return await asyncio.wait_for(asyncio.shield(saver), 30)
+        except BaseException:
+            saver.cancel()
+            with contextlib.suppress(BaseException):
+                await saver
+            raise
 
     def check_meta(self, vm: VMInstance, meta_path: str) -> dict[str, Any]:
         """Refuse a snapshot made by another QEMU or VM shape (or in another format)."""
@@ -542,18 +547,7 @@ class VMRuntime:
                 ch.close()
                 assert vm.qmp is not None
                 await vm.qmp.execute("stop")
-                await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
-                    {"capability": "x-ignore-shared", "state": True}]})
-                await self._unthrottle(vm)
-                state = os.path.join(tdir, "state")
-                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    await vm.qmp.execute("getfd", {"fdname": "state"}, fds=[fd])
-                finally:
-                    os.close(fd)
-                await vm.qmp.execute("migrate", {"uri": "fd:state"})
-                await vm.qmp.wait_migration()
-                digest, size = await asyncio.to_thread(_hash_file, state)
+                digest, size = await self._save_state(vm, os.path.join(tdir, "state"), ignore_shared=True)
                 # a clone's spec differs from the template's only in paths and share=off
                 clone_spec = VMSpec(**{**tspec.__dict__, "mem_shared": False})
                 with open(os.path.join(tdir, "state.json"), "w") as f:
@@ -624,14 +618,4 @@ def _feed_stream(src: Any, fd: int) -> tuple[str, int]:
         pass
     finally:
         os.close(fd)
-    return h.hexdigest(), size
-
-
-def _hash_file(path: str) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(4 << 20):
-            h.update(chunk)
-            size += len(chunk)
     return h.hexdigest(), size
