@@ -22,6 +22,7 @@ from dsec.models import (
     FnCallArgs,
     FnCallResult,
     MicroVMArgs,
+    NetworkInfo,
     SandboxInfo,
     SandboxState,
     TestCase,
@@ -33,7 +34,7 @@ from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DsecError",
     "EdgeUnavailable", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
-    "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NotFound",
+    "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
     "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",
     "TestCase", "Unauthorized", "VMArgs", "VMInfo",
 ]

@@ -109,6 +109,36 @@ class SandboxBase(Strict):
         return v
 
 
+_RULE_KEY = re.compile(r"^([a-z][a-z0-9_-]{0,31}|\d{1,3}(\.\d{1,3}){3}(/\d{1,2})?:\d{1,5}(-\d{1,5})?/(tcp|udp))$")
+
+
+def check_network_rules(v: dict[str, bool]) -> dict[str, bool]:
+    if len(v) > 64:
+        raise ValueError("at most 64 network rules")
+    bad = [k for k in v if not _RULE_KEY.match(k)]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is neither a service name nor ip[/len]:port[-port]/tcp|udp")
+    return v
+
+
+class NetworkRulesRequest(Strict):
+    rules: dict[str, bool] = Field(description="changes: a key set to true allows it, false removes it")
+
+    @field_validator("rules")
+    @classmethod
+    def _rules(cls, v: dict[str, bool]) -> dict[str, bool]:
+        return check_network_rules(v)
+
+
+class NetworkInfo(BaseModel):
+    """A sandbox's network link and the egress it is allowed."""
+
+    address: str
+    gateway: str
+    rules: dict[str, bool] = Field(description="what is allowed now (services and raw ip:port/proto)")
+    hosts: list[str] = Field(default_factory=list, description="host names the allowed services stand for")
+
+
 class ContainerArgs(SandboxBase):
     """What a caller asks for when creating a container sandbox."""
 
@@ -124,6 +154,15 @@ class ContainerArgs(SandboxBase):
     record_access: bool = Field(
         default=False, description="record which chunks of its layers this sandbox reads and save them, when "
         "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
+    network_rules: dict[str, bool] | None = Field(
+        default=None, description="egress allowlist: service name (pypi, npm, debian, or one the operator "
+        "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed. None: no network interface at all (loopback "
+        "only); {} wires one that denies everything until rules are set")
+
+    @field_validator("network_rules")
+    @classmethod
+    def _network_rules(cls, v: dict[str, bool] | None) -> dict[str, bool] | None:
+        return None if v is None else check_network_rules(v)
 
     @field_validator("tmpfs")
     @classmethod
@@ -237,6 +276,7 @@ class SandboxInfo(BaseModel):
     paused_at: float | None = None
     usage: SandboxUsage | None = Field(default=None, description="filled on request (?usage=true, GET .../usage)")
     pause: PauseInfo | None = Field(default=None, description="the last pause: memory before and after, timings")
+    network: NetworkInfo | None = Field(default=None, description="containers with network_rules: link and egress")
 
 
 class SandboxUsage(BaseModel):
@@ -374,6 +414,8 @@ class NodeStats(BaseModel):
     per_job: dict[str, int] = Field(default_factory=dict)
     vm: dict[str, Any] | None = Field(default=None, description="VM support: accelerator (from a probe boot), "
                                       "agent channel, QEMU and guest kernel")
+    network: str | None = Field(default=None, description="sandbox networking: subnet and egress services, "
+                                "or why it is off")
     density: dict[str, Any] | None = Field(default=None, description="swap for paused sandboxes, CPU QoS "
                                            "mechanisms (SCHED_IDLE, core scheduling)")
 

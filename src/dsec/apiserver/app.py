@@ -48,6 +48,8 @@ from dsec.models import (
     FnCallResult,
     ForkRequest,
     KeysRequest,
+    NetworkInfo,
+    NetworkRulesRequest,
     NodeStats,
     PackDiffRequest,
     SandboxEvent,
@@ -387,6 +389,11 @@ def build_app(api: Apiserver) -> FastAPI:
     async def pause(sandbox_id: str) -> SandboxInfo:
         """VM: RAM and devices to a snapshot file and QEMU ends; container: frozen. Any later request resumes."""
         return await api.edge_for(sandbox_id).pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/network")
+    async def set_network_rules(sandbox_id: str, req: NetworkRulesRequest) -> NetworkInfo:
+        """Change a container's egress rules while it runs; keys not named keep their setting."""
+        return await api.edge_for(sandbox_id).set_network_rules(sandbox_id, req.rules)
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume")
     async def resume(sandbox_id: str) -> SandboxInfo:

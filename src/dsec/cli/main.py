@@ -71,6 +71,10 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
               help="refuse new sandboxes while memory pressure (PSI full avg10, %) is above this")] = 20.0,
           cpu_overcommit: Annotated[float, typer.Option(help="admit CPU limits up to this many times the cores")] = 8.0,
           memory_overcommit: Annotated[float, typer.Option(help="admit memory limits up to this many times RAM")] = 1.5,
+          egress_service: Annotated[list[str] | None, typer.Option(
+              help="an egress service beyond pypi/npm/debian, NAME=HOST[,*.SUFFIX] (repeatable)")] = None,
+          sandbox_subnet: Annotated[str | None, typer.Option(
+              help="IPv4 subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)")] = None,
           ) -> None:
     """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
     import uvicorn
@@ -89,7 +93,8 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
            "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi, "cpu_overcommit": cpu_overcommit,
-           "memory_overcommit": memory_overcommit}
+           "memory_overcommit": memory_overcommit, "egress_services": egress_service or [],
+           "sandbox_subnet": sandbox_subnet}
     with _errors():
         try:
             fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),

@@ -10,6 +10,10 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -69,21 +73,24 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0o644,
 _netns_lock = threading.Lock()
 
 
-def socket_in_netns(netns_path: str, family: int = socket.AF_INET) -> socket.socket:
-    """A TCP socket that belongs to the network namespace at ``netns_path``.
-
-    setns(CLONE_NEWNET) is per thread, and a socket keeps the namespace it was made
-    in, so the calling thread enters, makes the socket, and returns home.
-    """
+def in_netns(netns_path: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` in the network namespace at ``netns_path`` from the calling thread,
+    which returns home afterwards (setns(CLONE_NEWNET) is per thread; sockets and
+    netlink handles made inside keep the namespace they were made in)."""
     with _netns_lock:
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         target = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             _check(_libc.setns(target, CLONE_NEWNET), "setns into sandbox netns")
             try:
-                return socket.socket(family, socket.SOCK_STREAM)
+                return fn()
             finally:
                 _check(_libc.setns(home, CLONE_NEWNET), "setns back to host netns")
         finally:
             os.close(home)
             os.close(target)
+
+
+def socket_in_netns(netns_path: str, family: int = socket.AF_INET) -> socket.socket:
+    """A TCP socket that belongs to the network namespace at ``netns_path``."""
+    return in_netns(netns_path, lambda: socket.socket(family, socket.SOCK_STREAM))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from pydantic import BaseModel
 
-from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, InitChannel, OnData, SandboxFiles
+from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, InitChannel, OnData, ProcRootFiles, SandboxFiles
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
@@ -33,6 +33,7 @@ from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.edge import linux, memory
 from dsec.edge.metrics import EdgeMetrics, cgroup_usage
+from dsec.edge.network import NetworkManager
 from dsec.edge.state import EdgeState, Record
 from dsec.errors import (
     AdmissionRejected,
@@ -55,6 +56,7 @@ from dsec.models import (
     HttpResponse,
     LayerFetchStats,
     MicroVMArgs,
+    NetworkInfo,
     NodeStats,
     PauseInfo,
     SandboxEvent,
@@ -107,6 +109,10 @@ class EdgeConfig(BaseModel):
     # paused (longest idle first); above this PSI "full" share, creations are refused
     pause_below_mb: int = 1024
     admit_max_psi: float = 20.0
+    # sandbox networking: services beyond the built-in ones (name=host,*.suffix), and the
+    # subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)
+    egress_services: list[str] = []
+    sandbox_subnet: str | None = None
 
 
 @dataclass
@@ -151,6 +157,8 @@ class Edge:
         self.layer_mnt = self.node_layers.mnt_dir
         self.fncall_service = FnCallService(self, os.cpu_count() or 1)
         self.vms = VMRuntime(cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        self.network = NetworkManager(root, self.run_dir, cfg.egress_services, cfg.sandbox_subnet, self.on_event)
+        self.network_status = "not started"
         core = memory.has_core_scheduling()
         self.density: dict[str, object] = {
             "swap": "not set up yet", "sched_idle": True, "core_scheduling": core,
@@ -169,6 +177,13 @@ class Edge:
     async def start(self) -> None:
         self.density["swap"] = await asyncio.to_thread(memory.ensure_swap)
         await self.node_layers.start()
+        try:
+            await self.network.start()
+            self.network_status = f"subnet {self.network.subnet}, services: " + ", ".join(
+                f"{k}={'/'.join(v)}" for k, v in sorted(self.network.catalog.services.items()))
+        except (OSError, RuntimeError, SandboxError) as e:  # sandboxes still run, without network
+            self.network_status = f"unavailable: {e}"
+            log.warning("sandbox networking unavailable: %s", e)
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
 
@@ -190,6 +205,7 @@ class Edge:
         self._flush_activity()
         if not self.sandboxes:
             self.runtime.remove_cgroup_parent()
+        await self.network.close(keep=bool(self.sandboxes))
         await self.release_layers()
         await self.node_layers.close(sandboxes_left=bool(self.sandboxes))
         if not self.sandboxes:  # per-boot sockets and runtime state: nothing left to find again
@@ -230,6 +246,8 @@ class Edge:
                 await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
                 continue
             if sid in running and _alive(rec.init_pid):
+                if rec.info.network is not None:
+                    await self.network.readopt(sid, rec.info.network)
                 if rec.info.state == SandboxState.paused:  # frozen: its init answers once thawed
                     log.info("re-adopted paused sandbox %s", sid)
                     continue
@@ -299,7 +317,7 @@ class Edge:
             if sb.rec.info.job and not sb.stopping:
                 per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
         return NodeStats(
-            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(),
+            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), network=self.network_status,
             density={**self.density, "pressure": memory.pressure(), "pause_below_mb": self.cfg.pause_below_mb,
                      "admit_max_psi": self.cfg.admit_max_psi},
             backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
@@ -333,6 +351,8 @@ class Edge:
     async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None) -> SandboxInfo:
         t0 = time.monotonic()
         digests = self._resolve_layers(args)
+        if isinstance(args, ContainerArgs) and args.network_rules is not None:
+            self.network.validate(args.network_rules)
         try:
             self._admit(args)
         except AdmissionRejected:
@@ -398,7 +418,36 @@ class Edge:
         if args.qos == "best_effort":  # everything it runs is a child of init and inherits the policy
             memory.sched_idle_tree([sb.rec.init_pid])
             memory.cgroup_cpu_idle(self.runtime.cgroup_path(sid))
+        if args.network_rules is not None:
+            await self._wire_network(sb, args.network_rules)
         await self._attach(sb)
+
+    async def _wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:
+        """Give a container its link; its resolver is the edge's, and it trusts the CAs
+        the node's package managers trust (an egress proxy's among them)."""
+        info = sb.rec.info.network = await self.network.attach(sb.id, sb.rec.init_pid, rules)
+        files = ProcRootFiles(sb.rec.init_pid)
+        await files.write_file("/etc/resolv.conf", f"nameserver {info.gateway}\noptions timeout:2\n".encode())
+        if self.network.catalog.ca_bundle:
+            with open(self.network.catalog.ca_bundle, "rb") as f:
+                await files.write_file("/etc/ssl/certs/ca-certificates.crt", f.read())
+        return info
+
+    async def set_network_rules(self, sandbox_id: str, changes: dict[str, bool]) -> NetworkInfo:
+        """Change a container's egress rules while it runs (wiring its link on first use)."""
+        sb, _ = await self._ready(sandbox_id)
+        if sb.vm:
+            raise InvalidRequest("VM sandboxes have no network interface; network rules apply to containers",
+                                 field="sandbox_id")
+        async with sb.lock:
+            if self.network.has(sb.id):
+                info = sb.rec.info.network = await self.network.update(sb.id, changes)
+            else:
+                self.network.validate(changes)
+                info = await self._wire_network(sb, changes)
+            self.state.put(sb.rec)
+        self.on_event(sb.id, "network", "allowed: " + (", ".join(sorted(info.rules)) or "nothing"))
+        return info
 
     def _sock_path(self, sid: str) -> str:
         return os.path.join(self.run_dir, "s", sid)
@@ -612,6 +661,7 @@ class Edge:
             if sb.agent:
                 await sb.agent.close()
                 sb.agent = None
+            await self.network.detach(sb.id)
             if sb.vm:
                 await self.vms.destroy(sb.vm)
             else:

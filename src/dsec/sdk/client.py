@@ -34,6 +34,7 @@ from dsec.models import (
     ForkRequest,
     KeysRequest,
     MicroVMArgs,
+    NetworkInfo,
     NodeStats,
     PackDiffRequest,
     SandboxEvent,
@@ -225,6 +226,13 @@ class AsyncSandbox:
         """For a ``record_access`` sandbox: save the chunks read so far as its layers'
         access lists now (it also happens when the sandbox stops). Data blob -> chunks."""
         return dict(await self._client._json("POST", f"{self._base}/access_list"))
+
+    async def set_network_rules(self, rules: dict[str, bool]) -> NetworkInfo:
+        """Change egress while the sandbox runs: ``{"pypi": False}`` takes pypi away, a key
+        set to True allows that service or ``ip[/len]:port[-port]/tcp|udp``; keys not named
+        keep their setting. A container created without ``network_rules`` is wired now."""
+        return NetworkInfo.model_validate(await self._client._json("POST", f"{self._base}/network",
+                                                                   json={"rules": rules}))
 
     async def pause(self, *, timeout: float = 120.0) -> SandboxInfo:
         """VM: memory and devices to a snapshot file, its QEMU ends; container: frozen.
