@@ -16,9 +16,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from conftest import TOKEN, Platform, leftovers
 
 import dsec
-from conftest import TOKEN, Platform, leftovers
 from dsec.edge.network.catalog import npm_hosts
 from dsec.edge.network.wiring import ifname_for
 
@@ -119,7 +119,7 @@ async def test_default_deny_raw_rules_and_host_is_out_of_reach(
     finally:
         await sb.stop()
         await other.stop()
-    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout  # noqa: ASYNC221
     for s in (sb, other):
         assert leftovers(platform, s.sandbox_id) == []
         assert ifname_for(s.info.network.address) not in links  # type: ignore[union-attr]
