@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 # fuse3 + libfuse3-dev + pkg-config: the node's lazy layer reader (pyfuse3 builds against libfuse3);
 # moosefs-*: the distributed filesystem the shared layer store is tested on
 # qemu-system-x86: the microVM and full-VM backends (the guest kernel is fetched by `dsec setup`)
+# btrfs-progs: the sandbox volume (per-sandbox disk quotas as btrfs qgroups)
 PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc
       docker-registry fuse3 libfuse3-dev pkg-config moosefs-master moosefs-chunkserver moosefs-client curl python3-dev
-      qemu-system-x86)
+      qemu-system-x86 btrfs-progs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

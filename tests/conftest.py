@@ -136,7 +136,8 @@ def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
                     found.append(f"process {cg.split('/')[2]}")
         except OSError:
             pass
-    found += [f"file {p}" for p in glob.glob(os.path.join(platform.data_dir, "edges", "*", "sandboxes", sandbox_id))]
+    for where in (("sandboxes",), ("volume", "sandboxes")):
+        found += [f"file {p}" for p in glob.glob(os.path.join(platform.data_dir, "edges", "*", *where, sandbox_id))]
     found += [f"runtime {p}" for p in glob.glob(f"/run/dsec/*/s/{sandbox_id}")]
     found += [f"crun {p}" for p in glob.glob(f"/run/dsec/*/crun/{sandbox_id}")]
     found += [f"netns {p}" for p in glob.glob(f"/run/netns/*{sandbox_id}*")]

@@ -154,6 +154,9 @@ class ContainerArgs(SandboxBase):
     record_access: bool = Field(
         default=False, description="record which chunks of its layers this sandbox reads and save them, when "
         "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
+    disk_limit_mb: Annotated[int, Field(ge=16, le=64 * 1024 * 1024)] = Field(
+        default=10240, description="quota on the writable layer (data and metadata, so it also bounds the number "
+        "of files); writes past it fail with EDQUOT inside the sandbox")
     network_rules: dict[str, bool] | None = Field(
         default=None, description="egress allowlist: service name (pypi, npm, debian, or one the operator "
         "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed. None: no network interface at all (loopback "

@@ -35,6 +35,7 @@ from dsec.edge import linux, memory
 from dsec.edge.metrics import EdgeMetrics, cgroup_usage
 from dsec.edge.network import NetworkManager
 from dsec.edge.state import EdgeState, Record
+from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
     AdmissionRejected,
     InvalidRequest,
@@ -113,6 +114,8 @@ class EdgeConfig(BaseModel):
     # subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)
     egress_services: list[str] = []
     sandbox_subnet: str | None = None
+    # writable layers with quotas live on a btrfs volume (None: sized from free space; 0: off)
+    sandbox_volume_gb: int | None = None
 
 
 @dataclass
@@ -129,6 +132,8 @@ class Sandbox:
     teardown: asyncio.Task[None] | None = None
     vm: VMInstance | None = None
     oom_seen: int = 0
+    qgroup: int | None = None  # its subvolume on the sandbox volume (disk quota)
+    quota_full: bool = False
     disk: tuple[float, int] = (0.0, 0)  # (when measured, bytes): a tree walk, so cached
 
     @property
@@ -142,7 +147,10 @@ class Edge:
         self.name = cfg.name
         self.layers = layers
         root = os.path.join(cfg.data_dir, "edges", cfg.name)
-        self.sandbox_root = os.path.join(root, "sandboxes")
+        os.makedirs(root, exist_ok=True)
+        self.volume = SandboxVolume(root, cfg.sandbox_volume_gb)
+        self.volume.setup()
+        self.sandbox_root = os.path.join(self.volume.mnt if self.volume.available else root, "sandboxes")
         os.makedirs(self.sandbox_root, exist_ok=True)
         # sockets and crun state are per boot: on tmpfs, with a path short enough for AF_UNIX
         tag = hashlib.sha1(os.path.abspath(cfg.data_dir).encode()).hexdigest()[:8]
@@ -161,11 +169,13 @@ class Edge:
         self.network_status = "not started"
         core = memory.has_core_scheduling()
         self.density: dict[str, object] = {
+            "disk_quota": self.volume.status,
             "swap": "not set up yet", "sched_idle": True, "core_scheduling": core,
             "qos": "best_effort: SCHED_IDLE + minimal CPU shares; latency_sensitive: normal" + (
                 ", core-scheduled" if core else "; no core scheduling in this kernel (CONFIG_SCHED_CORE), "
                 "so latency-sensitive sandboxes are not isolated from sibling hyperthreads")}
         self._ttl_task: asyncio.Task[None] | None = None
+        self._quota_checked = 0.0
         self._teardowns: set[asyncio.Task[None]] = set()
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
@@ -206,6 +216,8 @@ class Edge:
         if not self.sandboxes:
             self.runtime.remove_cgroup_parent()
         await self.network.close(keep=bool(self.sandboxes))
+        if not self.sandboxes:
+            self.volume.close()
         await self.release_layers()
         await self.node_layers.close(sandboxes_left=bool(self.sandboxes))
         if not self.sandboxes:  # per-boot sockets and runtime state: nothing left to find again
@@ -269,7 +281,9 @@ class Edge:
                     linux.umount(mp, detach=True)
         for name in os.listdir(self.sandbox_root):
             if name not in self.sandboxes:
-                shutil.rmtree(os.path.join(self.sandbox_root, name), ignore_errors=True)
+                await asyncio.to_thread(self.volume.remove, os.path.join(self.sandbox_root, name))
+        for sb in self.sandboxes.values():
+            sb.qgroup = self.volume.subvolume_id(sb.dir)
         self.state.prune()
 
     # ---- admission ----------------------------------------------------------
@@ -386,6 +400,9 @@ class Edge:
         sid = sb.id
         if args.record_access and not self.node_layers.on_demand:
             raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
+        if self.volume.available:
+            self.volume.create(sb.dir, args.disk_limit_mb)
+            sb.qgroup = self.volume.subvolume_id(sb.dir)
         if queued := await self.node_layers.prefetch(digests):
             self.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
         if args.record_access:
@@ -678,7 +695,7 @@ class Edge:
                     linux.umount(mp)
                 except OSError:
                     linux.umount(mp, detach=True)
-            await asyncio.to_thread(shutil.rmtree, sb.dir, True)
+            await asyncio.to_thread(self.volume.remove, sb.dir)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._sock_path(sb.id))
             sb.rec.info.state = final
@@ -732,7 +749,9 @@ class Edge:
         use = cgroup_usage(cg)
         mem = memory.cgroup_memory(cg)
         when, disk = sb.disk
-        if time.monotonic() - when > disk_max_age:
+        if sb.qgroup is not None:
+            disk = self.volume.referenced(sb.qgroup, sb.qgroup).get(sb.qgroup, disk)
+        elif time.monotonic() - when > disk_max_age:
             target = sb.vm.spec.disks[0].path if sb.vm else os.path.join(sb.dir, "upper")
             disk = memory.disk_usage(target)
             sb.disk = (time.monotonic(), disk)
@@ -959,12 +978,30 @@ class Edge:
                 self.on_event(sb.id, "pressure", f"paused: the node had {avail:.0f} MiB available, "
                               f"below {self.cfg.pause_below_mb} MiB")
 
+    async def _check_disk_quotas(self) -> None:
+        """Report a sandbox whose writable layer reached its quota (once per filling)."""
+        quota = [sb for sb in self.sandboxes.values() if sb.qgroup is not None and not sb.stopping]
+        if not quota or time.monotonic() - self._quota_checked < 5:
+            return
+        self._quota_checked = time.monotonic()
+        used = await asyncio.to_thread(self.volume.referenced)
+        for sb in quota:
+            limit = sb.rec.args.disk_limit_mb << 20 if isinstance(sb.rec.args, ContainerArgs) else 0
+            n = used.get(sb.qgroup or 0, 0)
+            if not sb.quota_full and limit and n >= limit * 0.95:
+                sb.quota_full = True
+                self.on_event(sb.id, "disk_quota", f"writable layer full: {n >> 20} of {limit >> 20} MiB "
+                              "(writes fail with EDQUOT)")
+            elif sb.quota_full and n < limit * 0.8:
+                sb.quota_full = False
+
     async def _ttl_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.ttl_check_interval_s)
             try:
                 self._flush_activity()
                 await self._relieve_pressure()
+                await self._check_disk_quotas()
                 now = time.time()
                 for sb in list(self.sandboxes.values()):
                     args, info = sb.rec.args, sb.rec.info

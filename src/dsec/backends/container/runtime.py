@@ -25,6 +25,9 @@ MASKED_PATHS = [
     "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup", "/proc/kpageflags",
     "/proc/kpagecount", "/proc/sysrq-trigger", "/proc/kmsg", "/proc/kallsyms", "/proc/vmallocinfo",
     "/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug", "/sys/kernel/tracing",
+    "/proc/iomem", "/proc/ioports", "/proc/slabinfo", "/proc/pagetypeinfo", "/proc/modules", "/proc/config.gz",
+    "/proc/key-users", "/proc/mtrr", "/sys/kernel/mm/page_idle", "/sys/kernel/security", "/sys/fs/bpf",
+    "/sys/kernel/vmcoreinfo",
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 # Denied outright (EPERM): kernel-wide state, module and kexec loading, tracing and
@@ -38,8 +41,23 @@ DENIED_SYSCALLS = [
     "vhangup", "lookup_dcookie", "unshare", "setns", "fsopen", "fsmount", "fsconfig", "move_mount",
     "open_tree", "mount_setattr", "process_vm_readv", "process_vm_writev", "ptrace", "personality",
     "fanotify_init", "nfsservctl", "get_kernel_syms", "query_module", "uselib", "kcmp", "pidfd_getfd",
+    # io_uring runs file and socket operations the filter never sees
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "quotactl_fd", "move_pages", "migrate_pages",
 ]
+# ioctls that move or share extents between files (XFS_IOC_SWAPEXT read protected files and
+# corrupted a filesystem in production): every XFS-private ioctl (type 'X'), ext4's
+# EXT4_IOC_MOVE_EXT; reflink and dedupe answer "not supported", so cp falls back to copying
+IOCTL_TYPE_X = 0x5800
+EXT4_IOC_MOVE_EXT = 0xC028660F
+FICLONE, FICLONERANGE, FIDEDUPERANGE = 0x40049409, 0x4020940D, 0xC0189436
+EPERM, EOPNOTSUPP, ENOSYS = 1, 95, 38
 CLONE_NEWUSER = 0x10000000
+
+
+def _cmd_is(cmd: int) -> dict[str, object]:
+    # the kernel reads an ioctl's command as 32 bits: compare only those, or a caller could
+    # set high bits to slip past an exact match
+    return {"index": 1, "value": 0xFFFFFFFF, "valueTwo": cmd, "op": "SCMP_CMP_MASKED_EQ"}
 
 
 def seccomp_profile() -> dict[str, object]:
@@ -47,13 +65,19 @@ def seccomp_profile() -> dict[str, object]:
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         "syscalls": [
-            {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
+            {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
+            {"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,
+             "args": [{"index": 1, "value": 0xFF00, "valueTwo": IOCTL_TYPE_X, "op": "SCMP_CMP_MASKED_EQ"}]},
+            {"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,
+             "args": [_cmd_is(EXT4_IOC_MOVE_EXT)]},
+            *({"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": EOPNOTSUPP,
+               "args": [_cmd_is(cmd)]} for cmd in (FICLONE, FICLONERANGE, FIDEDUPERANGE)),
             # new user namespaces would hand the workload a full capability set
-            {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+            {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,
              "args": [{"index": 0, "value": CLONE_NEWUSER, "valueTwo": CLONE_NEWUSER,
                        "op": "SCMP_CMP_MASKED_EQ"}]},
             # clone3 passes flags in memory seccomp cannot read; glibc falls back to clone
-            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
         ],
     }
 
