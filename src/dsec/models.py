@@ -130,6 +130,28 @@ class NetworkRulesRequest(Strict):
         return check_network_rules(v)
 
 
+class AuditRecord(BaseModel):
+    """One thing that happened in a sandbox, as the edge recorded it."""
+
+    ts: float
+    kind: str = Field(description="process, exec, file_write, file_remove, http, tty, egress_denied, flag, ...")
+    detail: str
+    flag: str | None = Field(default=None, description="the detector this record reports, if any")
+
+
+class ProtectRequest(Strict):
+    paths: list[str] = Field(min_length=1, max_length=64, description="absolute paths (files or trees) whose "
+                             "later changes are flagged")
+
+    @field_validator("paths")
+    @classmethod
+    def _abs(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p.startswith("/") or "\0" in p or len(p) > 4096:
+                raise ValueError(f"{p!r} is not an absolute path")
+        return [os.path.normpath(p) for p in v]
+
+
 class NetworkInfo(BaseModel):
     """A sandbox's network link and the egress it is allowed."""
 
@@ -157,10 +179,18 @@ class ContainerArgs(SandboxBase):
     disk_limit_mb: Annotated[int, Field(ge=16, le=64 * 1024 * 1024)] = Field(
         default=10240, description="quota on the writable layer (data and metadata, so it also bounds the number "
         "of files); writes past it fail with EDQUOT inside the sandbox")
+    protected_paths: list[str] = Field(
+        default_factory=list, max_length=64, description="paths (say, the tests that grade the rollout) whose "
+        "files are fingerprinted at start; any later change, addition or removal is flagged in the audit log")
     network_rules: dict[str, bool] | None = Field(
         default=None, description="egress allowlist: service name (pypi, npm, debian, or one the operator "
         "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed. None: no network interface at all (loopback "
         "only); {} wires one that denies everything until rules are set")
+
+    @field_validator("protected_paths")
+    @classmethod
+    def _protected(cls, v: list[str]) -> list[str]:
+        return ProtectRequest(paths=v).paths if v else v
 
     @field_validator("network_rules")
     @classmethod

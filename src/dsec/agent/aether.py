@@ -553,6 +553,45 @@ class ProcRootFiles:
             prefix = here
         return self._open_in_root(parent, flags), name
 
+    def tree(self, path: str, limit: int = 100_000) -> list[tuple[str, int, int, int]]:
+        """Regular files at or under ``path``: (path, size, mtime_ns, ctime_ns), not
+        following symlinks; a missing path is an empty tree. Blocking."""
+        out: list[tuple[str, int, int, int]] = []
+
+        def walk(fd: int, here: str) -> None:
+            with os.scandir(fd) as it:
+                for e in it:
+                    if len(out) >= limit:
+                        return
+                    st = e.stat(follow_symlinks=False)
+                    child = os.path.join(here, e.name)
+                    if statmod.S_ISREG(st.st_mode):
+                        out.append((child, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+                    elif statmod.S_ISDIR(st.st_mode):
+                        sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                        try:
+                            walk(sub, child)
+                        finally:
+                            os.close(sub)
+
+        try:
+            fd = self._open_in_root(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
+            return out
+        try:
+            st = os.fstat(fd)
+            if statmod.S_ISREG(st.st_mode):
+                out.append((os.path.normpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            elif statmod.S_ISDIR(st.st_mode):
+                walk(fd, os.path.normpath(path))
+        finally:
+            os.close(fd)
+        return out
+
+    def read_bytes(self, path: str, limit: int = 64 << 20) -> bytes:
+        """Blocking read of a regular file (for the edge's own threads)."""
+        return self._read_file(path, limit)
+
     def _wrap_fs(self, fn: Callable[[], object], path: str) -> object:
         try:
             return fn()

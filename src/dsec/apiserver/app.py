@@ -38,6 +38,7 @@ from dsec.errors import (
 from dsec.layers.store import Layer, LayerStore
 from dsec.models import (
     BACKEND_TAGS,
+    AuditRecord,
     ClickRequest,
     ContainerArgs,
     CreateRequest,
@@ -52,6 +53,7 @@ from dsec.models import (
     NetworkRulesRequest,
     NodeStats,
     PackDiffRequest,
+    ProtectRequest,
     SandboxEvent,
     SandboxInfo,
     SandboxUsage,
@@ -418,6 +420,18 @@ def build_app(api: Apiserver) -> FastAPI:
     async def events(sandbox_id: str) -> list[SandboxEvent]:
         """What happened to a sandbox that its owner should know (creation, prefetch, storage errors, ...)."""
         return await api.edge_for(sandbox_id).events(sandbox_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/audit")
+    async def audit(sandbox_id: str, kind: str | None = None, flagged: bool = False,
+                    limit: int = Query(default=1000, ge=1, le=20000)) -> list[AuditRecord]:
+        """Processes executed, platform requests, egress denials and detector flags, oldest first
+        (the last ``limit``); kept after the sandbox ends."""
+        return await api.edge_for(sandbox_id).audit_log(sandbox_id, kind, flagged, limit)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/protect")
+    async def protect(sandbox_id: str, req: ProtectRequest) -> dict[str, int]:
+        """Fingerprint the files under these paths now; any later change is flagged in the audit log."""
+        return {"files": await api.edge_for(sandbox_id).protect(sandbox_id, req.paths)}
 
     @app.post("/v1/sandboxes/{sandbox_id}/access_list")
     async def save_access_list(sandbox_id: str) -> dict[str, int]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Annotated
 
+import rich.markup
 import typer
 from rich.console import Console
 from rich.table import Column, Table
@@ -189,6 +190,20 @@ def pause(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     with _errors(), _api(url, token) as c:
         info = c.connect(sandbox_id).pause()
         print(info.model_dump_json(include={"sandbox_id", "state", "vm"}))
+
+
+@app.command()
+def audit(sandbox_id: str, flagged: Annotated[bool, typer.Option(help="only detector flags")] = False,
+          kind: Annotated[str | None, typer.Option(help="process, exec, file_write, egress_denied, flag, ...")] = None,
+          limit: int = 200, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """What happened in a sandbox: processes, platform requests, egress denials, flags."""
+    import datetime
+
+    with _errors(), _api(url, token) as c:
+        for r in c.connect(sandbox_id).audit(kind=kind, flagged=flagged, limit=limit):
+            when = datetime.datetime.fromtimestamp(r.ts).strftime("%H:%M:%S.%f")[:-3]
+            flag = f" [red]<{r.flag}>[/red]" if r.flag else ""
+            console.print(f"{when} {r.kind:<13}{flag} {rich.markup.escape(r.detail)}", highlight=False)
 
 
 @app.command()

@@ -119,18 +119,34 @@ def cgroup_memory(cgroup_path: str) -> dict[str, int]:
     return out
 
 
-def oom_kills(cgroup_path: str) -> int:
-    """How many processes of the cgroup the kernel has killed at its memory limit."""
+def _cgroup_key(cgroup_path: str, files: list[tuple[str, str]], key: str) -> int:
+    """The ``key N`` line of the first readable (controller, file) of a cgroup (v1 or v2)."""
     rel = cgroup_path.lstrip("/")
-    for path in (os.path.join(CGROUP_ROOT, "memory", rel, "memory.oom_control"),
-                 os.path.join(CGROUP_ROOT, rel, "memory.events")):
+    for controller, name in files:
+        path = os.path.join(CGROUP_ROOT, controller, rel, name) if controller else os.path.join(CGROUP_ROOT, rel, name)
         with contextlib.suppress(OSError, ValueError):
             with open(path) as f:
                 for line in f:
                     k, _, v = line.partition(" ")
-                    if k == "oom_kill":
+                    if k == key:
                         return int(v)
     return 0
+
+
+def oom_kills(cgroup_path: str) -> int:
+    """How many processes of the cgroup the kernel has killed at its memory limit."""
+    return _cgroup_key(cgroup_path, [("memory", "memory.oom_control"), ("", "memory.events")], "oom_kill")
+
+
+def pids_limit_hits(cgroup_path: str) -> int:
+    """How many forks the cgroup's pids limit has refused."""
+    return _cgroup_key(cgroup_path, [("pids", "pids.events"), ("", "pids.events")], "max")
+
+
+def cpu_throttled_s(cgroup_path: str) -> float:
+    """Time the cgroup's tasks were held back by its CPU quota."""
+    v1 = _cgroup_key(cgroup_path, [("cpu", "cpu.stat")], "throttled_time")
+    return v1 / 1e9 if v1 else _cgroup_key(cgroup_path, [("", "cpu.stat")], "throttled_usec") / 1e6
 
 
 def disk_usage(path: str) -> int:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -32,8 +33,10 @@ from dsec.backends.vm.channel import GuestChannel, GuestFiles
 from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.edge import linux, memory
+from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.metrics import EdgeMetrics, cgroup_usage
 from dsec.edge.network import NetworkManager
+from dsec.edge.procwatch import ProcWatch
 from dsec.edge.state import EdgeState, Record
 from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
@@ -47,6 +50,7 @@ from dsec.errors import (
 )
 from dsec.layers.store import ImportOptions, Layer, LayerStore, layer_kind
 from dsec.models import (
+    AuditRecord,
     Backend,
     ContainerArgs,
     ExecRequest,
@@ -94,6 +98,10 @@ def scrub_regexes(paths: list[str], defaults: bool) -> list[str]:
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
+# events that also go to the audit log (the rest are lifecycle noise there)
+AUDITED_EVENTS = frozenset({"egress_denied", "oom_killed", "disk_quota", "network", "created", "stopped", "failed",
+                            "paused", "resumed"})
+
 class EdgeConfig(BaseModel):
     name: str = "edge0"
     data_dir: str
@@ -132,6 +140,10 @@ class Sandbox:
     teardown: asyncio.Task[None] | None = None
     vm: VMInstance | None = None
     oom_seen: int = 0
+    pids_seen: int = 0
+    pids_reported: float = 0.0
+    cpu_seen: tuple[float, float] = (0.0, 0.0)  # (when, throttled seconds) at the last look
+    cpu_reported: float = 0.0
     qgroup: int | None = None  # its subvolume on the sandbox volume (disk quota)
     quota_full: bool = False
     disk: tuple[float, int] = (0.0, 0)  # (when measured, bytes): a tree walk, so cached
@@ -165,6 +177,9 @@ class Edge:
         self.layer_mnt = self.node_layers.mnt_dir
         self.fncall_service = FnCallService(self, os.cpu_count() or 1)
         self.vms = VMRuntime(cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        self.audit = AuditLog(os.path.join(root, "audit.db"))
+        self.detectors = Detectors(self._flag)
+        self.procwatch = ProcWatch(f"dsec-{tag}", self._on_exec)
         self.network = NetworkManager(root, self.run_dir, cfg.egress_services, cfg.sandbox_subnet, self.on_event)
         self.network_status = "not started"
         core = memory.has_core_scheduling()
@@ -176,6 +191,7 @@ class Edge:
                 "so latency-sensitive sandboxes are not isolated from sibling hyperthreads")}
         self._ttl_task: asyncio.Task[None] | None = None
         self._quota_checked = 0.0
+        self._audit_swept = 0.0
         self._teardowns: set[asyncio.Task[None]] = set()
         self.cpus = os.cpu_count() or 1
         self.memory_mb = _mem_total_mb()
@@ -187,6 +203,12 @@ class Edge:
     async def start(self) -> None:
         self.density["swap"] = await asyncio.to_thread(memory.ensure_swap)
         await self.node_layers.start()
+        try:
+            self.procwatch.start()
+            self.density["audit"] = "every process executed in a sandbox (kernel process events), platform " \
+                "requests, egress denials"
+        except OSError as e:
+            self.density["audit"] = f"platform requests and egress denials; process events unavailable: {e}"
         try:
             await self.network.start()
             self.network_status = f"subnet {self.network.subnet}, services: " + ", ".join(
@@ -216,6 +238,8 @@ class Edge:
         if not self.sandboxes:
             self.runtime.remove_cgroup_parent()
         await self.network.close(keep=bool(self.sandboxes))
+        self.procwatch.close()
+        self.audit.close()
         if not self.sandboxes:
             self.volume.close()
         await self.release_layers()
@@ -228,6 +252,55 @@ class Edge:
         log.info("%s %s: %s", sandbox_id, kind, message)
         if sb := self.sandboxes.get(sandbox_id):
             sb.events.append(SandboxEvent(t=time.time(), kind=kind, message=message))
+        if kind in AUDITED_EVENTS:
+            self.audit.record(sandbox_id, kind, message)
+        if kind == "egress_denied":
+            self.detectors.denial(sandbox_id)
+
+    def _flag(self, sandbox_id: str, detector: str, message: str) -> None:
+        self.audit.record(sandbox_id, "flag", message, flag=detector)
+        self.on_event(sandbox_id, "flagged", f"{detector}: {message}")
+
+    def _on_exec(self, sandbox_id: str, pid: int, cmdline: str) -> None:
+        if sandbox_id in self.sandboxes:
+            self.audit.record(sandbox_id, "process", f"[{pid}] {cmdline}" if pid else cmdline)
+            self.detectors.command(sandbox_id, cmdline)
+
+    async def audit_log(self, sandbox_id: str, kind: str | None = None, flagged: bool = False,
+                        limit: int = 1000) -> list[AuditRecord]:
+        """The sandbox's audit records (also after it ended), detectors brought up to date first."""
+        sb = self._get_live(sandbox_id)
+        if sb is None:
+            self._tombstone(sandbox_id)
+        elif not sb.stopping and sb.rec.info.state == SandboxState.running:
+            await self._run_detectors(sb)
+        return await asyncio.to_thread(self.audit.query, sandbox_id, kind, flagged, limit)
+
+    async def protect(self, sandbox_id: str, paths: list[str]) -> int:
+        """Fingerprint the files under ``paths`` now; later changes are flagged."""
+        sb, _ = await self._ready(sandbox_id)
+        if sb.vm:
+            raise InvalidRequest("protected paths are watched in container sandboxes", field="sandbox_id")
+        files = ProcRootFiles(sb.rec.init_pid)
+        try:
+            n = await asyncio.to_thread(self.detectors.protect, sb.id, paths, files.tree, files.read_bytes)
+        except ValueError as e:
+            raise InvalidRequest(str(e), field="paths") from None
+        self.audit.record(sb.id, "protect", f"{n} files under {', '.join(paths)}")
+        return n
+
+    async def _run_detectors(self, sb: Sandbox) -> None:
+        if sb.vm or not sb.rec.init_pid:
+            return
+        files = ProcRootFiles(sb.rec.init_pid)
+        lowers = [p if os.path.isdir(p := os.path.join(sb.dir, "lower", str(i))) else
+                  os.path.join(self.layer_mnt, d) for i, d in enumerate(sb.rec.digests)]
+
+        def go() -> None:
+            self.detectors.check_protected(sb.id, files.tree, files.read_bytes)
+            self.detectors.check_replaced(sb.id, os.path.join(sb.dir, "upper"), lowers)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(go)
 
     def _storage_error(self, data: str, message: str) -> None:
         for sb in list(self.sandboxes.values()):
@@ -386,6 +459,8 @@ class Edge:
             else:
                 await self._create_container(sb, args, digests)
             info.state = SandboxState.running
+            if isinstance(args, ContainerArgs) and args.protected_paths:
+                await self.protect(sid, args.protected_paths)
             self.state.put(sb.rec)
         except BaseException as e:
             await self._teardown(sb, SandboxState.failed, f"create failed: {e}", record=False)
@@ -698,6 +773,8 @@ class Edge:
             await asyncio.to_thread(self.volume.remove, sb.dir)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._sock_path(sb.id))
+            self.detectors.forget(sb.id)
+            self.procwatch.forget(sb.id)
             sb.rec.info.state = final
             sb.rec.info.error = None if final == SandboxState.stopped else reason
             if record:
@@ -782,9 +859,15 @@ class Edge:
     # ---- requests into the sandbox -------------------------------------------
     async def exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:
         sb, agent = await self._ready(sandbox_id)
+        cmd = req.cmd if req.cmd is not None else " ".join(req.argv or [])
+        self.audit.record(sb.id, "exec", f"[{req.session}] {cmd}" if req.session else cmd)
+        self.detectors.command(sb.id, cmd)
         sb.ops += 1
         try:
             res = await agent.exec(req, on_data)
+            if res.stdout_truncated or res.stderr_truncated:
+                self.on_event(sb.id, "output_truncated", f"output past {req.max_output_bytes} bytes was dropped "
+                              f"(the command went on{', until its timeout' if res.timed_out else ''})")
             self.metrics.exec_seconds.labels(self.name, "session" if req.session else "exec").observe(
                 res.duration_ms / 1000)
             return res
@@ -803,7 +886,8 @@ class Edge:
         if len(data) > self.cfg.max_file_bytes:
             raise PayloadTooLarge(f"file body of {len(data)} bytes exceeds the {self.cfg.max_file_bytes}-byte limit",
                                   field="body")
-        _, agent = await self._ready(sandbox_id)
+        sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "file_write", f"{path} ({len(data)} bytes, mode {mode:o})")
         await agent.files.write_file(path, data, mode)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
@@ -815,16 +899,19 @@ class Edge:
         return await agent.files.stat(path)
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        _, agent = await self._ready(sandbox_id)
+        sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "file_remove", f"{path}{' (recursive)' if recursive else ''}")
         await agent.files.remove(path, recursive)
 
     async def http(self, sandbox_id: str, port: int, method: str, path: str,
                    headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpResponse:
-        _, agent = await self._ready(sandbox_id)
+        sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
         return await agent.http_request(port, method, path, headers, body, timeout)
 
     async def open_tty(self, sandbox_id: str, cols: int, rows: int) -> tuple[int, int, asyncio.Future[int], Aether]:
         sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "tty", f"interactive shell {cols}x{rows}")
         master, pid, exited = await agent.open_tty(cols, rows)
         return master, pid, exited, agent
 
@@ -978,6 +1065,42 @@ class Edge:
                 self.on_event(sb.id, "pressure", f"paused: the node had {avail:.0f} MiB available, "
                               f"below {self.cfg.pause_below_mb} MiB")
 
+    def _limit_events(self, sb: Sandbox) -> None:
+        """Events for a sandbox running into its own limits (memory, pids, CPU quota)."""
+        cg, args = self._cgroup(sb), sb.rec.args
+        kills = memory.oom_kills(cg)
+        if kills > sb.oom_seen:
+            self.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
+                          f"{args.memory_limit_mb} MiB limit (OOM inside the sandbox only)")
+            sb.oom_seen = kills
+        refused = memory.pids_limit_hits(cg)
+        if refused > sb.pids_seen:
+            if isinstance(args, ContainerArgs) and time.monotonic() - sb.pids_reported > 10:
+                self.on_event(sb.id, "pids_limit", f"{refused - sb.pids_seen} fork(s) refused at the "
+                              f"{args.pids_limit}-process limit")
+                sb.pids_reported = time.monotonic()
+            sb.pids_seen = refused
+        now, throttled = time.monotonic(), memory.cpu_throttled_s(cg)
+        then, before = sb.cpu_seen
+        if now - then >= 10:
+            if then and throttled - before > 0.3 * (now - then) and now - sb.cpu_reported > 60:
+                self.on_event(sb.id, "cpu_throttled", f"held at its {args.cpu_cores_limit} CPU limit "
+                              f"{100 * (throttled - before) / (now - then):.0f}% of the last {now - then:.0f} s")
+                sb.cpu_reported = now
+            sb.cpu_seen = (now, throttled)
+
+    async def _audit_sweep(self) -> None:
+        """Every 10 s: write buffered audit records, run the file detectors."""
+        if time.monotonic() - self._audit_swept < 10:
+            return
+        self._audit_swept = time.monotonic()
+        await asyncio.to_thread(self.audit.flush)
+        for sb in list(self.sandboxes.values()):
+            if sb.rec.info.state == SandboxState.running and not sb.stopping:
+                await self._run_detectors(sb)
+        if random.random() < 0.01:
+            await asyncio.to_thread(self.audit.prune)
+
     async def _check_disk_quotas(self) -> None:
         """Report a sandbox whose writable layer reached its quota (once per filling)."""
         quota = [sb for sb in self.sandboxes.values() if sb.qgroup is not None and not sb.stopping]
@@ -1002,16 +1125,14 @@ class Edge:
                 self._flush_activity()
                 await self._relieve_pressure()
                 await self._check_disk_quotas()
+                await self._audit_sweep()
                 now = time.time()
                 for sb in list(self.sandboxes.values()):
                     args, info = sb.rec.args, sb.rec.info
                     if sb.stopping or (sb.agent is None and info.state != SandboxState.paused):
                         continue
-                    kills = memory.oom_kills(self._cgroup(sb)) if info.state == SandboxState.running else 0
-                    if kills > sb.oom_seen:
-                        self.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
-                                      f"{args.memory_limit_mb} MiB limit (OOM inside the sandbox only)")
-                        sb.oom_seen = kills
+                    if info.state == SandboxState.running:
+                        self._limit_events(sb)
                     if info.state == SandboxState.paused:  # idle by definition: lifetime and paused TTL only
                         if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
                             await self._teardown(sb, SandboxState.stopped, "max lifetime reached")

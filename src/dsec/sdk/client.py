@@ -22,6 +22,7 @@ import aiohttp
 from dsec.errors import ERRORS_BY_CODE, DsecError, EdgeUnavailable
 from dsec.layers.store import Layer
 from dsec.models import (
+    AuditRecord,
     ClickRequest,
     ContainerArgs,
     CreateRequest,
@@ -226,6 +227,20 @@ class AsyncSandbox:
         """For a ``record_access`` sandbox: save the chunks read so far as its layers'
         access lists now (it also happens when the sandbox stops). Data blob -> chunks."""
         return dict(await self._client._json("POST", f"{self._base}/access_list"))
+
+    async def audit(self, kind: str | None = None, flagged: bool = False, limit: int = 1000) -> list[AuditRecord]:
+        """What happened in this sandbox: every process it executed, the platform's requests
+        into it, egress denials and detector flags (``flagged=True``: only those)."""
+        params: dict[str, Any] = {"flagged": str(flagged).lower(), "limit": limit}
+        if kind:
+            params["kind"] = kind
+        data = await self._client._json("GET", f"{self._base}/audit", params=params)
+        return [AuditRecord.model_validate(x) for x in data]
+
+    async def protect(self, paths: list[str]) -> int:
+        """Fingerprint the files under ``paths`` (say, the tests that will grade this
+        rollout); any later change, addition or removal is flagged. Returns the file count."""
+        return int((await self._client._json("POST", f"{self._base}/protect", json={"paths": paths}))["files"])
 
     async def set_network_rules(self, rules: dict[str, bool]) -> NetworkInfo:
         """Change egress while the sandbox runs: ``{"pypi": False}`` takes pypi away, a key
