@@ -4,6 +4,7 @@ from dsec.errors import (
     AdmissionRejected,
     DsecError,
     EdgeUnavailable,
+    Forbidden,
     InvalidRequest,
     LayerInUse,
     NotFound,
@@ -33,7 +34,7 @@ from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DsecError",
-    "EdgeUnavailable", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
+    "EdgeUnavailable", "Forbidden", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
     "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
     "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",
     "TestCase", "Unauthorized", "VMArgs", "VMInfo",

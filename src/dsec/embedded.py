@@ -16,6 +16,7 @@ from dsec.apiserver.app import Apiserver, build_app
 from dsec.edge.api import EdgeAPI
 from dsec.edge.hostprep import prepare_cgroups
 from dsec.edge.service import Edge, EdgeConfig
+from dsec.iam import TokenStore
 from dsec.layers.base import build_busybox
 from dsec.layers.store import LayerStore
 from dsec.placement.engine import Placement
@@ -68,7 +69,8 @@ def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "ed
     edges: dict[str, EdgeAPI] = {edge.name: edge}
     watcher = Watcher(edges)
     placement = Placement(lambda: watcher.view)
-    api = Apiserver(edges, watcher, placement, tok, layer_store, max_file_bytes=edge.cfg.max_file_bytes)
+    tokens = TokenStore(os.path.join(data_dir, "iam.db"), tok)
+    api = Apiserver(edges, watcher, placement, tokens, layer_store, max_file_bytes=edge.cfg.max_file_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -24,6 +24,13 @@ class Unauthorized(DsecError):
     code = "unauthorized"
 
 
+class Forbidden(DsecError):
+    """The token is valid but its role may not do this (say, a runner publishing a layer)."""
+
+    status = 403
+    code = "forbidden"
+
+
 class NotFound(DsecError):
     status = 404
     code = "not_found"
@@ -76,6 +83,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         DsecError,
         InvalidRequest,
         Unauthorized,
+        Forbidden,
         NotFound,
         SandboxNotRunning,
         SandboxBusy,

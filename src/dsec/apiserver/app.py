@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
+import re
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
     DsecError,
+    Forbidden,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -35,6 +36,8 @@ from dsec.errors import (
     SandboxError,
     Unauthorized,
 )
+from dsec.iam import PROJECT_LABEL, TokenStore, current_principal, permission_for
+from dsec.iam.tokens import TokenInfo, TokenSpec
 from dsec.layers.store import Layer, LayerStore
 from dsec.models import (
     BACKEND_TAGS,
@@ -83,14 +86,16 @@ async def _body(request: Request, limit: int, field: str) -> bytes:
     return bytes(buf)
 
 
+_SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([^/]+-[^/]+)(?:/|$)")
+
 class Apiserver:
     def __init__(self, edges: Mapping[str, EdgeAPI], watcher: Watcher, placement: Placement,
-                 token: str, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024) -> None:
+                 tokens: TokenStore, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024) -> None:
         self.edges = edges
+        self.tokens = tokens
         self.layers = layers
         self.watcher = watcher
         self.placement = placement
-        self.token = token
         self.max_file_bytes = max_file_bytes
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
@@ -107,6 +112,10 @@ class Apiserver:
     async def create(self, req: CreateRequest) -> SandboxInfo:
         """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere.
         When no edge is left, the caller gets the last edge's own reason."""
+        principal = current_principal.get()
+        if not principal.all_projects:  # a project's token makes sandboxes of that project only
+            req = req.model_copy(update={"args": req.args.model_copy(
+                update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
         tried: set[str] = set()
         last: AdmissionRejected | None = None
         for _ in range(MAX_CREATE_ATTEMPTS):
@@ -166,6 +175,9 @@ class Apiserver:
         return set().union(*parts)
 
     async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]:
+        principal = current_principal.get()
+        if not principal.all_projects:
+            labels = {**labels, PROJECT_LABEL: principal.project}
         parts = await asyncio.gather(*(e.list_sandboxes(job=job, labels=labels, usage=usage)
                                        for e in self.edges.values()))
         return sorted((i for p in parts for i in p), key=lambda i: i.created_at)
@@ -201,11 +213,11 @@ class BearerAuth:
 
     OPEN = frozenset({"/healthz", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
 
-    def __init__(self, app: Any, token: str) -> None:
+    def __init__(self, app: Any, api: Apiserver) -> None:
         self.app = app
-        self.token = token.encode()
+        self.api = api
 
-    def _refusal(self, scope: dict[str, Any]) -> Unauthorized | None:
+    async def _refusal(self, scope: dict[str, Any]) -> DsecError | None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
             return None
         header = b""
@@ -217,12 +229,25 @@ class BearerAuth:
         if scheme.lower() != b"bearer" or not cred.strip():
             return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
                                 field="authorization")
-        if not hmac.compare_digest(cred.strip(), self.token):
+        principal = self.api.tokens.verify(cred.strip())
+        if principal is None:
             return Unauthorized("invalid token", field="authorization")
+        method = scope.get("method", "GET")
+        need = permission_for(method, scope["path"])
+        if not principal.may(need):
+            return Forbidden(f"a {principal.role} token may not {method} {scope['path']} (needs {need!r})",
+                             field="authorization")
+        current_principal.set(principal)
+        if not principal.all_projects and (m := _SANDBOX_PATH.match(scope["path"])):
+            with contextlib.suppress(DsecError):  # a bad or unknown id is the route's to report
+                info = await self.api.edge_for(m.group(1)).get(m.group(1))
+                if info.labels.get(PROJECT_LABEL, "default") != principal.project:
+                    return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}",
+                                    field="sandbox_id")
         return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        err = self._refusal(scope)
+        err = await self._refusal(scope)
         if err is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
@@ -260,7 +285,22 @@ def build_app(api: Apiserver) -> FastAPI:
         msg = first.get("msg", "invalid request")
         return _error(InvalidRequest(f"{field}: {msg}" if field else msg, field=field))
 
-    app.add_middleware(BearerAuth, token=api.token)
+    app.add_middleware(BearerAuth, api=api)
+
+    @app.post("/v1/tokens", status_code=201)
+    async def create_token(spec: TokenSpec) -> TokenInfo:
+        """A token for one project and role; its secret is in this answer only."""
+        return await asyncio.to_thread(api.tokens.create, spec)
+
+    @app.get("/v1/tokens")
+    async def list_tokens() -> list[TokenInfo]:
+        return await asyncio.to_thread(api.tokens.list)
+
+    @app.delete("/v1/tokens/{token_id}")
+    async def revoke_token(token_id: str) -> dict[str, str]:
+        if not await asyncio.to_thread(api.tokens.revoke, token_id):
+            raise NotFound(f"no token {token_id!r}", field="token_id")
+        return {"revoked": token_id}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:

@@ -30,6 +30,8 @@ fncall_app = typer.Typer(help="FnCall: short stateless tasks in pooled warm cont
 app.add_typer(fncall_app, name="fncall")
 node_app = typer.Typer(help="This cluster's nodes (edges)", no_args_is_help=True)
 app.add_typer(node_app, name="node")
+token_app = typer.Typer(help="API tokens: one project and one role each (admin only)", no_args_is_help=True)
+app.add_typer(token_app, name="token")
 console = Console()
 err = Console(stderr=True)
 
@@ -190,6 +192,29 @@ def pause(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     with _errors(), _api(url, token) as c:
         info = c.connect(sandbox_id).pause()
         print(info.model_dump_json(include={"sandbox_id", "state", "vm"}))
+
+
+@token_app.command("create")
+def token_create(project: str, role: Annotated[str, typer.Option(help="builder or runner")] = "runner",
+                 name: str = "", url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """A token for PROJECT; prints its secret (shown only now)."""
+    with _errors(), _api(url, token) as c:
+        info = c.create_token(project, role, name)
+        print(info.model_dump_json())
+
+
+@token_app.command("list")
+def token_list(url: UrlOpt = None, token: TokenOpt = None) -> None:
+    with _errors(), _api(url, token) as c:
+        for t in c.tokens():
+            print(t.model_dump_json(exclude={"token"}))
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    with _errors(), _api(url, token) as c:
+        c.revoke_token(token_id)
+        print(f"revoked {token_id}")
 
 
 @app.command()

@@ -77,11 +77,16 @@ class ProcWatch:
         sid = self._sandbox_of(pid)
         if sid is None or not self._admit(sid):
             return
-        try:
+        cmd = ""
+        with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read(2048).rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmd = f"(pid {pid} ended before it was read)"
+        if not cmd:  # it already ended (a zombie keeps its name, not its arguments)
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    cmd = f"{f.read().strip()} (ended before its arguments were read)"
+            except OSError:
+                cmd = "(ended before it was read)"
         self.on_exec(sid, pid, cmd)
 
     def _sandbox_of(self, pid: int) -> str | None:

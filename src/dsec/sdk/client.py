@@ -20,6 +20,7 @@ from typing import Any, Literal
 import aiohttp
 
 from dsec.errors import ERRORS_BY_CODE, DsecError, EdgeUnavailable
+from dsec.iam.tokens import TokenInfo
 from dsec.layers.store import Layer
 from dsec.models import (
     AuditRecord,
@@ -426,6 +427,18 @@ class AsyncClient:
     async def storage_stats(self) -> builtins.list[StorageStats]:
         """Per edge: layer store kind, fetch mode, chunk cache, and bytes fetched per data blob."""
         return [StorageStats.model_validate(x) for x in await self._json("GET", "/v1/storage")]
+
+    async def create_token(self, project: str, role: str, name: str = "") -> TokenInfo:
+        """(admin) A token for ``project`` with role ``builder`` or ``runner``; the secret
+        is in ``.token`` of this answer only."""
+        return TokenInfo.model_validate(await self._json(
+            "POST", "/v1/tokens", json={"project": project, "role": role, "name": name}))
+
+    async def tokens(self) -> builtins.list[TokenInfo]:
+        return [TokenInfo.model_validate(x) for x in await self._json("GET", "/v1/tokens")]
+
+    async def revoke_token(self, token_id: str) -> None:
+        await self._json("DELETE", f"/v1/tokens/{token_id}")
 
     async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]

@@ -1,0 +1,11 @@
+"""Identity and access: API tokens scoped to a project and a role.
+
+``admin`` (the node's own token) may do everything in every project; ``builder`` runs
+sandboxes and publishes environments (pack_diff, layer changes); ``runner`` runs sandboxes
+and rollouts in published environments but cannot publish or change any. A non-admin
+token sees and touches only its project's sandboxes.
+"""
+
+from dsec.iam.tokens import ADMIN, PROJECT_LABEL, Principal, TokenStore, current_principal, permission_for
+
+__all__ = ["ADMIN", "PROJECT_LABEL", "Principal", "TokenStore", "current_principal", "permission_for"]
