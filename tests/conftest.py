@@ -122,6 +122,13 @@ async def busybox(client: dsec.AsyncClient) -> dsec.AsyncSandbox:  # type: ignor
     await sb.stop()
 
 
+def sandbox_dir(platform: Platform, sandbox_id: str) -> str:
+    """Where the edge keeps a sandbox's files: on its btrfs volume, or (without one) in its data dir."""
+    root = os.path.join(platform.data_dir, "edges", "edge0")
+    vol = os.path.join(root, "volume", "sandboxes")
+    return os.path.join(vol if os.path.isdir(vol) else os.path.join(root, "sandboxes"), sandbox_id)
+
+
 def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
     """Everything of ``sandbox_id`` still on this host: mounts, cgroups, processes,
     runtime state, files and sockets. Empty means fully released."""

@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 import dsec
-from tests.conftest import TOKEN, Platform, leftovers, qemu_pids, wait_for
+from tests.conftest import TOKEN, Platform, leftovers, qemu_pids, sandbox_dir, wait_for
 
 
 def _accel(platform: Platform) -> str:
@@ -132,7 +132,7 @@ async def test_pause_resume_keeps_processes_files_and_sessions(platform: Platfor
         info = await vm.pause()
         assert info.state == "paused" and info.vm is not None and info.vm.snapshot_bytes
         assert qemu_pids(vm.sandbox_id) == []  # QEMU ended: its memory is freed
-        snap = os.path.join(platform.data_dir, "edges", "edge0", "sandboxes", vm.sandbox_id, "snapshot.state")
+        snap = os.path.join(sandbox_dir(platform, vm.sandbox_id), "snapshot.state")
         assert os.path.getsize(snap) == info.vm.snapshot_bytes
         # any request resumes transparently: same shell session, same processes and files
         r = await vm.run_shell("echo $PWD $KEEP $$")
@@ -157,7 +157,7 @@ async def test_pause_resume_keeps_processes_files_and_sessions(platform: Platfor
 async def test_corrupt_snapshot_is_refused(platform: Platform, client: dsec.AsyncClient) -> None:
     vm = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256))
     await vm.pause()
-    snap = os.path.join(platform.data_dir, "edges", "edge0", "sandboxes", vm.sandbox_id, "snapshot.state")
+    snap = os.path.join(sandbox_dir(platform, vm.sandbox_id), "snapshot.state")
     with open(snap, "r+b") as f:
         f.seek(os.path.getsize(snap) // 2)
         b = f.read(1)

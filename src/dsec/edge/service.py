@@ -826,9 +826,9 @@ class Edge:
         use = cgroup_usage(cg)
         mem = memory.cgroup_memory(cg)
         when, disk = sb.disk
-        if sb.qgroup is not None:
+        if sb.qgroup is not None and disk_max_age > 0:  # the qgroup: cheap, at most 5 s old (scrapes)
             disk = self.volume.referenced(sb.qgroup, sb.qgroup).get(sb.qgroup, disk)
-        elif time.monotonic() - when > disk_max_age:
+        elif time.monotonic() - when > disk_max_age:  # asked for now: walk the tree
             target = sb.vm.spec.disks[0].path if sb.vm else os.path.join(sb.dir, "upper")
             disk = memory.disk_usage(target)
             sb.disk = (time.monotonic(), disk)
