@@ -33,7 +33,7 @@ from dsec.layers.store import LayerStore  # noqa: E402
 LOOKUPS = ("import socket, sys, time\nout = []\nfor _ in range({n}):\n"
            "    t = time.perf_counter(); socket.getaddrinfo(sys.argv[1], 443); out.append(time.perf_counter() - t)\n"
            "print(' '.join(f'{{v:.6f}}' for v in out))\n")
-FETCH = "curl -sS -o /dev/null -w '%{time_total}' https://{host}/simple/six/"
+FETCH = "curl -sS -o /dev/null -w '%{{time_total}}' https://{host}/simple/six/"
 
 
 async def bench(url: str, token: str, n: int, fetches: int, host: str) -> dict[str, list[float]]:

@@ -14,10 +14,11 @@ One ``inet`` table per edge, written whole at start and changed by element updat
 
 from __future__ import annotations
 
-import asyncio
+import ctypes
+import ctypes.util
 import ipaddress
 import json
-import subprocess
+import threading
 from dataclasses import dataclass
 
 from dsec.errors import SandboxError
@@ -41,9 +42,47 @@ class RawRule:
         return f"{net}:{lo if lo == hi else f'{lo}-{hi}'}/{self.proto}"
 
 
+NFT_CTX_OUTPUT_JSON = 1 << 4
+
+
+class LibNft:
+    """libnftables, the library under the ``nft`` command: a batch costs ~0.1 ms in process
+    instead of ~8 ms for a child process."""
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("nftables")
+        if name is None:
+            raise OSError("libnftables is not installed (the nftables package)")
+        lib = self.lib = ctypes.CDLL(name)
+        lib.nft_ctx_new.restype = ctypes.c_void_p
+        lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+        for fn in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
+            getattr(lib, fn).argtypes = [ctypes.c_void_p]
+        for fn in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
+            getattr(lib, fn).argtypes = [ctypes.c_void_p]
+            getattr(lib, fn).restype = ctypes.c_char_p
+        lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        self.ctx = lib.nft_ctx_new(0)
+        lib.nft_ctx_buffer_output(self.ctx)
+        lib.nft_ctx_buffer_error(self.ctx)
+        self._lock = threading.Lock()
+
+    def run(self, script: str, as_json: bool = False) -> str:
+        with self._lock:
+            self.lib.nft_ctx_output_set_flags(self.ctx, NFT_CTX_OUTPUT_JSON if as_json else 0)
+            rc = self.lib.nft_run_cmd_from_buffer(self.ctx, script.encode())
+            out = (self.lib.nft_ctx_get_output_buffer(self.ctx) or b"").decode(errors="replace")
+            err = (self.lib.nft_ctx_get_error_buffer(self.ctx) or b"").decode(errors="replace")
+        if rc != 0:
+            raise SandboxError(f"nft: {err.strip() or 'failed'}")
+        return out
+
+
 class NftTable:
     def __init__(self, name: str, subnet: ipaddress.IPv4Network, dns_port: int, gate_port: int) -> None:
         self.name, self.subnet, self.dns_port, self.gate_port = name, subnet, dns_port, gate_port
+        self.nft = LibNft()
 
     def ruleset(self) -> str:
         s, t = self.subnet.with_prefixlen, self.name
@@ -87,11 +126,7 @@ table inet {t} {{
 """
 
     async def apply(self, script: str) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            "nft", "-f", "-", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        out, _ = await proc.communicate(script.encode())
-        if proc.returncode != 0:
-            raise SandboxError(f"nft: {out.decode(errors='replace').strip()}")
+        self.nft.run(script)
 
     async def install(self) -> None:
         await self.apply(self.ruleset())
@@ -124,14 +159,12 @@ table inet {t} {{
 
     async def denied(self) -> list[tuple[str, str, str, int, int]]:
         """Flows rejected so far: (sandbox ip, destination, proto, port, packets)."""
-        proc = await asyncio.create_subprocess_exec(
-            "nft", "-j", "list", "set", "inet", self.name, "denied",
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        out, _ = await proc.communicate()
-        if proc.returncode != 0:
+        try:
+            out = self.nft.run(f"list set inet {self.name} denied", as_json=True)
+        except SandboxError:
             return []
         flows = []
-        for item in json.loads(out or b"{}").get("nftables", []):
+        for item in json.loads(out or "{}").get("nftables", []):
             for el in (item.get("set") or {}).get("elem", []):
                 e = el.get("elem", el)
                 val = e.get("val", e)
