@@ -1093,10 +1093,14 @@ class Edge:
         """Every 10 s: write buffered audit records, run the file detectors."""
         if time.monotonic() - self._audit_swept < 10:
             return
+        since = time.time() - (time.monotonic() - self._audit_swept) - 1
         self._audit_swept = time.monotonic()
         await asyncio.to_thread(self.audit.flush)
+        # only sandboxes that served requests since the last sweep: an idle fleet costs
+        # nothing here (an audit query runs the detectors of its sandbox in any case)
         for sb in list(self.sandboxes.values()):
-            if sb.rec.info.state == SandboxState.running and not sb.stopping:
+            info = sb.rec.info
+            if info.state == SandboxState.running and not sb.stopping and (sb.ops or info.last_active_at >= since):
                 await self._run_detectors(sb)
         if random.random() < 0.01:
             await asyncio.to_thread(self.audit.prune)
