@@ -92,8 +92,10 @@ async def test_pause_and_resume_a_job(client: dsec.AsyncClient) -> None:
         assert {i.state for i in resumed} == {"running"} and len(resumed) == 3
         with pytest.raises(dsec.InvalidRequest):
             await client.pause_many()
+        for s in sbs:  # a live shell session in each: stopping must not wait on a frozen init
+            await s.run_shell("cd /tmp && sleep 300 &")
         await client.pause_many(job="rl-pause-7")
-        stopped = await client.stop_many(job="rl-pause-7")  # paused ones are stopped too
+        stopped = await asyncio.wait_for(client.stop_many(job="rl-pause-7"), 30)  # paused ones are stopped too
         assert len(stopped) == 3 and {i.state for i in stopped} == {"stopped"}
     finally:
         for s in [*sbs, other]:

@@ -750,6 +750,9 @@ class Edge:
                 self.state.put(sb.rec)
             if sb.watch and sb.watch is not asyncio.current_task():
                 sb.watch.cancel()
+            if was_paused and not sb.vm:  # thawed first: a frozen init answers nothing, and holds the kill
+                with contextlib.suppress(SandboxError):
+                    await self.runtime.resume(sb.id)
             if sb.agent:
                 await sb.agent.close()
                 sb.agent = None
@@ -757,9 +760,6 @@ class Edge:
             if sb.vm:
                 await self.vms.destroy(sb.vm)
             else:
-                if was_paused:  # a frozen cgroup would hold the kill
-                    with contextlib.suppress(SandboxError):
-                        await self.runtime.resume(sb.id)
                 await self.runtime.delete(sb.id)
                 if sb.rec.init_pid:
                     await _wait_gone(sb.rec.init_pid)
