@@ -213,7 +213,8 @@ async def main() -> None:
     body = "\n".join(out)
     print(body)
     if a.write:
-        write_section(a.write, body, "python bench/density.py --write docs/benchmarks.md", name="density",
+        cmd = "python bench/density.py" + (f" -n {a.n} --capacity {a.capacity}" if a.capacity else "")
+        write_section(a.write, body, cmd + " --write docs/benchmarks.md", name="density",
                       title="Density (`bench/density.py`)")
 
 
