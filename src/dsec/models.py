@@ -307,6 +307,7 @@ class SandboxInfo(BaseModel):
     error: str | None = None
     vm: VMInfo | None = Field(default=None, description="VM sandboxes: accelerator and how it started")
     paused_at: float | None = None
+    expires_at: float | None = Field(default=None, description="when its maximum lifetime ends")
     usage: SandboxUsage | None = Field(default=None, description="filled on request (?usage=true, GET .../usage)")
     pause: PauseInfo | None = Field(default=None, description="the last pause: memory before and after, timings")
     network: NetworkInfo | None = Field(default=None, description="containers with network_rules: link and egress")

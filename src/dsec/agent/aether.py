@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dsec.agent.initclient import SETSID, ChannelLost, SpawnFailed, boottime_ticks, exit_code
+from dsec.agent.initclient import SETSID, ChannelLost, SpawnFailed, boottime_ticks, channel, exit_code
+from dsec.agent.procs import ProcessTable
 from dsec.edge import linux
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
@@ -91,16 +92,6 @@ class _Capture:
         return self.buf.decode("utf-8", errors="replace")
 
 
-def _channel() -> tuple[int, int]:
-    """A one-way byte channel (read end, write end) made of a unix socketpair. Unlike a
-    pipe it cannot be opened through /proc/PID/fd/N, so a command in a session cannot
-    read the shell's pending input (and the next result's nonce) or write its control fd."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    a.shutdown(socket.SHUT_WR)
-    b.shutdown(socket.SHUT_RD)
-    return a.detach(), b.detach()
-
-
 def _fd_ready(fd: int, write: bool = False) -> asyncio.Future[None]:
     """A future that completes once ``fd`` is readable (or writable); its watcher is
     removed when it completes or is cancelled."""
@@ -144,10 +135,10 @@ class ShellSession:
 
     async def _start(self) -> None:
         init = self.agent.init
-        in_r, stdin_w = _channel()
-        out_r, out_w = _channel()
-        err_r, err_w = _channel()
-        ctl_r, ctl_w = _channel()
+        in_r, stdin_w = channel()
+        out_r, out_w = channel()
+        err_r, err_w = channel()
+        ctl_r, ctl_w = channel()
         try:
             self.pid, exited = await init.spawn(
                 [self.agent.ctx.shell], self.agent.ctx.env, self.cwd, [in_r, out_w, err_w, ctl_w], SETSID)
@@ -286,9 +277,11 @@ class Aether:
         self.ctx = ctx
         self.init = init
         self.files: SandboxFiles = files or ProcRootFiles(ctx.init_pid)
+        self.procs = ProcessTable(init, lambda: dict(self.ctx.env), lambda: self.ctx.workdir)
 
     async def close(self) -> None:
-        """The sandbox is going away: end its sessions."""
+        """The sandbox is going away: end its sessions and processes."""
+        await self.procs.close()
         for s in list(self.ctx.sessions.values()):
             await s.close()
         self.ctx.sessions.clear()
@@ -338,9 +331,9 @@ class Aether:
         t0 = time.monotonic()
         # socketpairs here too: another process in the sandbox cannot open this command's
         # stdout through /proc to append forged output (say, a fake "5 passed")
-        in_r, in_w = _channel()
-        out_r, out_w = _channel()
-        err_r, err_w = _channel()
+        in_r, in_w = channel()
+        out_r, out_w = channel()
+        err_r, err_w = channel()
         try:
             pid, exited = await self.init.spawn(argv, env, req.cwd or self.ctx.workdir, [in_r, out_w, err_w])
         except SpawnFailed as e:  # like a shell: 127 for a missing program, 126 otherwise
@@ -448,6 +441,7 @@ class SandboxFiles(Protocol):
     async def stat(self, path: str) -> FileStat: ...
     async def list_dir(self, path: str) -> list[FileStat]: ...
     async def remove(self, path: str, recursive: bool) -> None: ...
+    async def move(self, source: str, destination: str) -> None: ...
     async def connect(self, port: int) -> socket.socket: ...
 
 
@@ -500,6 +494,20 @@ class ProcRootFiles:
 
     async def remove(self, path: str, recursive: bool) -> None:
         await asyncio.to_thread(self._remove, path, recursive)
+
+    async def move(self, source: str, destination: str) -> None:
+        """rename(2) within the sandbox (destination's parents are made)."""
+        def go() -> None:
+            src_dir, src_name = self._open_parent(source)
+            try:
+                dst_dir, dst_name = self._open_parent(destination, create=True)
+                try:
+                    os.rename(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
+                finally:
+                    os.close(dst_dir)
+            finally:
+                os.close(src_dir)
+        await asyncio.to_thread(self._wrap_fs, go, source)
 
     async def connect(self, port: int) -> socket.socket:
         def go() -> socket.socket:

@@ -37,6 +37,16 @@ class SpawnFailed(SandboxError):
         self.errno = err
 
 
+def channel() -> tuple[int, int]:
+    """A one-way byte channel (read end, write end) made of a unix socketpair. Unlike a
+    pipe it cannot be opened through /proc/PID/fd/N, so another process in the sandbox
+    cannot read a command's pending input or write forged output into its stdout."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.shutdown(socket.SHUT_WR)
+    b.shutdown(socket.SHUT_RD)
+    return a.detach(), b.detach()
+
+
 _Reply = tuple[list[bytes], "asyncio.Future[int] | None", list[int]]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -24,6 +25,9 @@ from pydantic import BaseModel, ValidationError
 
 from dsec.agent.aether import Aether
 from dsec.agent.initclient import exit_code
+from dsec.e2b import api as e2b_api
+from dsec.e2b import envd
+from dsec.e2b.envd import ENVD_PREFIXES
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -184,7 +188,9 @@ class Apiserver:
 
 
 def _error(e: DsecError) -> JSONResponse:
-    return JSONResponse({"error": e.code, "message": e.message, "field": e.field}, status_code=e.status)
+    # "code" (the HTTP status) is what E2B's SDKs read; dsec's own read "error"
+    return JSONResponse({"error": e.code, "message": e.message, "field": e.field, "code": e.status},
+                        status_code=e.status)
 
 
 def _ref(ref: str) -> str:
@@ -220,11 +226,16 @@ class BearerAuth:
     async def _refusal(self, scope: dict[str, Any]) -> DsecError | None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
             return None
-        header = b""
-        for k, v in scope["headers"]:
-            if k == b"authorization":
-                header = v
-                break
+        headers = dict(scope["headers"])
+        if scope["path"].startswith(ENVD_PREFIXES):  # E2B's envd: the sandbox's own access token
+            sid = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
+            given = headers.get(b"x-access-token", b"").decode(errors="replace")
+            if not sid or not hmac.compare_digest(given, self.api.tokens.derive("envd", sid)):
+                return Unauthorized("missing or wrong X-Access-Token for this sandbox", field="x-access-token")
+            return None
+        header = headers.get(b"authorization", b"")
+        if not header and b"x-api-key" in headers:  # E2B's SDKs send their key this way
+            header = b"Bearer " + headers[b"x-api-key"]
         scheme, _, cred = header.partition(b" ")
         if scheme.lower() != b"bearer" or not cred.strip():
             return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
@@ -286,6 +297,9 @@ def build_app(api: Apiserver) -> FastAPI:
         return _error(InvalidRequest(f"{field}: {msg}" if field else msg, field=field))
 
     app.add_middleware(BearerAuth, api=api)
+    e2b_api.mount(app, e2b_api.E2BApi(api.create, lambda: api.list(None, {}), api.edge_for,
+                                      lambda sid: api.tokens.derive("envd", sid)))
+    envd.mount(app, envd.Envd(api.edge_for))
 
     @app.post("/v1/tokens", status_code=201)
     async def create_token(spec: TokenSpec) -> TokenInfo:

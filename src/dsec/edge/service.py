@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, InitChannel, OnData, ProcRootFiles, SandboxFiles
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
+from dsec.agent.procs import ProcessTable
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.vm.channel import GuestChannel, GuestFiles
@@ -450,7 +451,8 @@ class Edge:
         info = SandboxInfo(
             sandbox_id=sid, edge=self.name, backend=Backend(args.backend), state=SandboxState.creating,
             image=args.image, layers=args.layers, created_at=now, last_active_at=now, labels=args.labels,
-            job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit)
+            job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit,
+            expires_at=now + args.max_lifetime_s if args.max_lifetime_s else None)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         self.sandboxes[sid] = sb  # reserves its share before the first await
         try:
@@ -889,6 +891,39 @@ class Edge:
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_write", f"{path} ({len(data)} bytes, mode {mode:o})")
         await agent.files.write_file(path, data, mode)
+
+    async def make_dir(self, sandbox_id: str, path: str) -> bool:
+        """Make ``path`` and its parents; False if it already existed."""
+        sb, agent = await self._ready(sandbox_id)
+        if await agent.files.exists(path):
+            return False
+        self.audit.record(sb.id, "file_write", f"{path} (directory)")
+        await agent.files.mkdirs(path)
+        return True
+
+    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "file_write", f"{source} moved to {destination}")
+        await agent.files.move(source, destination)
+        return await agent.files.stat(destination)
+
+    async def process_table(self, sandbox_id: str) -> ProcessTable:
+        """The sandbox's long-lived processes (started and attached to by clients)."""
+        _, agent = await self._ready(sandbox_id)
+        self.touch(sandbox_id)
+        return agent.procs
+
+    async def set_deadline(self, sandbox_id: str, seconds: int) -> SandboxInfo:
+        """End the sandbox ``seconds`` from now (its maximum lifetime, moved)."""
+        sb = self._get_live(sandbox_id)
+        if sb is None:
+            self._tombstone(sandbox_id)
+            raise SandboxNotRunning(f"sandbox {sandbox_id} has ended", field="sandbox_id")
+        lifetime = int(time.time() - sb.rec.info.created_at) + max(1, seconds)
+        sb.rec.args = sb.rec.args.model_copy(update={"max_lifetime_s": lifetime})
+        sb.rec.info.expires_at = sb.rec.info.created_at + lifetime
+        self.state.put(sb.rec)
+        return sb.rec.info
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
         _, agent = await self._ready(sandbox_id)

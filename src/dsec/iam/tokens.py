@@ -101,6 +101,11 @@ class TokenStore:
             return ADMIN
         return self._by_digest.get(hashlib.sha256(secret).hexdigest())
 
+    def derive(self, purpose: str, value: str) -> str:
+        """A secret bound to ``value`` (say, one sandbox's envd access token), derived from
+        the node's own token: verifiable later without storing it."""
+        return hmac.new(self._admin, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()[:40]
+
     def create(self, spec: TokenSpec) -> TokenInfo:
         secret = "dsec_" + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()

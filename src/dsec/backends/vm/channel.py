@@ -582,6 +582,9 @@ class GuestFiles:
         reply = await self.ch.request("Fs", self._check(path))
         return reply[0] == b"K"
 
+    async def move(self, source: str, destination: str) -> None:
+        raise InvalidRequest("moving files is not offered in VM sandboxes yet", field="source")
+
     async def mkdirs(self, path: str) -> None:
         p = self._check(path)
         self._raise(await self.ch.request("Fm", p), p)

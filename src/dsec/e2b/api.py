@@ -1,0 +1,206 @@
+"""E2B's control-plane REST API (the part of E2B's OpenAPI document the SDKs use for
+sandboxes) over dsec's own: create from a template, list, get, kill, timeout, pause,
+resume/connect. Templates map to dsec layer stacks: a layer ref (``base/debian:12``) is
+used as is, and E2B's default template name ``base`` means ``base/debian:12``. E2B
+metadata are labels, envVars the sandbox's environment, the timeout its remaining
+lifetime. Errors are E2B's ``{"code", "message"}`` with the same HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field, ValidationError
+from starlette.responses import JSONResponse, Response
+
+from dsec.e2b.envd import ENVD_VERSION
+from dsec.errors import DsecError, InvalidRequest, NotFound
+from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
+
+DEFAULT_TEMPLATE = "base/debian:12"
+TEMPLATE_ALIASES = {"base": DEFAULT_TEMPLATE}
+DEFAULT_TIMEOUT_S = 300
+MAX_TIMEOUT_S = 24 * 3600
+TEMPLATE_LABEL = "e2b.template"
+
+
+class NewSandbox(BaseModel):
+    templateID: str
+    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    envVars: dict[str, str] = Field(default_factory=dict)
+    autoPause: bool = False
+    model_config = {"extra": "ignore"}
+
+
+class TimeoutBody(BaseModel):
+    timeout: int = Field(ge=0, le=MAX_TIMEOUT_S)
+    model_config = {"extra": "ignore"}
+
+
+class ConnectBody(BaseModel):
+    timeout: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
+    model_config = {"extra": "ignore"}
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _error(e: DsecError) -> JSONResponse:
+    status = e.status
+    if isinstance(e, InvalidRequest) and e.field == "sandbox_id":
+        status = 404  # a malformed id names no sandbox, as far as the SDK is concerned
+    return JSONResponse({"code": status, "message": e.message}, status_code=status)
+
+
+class E2BApi:
+    def __init__(self, create: Callable[[CreateRequest], Awaitable[SandboxInfo]],
+                 list_all: Callable[[], Awaitable[list[SandboxInfo]]], edge_for: Callable[[str], Any],
+                 access_token: Callable[[str], str]) -> None:
+        self.create_fn, self.list_all, self.edge_for, self.access_token = create, list_all, edge_for, access_token
+
+    def _sandbox(self, info: SandboxInfo) -> dict[str, Any]:
+        return {"templateID": info.labels.get(TEMPLATE_LABEL, info.image), "sandboxID": info.sandbox_id,
+                "clientID": info.edge, "envdVersion": ENVD_VERSION,
+                "envdAccessToken": self.access_token(info.sandbox_id)}
+
+    def _listed(self, info: SandboxInfo) -> dict[str, Any]:
+        end = info.expires_at or info.created_at + MAX_TIMEOUT_S
+        return {**self._sandbox(info), "startedAt": _iso(info.created_at), "endAt": _iso(end),
+                "cpuCount": max(1, round(info.cpu_cores_limit)), "memoryMB": info.memory_limit_mb,
+                "diskSizeMB": 0,
+                "metadata": {k: v for k, v in info.labels.items() if not k.startswith(("e2b.", "dsec."))},
+                "state": "paused" if info.state == SandboxState.paused else "running"}
+
+    async def create(self, body: NewSandbox) -> dict[str, Any]:
+        image = TEMPLATE_ALIASES.get(body.templateID, body.templateID)
+        try:
+            args = ContainerArgs(image=image, env=body.envVars,
+                                 labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
+                                 max_lifetime_s=max(1, body.timeout or DEFAULT_TIMEOUT_S), ttl_running_stop=None,
+                                 ttl_running_pause=None, workdir="/root")
+        except ValidationError as e:
+            raise InvalidRequest(f"templateID/metadata/envVars: {e.errors()[0]['msg']}", field="templateID") from None
+        try:
+            info = await self.create_fn(CreateRequest(args=args))
+        except (NotFound, InvalidRequest) as e:
+            if isinstance(e, InvalidRequest) and e.field not in ("image", "layers", "args.image"):
+                raise
+            raise NotFound(f"template {body.templateID!r} not found: {e.message}", field="templateID") from None
+        return self._sandbox(info)
+
+    async def get(self, sandbox_id: str) -> dict[str, Any]:
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        if info.state not in (SandboxState.running, SandboxState.paused):
+            raise NotFound(f"sandbox {sandbox_id} not found (it {info.state.value})", field="sandbox_id")
+        return self._listed(info)
+
+    async def list(self, states: set[str], metadata: dict[str, str]) -> list[dict[str, Any]]:
+        out = []
+        for info in await self.list_all():
+            state = "paused" if info.state == SandboxState.paused else \
+                "running" if info.state == SandboxState.running else None
+            if state is None or (states and state not in states) or TEMPLATE_LABEL not in info.labels:
+                continue
+            if any(info.labels.get(k) != v for k, v in metadata.items()):
+                continue
+            out.append(self._listed(info))
+        return out
+
+    async def kill(self, sandbox_id: str) -> None:
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        if info.state not in (SandboxState.running, SandboxState.paused):
+            raise NotFound(f"sandbox {sandbox_id} not found", field="sandbox_id")
+        await edge.stop(sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
+        await self.edge_for(sandbox_id).set_deadline(sandbox_id, timeout)
+
+    async def pause(self, sandbox_id: str) -> None:
+        edge = self.edge_for(sandbox_id)
+        if (await edge.get(sandbox_id)).state == SandboxState.paused:
+            raise DsecConflict(f"sandbox {sandbox_id} is already paused")
+        await edge.pause(sandbox_id)
+
+    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[int, dict[str, Any]]:
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        if info.state not in (SandboxState.running, SandboxState.paused):
+            raise NotFound(f"sandbox {sandbox_id} not found", field="sandbox_id")
+        status = 200
+        if info.state == SandboxState.paused:
+            info = await edge.resume(sandbox_id)
+            status = 201
+        if timeout:
+            await edge.set_deadline(sandbox_id, timeout)
+        return status, self._sandbox(info)
+
+
+class DsecConflict(DsecError):
+    status = 409
+    code = "conflict"
+
+
+def mount(app: FastAPI, api: E2BApi) -> None:
+    def guarded(fn: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            try:
+                return await fn(request, **request.path_params)
+            except DsecError as e:
+                return _error(e)
+            except ValidationError as e:
+                err = e.errors()[0]
+                return _error(InvalidRequest(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"))
+        route.__name__ = fn.__name__
+        return route
+
+    async def create(request: Request) -> Response:
+        body = NewSandbox.model_validate_json(await request.body())
+        return JSONResponse(await api.create(body), status_code=201)
+
+    async def list_sandboxes(request: Request) -> Response:
+        q = request.query_params
+        states = {s for s in q.get("state", "").split(",") if s} if "/v2/" in request.url.path else {"running"}
+        metadata = {}
+        for part in q.get("metadata", "").split("&"):
+            if "=" in part:
+                k, v = part.split("=", 1)
+                metadata[k] = v
+        return JSONResponse(await api.list(states, metadata))
+
+    async def get(request: Request, sandbox_id: str) -> Response:
+        return JSONResponse(await api.get(sandbox_id))
+
+    async def kill(request: Request, sandbox_id: str) -> Response:
+        await api.kill(sandbox_id)
+        return Response(status_code=204)
+
+    async def timeout(request: Request, sandbox_id: str) -> Response:
+        await api.set_timeout(sandbox_id, TimeoutBody.model_validate_json(await request.body()).timeout)
+        return Response(status_code=204)
+
+    async def pause(request: Request, sandbox_id: str) -> Response:
+        await api.pause(sandbox_id)
+        return Response(status_code=204)
+
+    async def connect(request: Request, sandbox_id: str) -> Response:
+        raw = await request.body()
+        body = ConnectBody.model_validate_json(raw) if raw.strip() else None
+        status, out = await api.connect(sandbox_id, body.timeout if body else None)
+        return JSONResponse(out, status_code=status)
+
+    routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
+        ("/sandboxes", create, "POST"), ("/v2/sandboxes", create, "POST"),
+        ("/sandboxes", list_sandboxes, "GET"), ("/v2/sandboxes", list_sandboxes, "GET"),
+        ("/sandboxes/{sandbox_id}", get, "GET"), ("/sandboxes/{sandbox_id}", kill, "DELETE"),
+        ("/sandboxes/{sandbox_id}/timeout", timeout, "POST"), ("/sandboxes/{sandbox_id}/pause", pause, "POST"),
+        ("/sandboxes/{sandbox_id}/resume", connect, "POST"), ("/sandboxes/{sandbox_id}/connect", connect, "POST"),
+        ("/v2/sandboxes/{sandbox_id}/connect", connect, "POST")]
+    for path, fn, method in routes:
+        app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)

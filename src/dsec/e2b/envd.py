@@ -1,0 +1,369 @@
+"""envd, E2B's in-sandbox daemon, as the E2B SDKs reach it: the process and filesystem
+Connect services and the /files upload and download endpoints. Served by the apiserver
+itself (E2B_SANDBOX_URL points at it); each request names its sandbox in the
+``E2b-Sandbox-Id`` header and carries that sandbox's access token (checked by the
+apiserver's auth middleware). Work is done by the sandbox's edge: processes through its
+process table (dsec-init underneath), files through the edge's file operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import signal
+import stat as statmod
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from dsec.agent.procs import Proc, ProcessTable
+from dsec.e2b.connect import ConnectError, first_message, read_envelopes, stream_response, unary_body, unary_error
+from dsec.edge.api import EdgeAPI
+from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
+from dsec.models import FileStat
+
+ENVD_VERSION = "0.5.7"
+SANDBOX_HEADER = "e2b-sandbox-id"
+KEEPALIVE_S = 50.0
+SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM, 9: signal.SIGKILL,
+           15: signal.SIGTERM}
+FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/", "/files", "/health", "/envs", "/metrics")
+
+
+def _code_of(e: DsecError) -> str:
+    if isinstance(e, NotFound):
+        return "not_found"
+    if isinstance(e, InvalidRequest):
+        return "invalid_argument"
+    if isinstance(e, SandboxNotRunning):
+        return "failed_precondition"
+    return {401: "unauthenticated", 403: "permission_denied", 409: "failed_precondition",
+            429: "resource_exhausted"}.get(e.status, "internal")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _entry(f: FileStat) -> dict[str, Any]:
+    mode = f.mode | {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}.get(f.type, 0)
+    out: dict[str, Any] = {
+        "name": f.name, "type": FILE_TYPES.get(f.type, "FILE_TYPE_UNSPECIFIED"), "path": f.path,
+        "size": str(f.size), "mode": f.mode, "permissions": statmod.filemode(mode), "owner": "root",
+        "group": "root", "modifiedTime": datetime.datetime.fromtimestamp(f.mtime, datetime.UTC).isoformat()
+        .replace("+00:00", "Z")}
+    if f.link_target is not None:
+        out["symlinkTarget"] = f.link_target
+    return out
+
+
+def _selector(msg: dict[str, Any]) -> tuple[int | None, str | None]:
+    sel = msg.get("process") or {}
+    pid = sel.get("pid")
+    return (int(pid) if pid is not None else None), sel.get("tag")
+
+
+class Envd:
+    def __init__(self, edge_for: Callable[[str], EdgeAPI]) -> None:
+        self.edge_for = edge_for
+
+    def _sandbox(self, request: Request) -> tuple[str, EdgeAPI]:
+        sid = request.headers.get(SANDBOX_HEADER, "")
+        try:
+            return sid, self.edge_for(sid)
+        except DsecError as e:
+            raise ConnectError("not_found", f"sandbox {sid!r} not found: {e.message}") from None
+
+    async def _table(self, request: Request) -> ProcessTable:
+        sid, edge = self._sandbox(request)
+        return await _call(edge.process_table(sid))
+
+    async def _proc(self, request: Request, msg: dict[str, Any]) -> tuple[ProcessTable, Proc]:
+        table = await self._table(request)
+        pid, tag = _selector(msg)
+        p = table.find(pid, tag)
+        if p is None:
+            raise ConnectError("not_found", f"process with {'pid ' + str(pid) if pid else 'tag ' + repr(tag)} "
+                               "not found")
+        return table, p
+
+    # ---- process service -----------------------------------------------------------
+    async def start(self, request: Request) -> AsyncIterator[dict[str, Any]]:
+        msg = await first_message(request)
+        table = await self._table(request)
+        cfg = msg.get("process") or {}
+        if not cfg.get("cmd"):
+            raise ConnectError("invalid_argument", "process.cmd is required")
+        size = ((msg.get("pty") or {}).get("size")) if "pty" in msg else None
+        pty = (int(size.get("cols", 80)), int(size.get("rows", 24))) if size is not None else None
+        try:
+            p = await table.start(cfg["cmd"], list(cfg.get("args") or []), dict(cfg.get("envs") or {}),
+                                  cfg.get("cwd"), pty, bool(msg.get("stdin", False)), msg.get("tag"))
+        except ValueError as e:
+            raise ConnectError("resource_exhausted", str(e)) from None
+        except DsecError as e:
+            raise ConnectError(_code_of(e), e.message) from None
+        q = p.subscribe()
+        return self._events(p, q)
+
+    async def _events(self, p: Proc, q: asyncio.Queue[Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            yield {"event": {"start": {"pid": p.pid}}}
+            while True:
+                try:
+                    ev = await asyncio.wait_for(q.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    yield {"event": {"keepalive": {}}}
+                    continue
+                p.consumed(q, ev)
+                if ev.kind == "data":
+                    yield {"event": {"data": {ev.stream: _b64(ev.data)}}}
+                elif ev.kind == "end":
+                    end: dict[str, Any] = {"exitCode": ev.exit_code, "exited": ev.exit_code >= 0,
+                                           "status": ev.status}
+                    if ev.exit_code < 0:
+                        end["error"] = ev.status
+                    yield {"event": {"end": end}}
+                    return
+        finally:
+            p.unsubscribe(q)
+
+    async def connect(self, request: Request) -> AsyncIterator[dict[str, Any]]:
+        msg = await first_message(request)
+        _, p = await self._proc(request, msg)
+        return self._events(p, p.subscribe())
+
+    async def list(self, request: Request) -> dict[str, Any]:
+        table = await self._table(request)
+        out = []
+        for p in table.procs.values():
+            info: dict[str, Any] = {"config": {"cmd": p.cmd, "args": p.args, "envs": p.envs, "cwd": p.cwd},
+                                    "pid": p.pid}
+            if p.tag is not None:
+                info["tag"] = p.tag
+            out.append(info)
+        return {"processes": out}
+
+    async def send_input(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        table, p = await self._proc(request, msg)
+        await self._input(table, p, msg.get("input") or {})
+        return {}
+
+    async def _input(self, table: ProcessTable, p: Proc, inp: dict[str, Any]) -> None:
+        data = base64.b64decode(inp.get("stdin") or inp.get("pty") or "")
+        try:
+            await table.write(p, data)
+        except (ValueError, OSError) as e:
+            raise ConnectError("failed_precondition", f"cannot write to process {p.pid}: {e}") from None
+
+    async def stream_input(self, request: Request) -> dict[str, Any]:
+        table: ProcessTable | None = None
+        p: Proc | None = None
+        async for msg in read_envelopes(request):
+            if "start" in msg:
+                table, p = await self._proc(request, msg["start"])
+            elif "data" in msg:
+                if table is None or p is None:
+                    raise ConnectError("failed_precondition", "input before the start message")
+                await self._input(table, p, (msg["data"] or {}).get("input") or {})
+        return {}
+
+    async def send_signal(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        table, p = await self._proc(request, msg)
+        sig = SIGNALS.get(msg.get("signal", ""))
+        if sig is None:
+            raise ConnectError("invalid_argument", f"unknown signal {msg.get('signal')!r}")
+        await table.signal(p, sig)
+        return {}
+
+    async def close_stdin(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        table, p = await self._proc(request, msg)
+        table.close_stdin(p)
+        return {}
+
+    async def update(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        table, p = await self._proc(request, msg)
+        size = (msg.get("pty") or {}).get("size")
+        if size:
+            try:
+                await table.resize(p, int(size.get("cols", 80)), int(size.get("rows", 24)))
+            except ValueError as e:
+                raise ConnectError("failed_precondition", str(e)) from None
+        return {}
+
+    # ---- filesystem service -----------------------------------------------------------
+    async def stat(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        sid, edge = self._sandbox(request)
+        return {"entry": _entry(await _call(edge.stat(sid, _path(msg.get("path")))))}
+
+    async def list_dir(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        sid, edge = self._sandbox(request)
+        depth = max(1, int(msg.get("depth") or 1))
+        root = _path(msg.get("path"))
+        if (await _call(edge.stat(sid, root))).type != "dir":
+            raise ConnectError("invalid_argument", f"{root} is not a directory")
+        out: list[dict[str, Any]] = []
+        level = [root]
+        for _ in range(depth):
+            nxt = []
+            for d in level:
+                for f in await _call(edge.list_dir(sid, d)):
+                    out.append(_entry(f))
+                    if f.type == "dir":
+                        nxt.append(f.path)
+            level = nxt
+        return {"entries": out}
+
+    async def make_dir(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        sid, edge = self._sandbox(request)
+        path = _path(msg.get("path"))
+        if not await _call(edge.make_dir(sid, path)):
+            raise ConnectError("already_exists", f"{path} already exists")
+        return {"entry": _entry(await _call(edge.stat(sid, path)))}
+
+    async def move(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        sid, edge = self._sandbox(request)
+        f = await _call(edge.move(sid, _path(msg.get("source")), _path(msg.get("destination"))))
+        return {"entry": _entry(f)}
+
+    async def remove(self, request: Request) -> dict[str, Any]:
+        msg = await unary_body(request)
+        sid, edge = self._sandbox(request)
+        await _call(edge.remove(sid, _path(msg.get("path")), True))
+        return {}
+
+    # ---- /files ---------------------------------------------------------------------------
+    async def download(self, request: Request) -> Response:
+        sid, edge = self._sandbox(request)
+        path = _path(request.query_params.get("path"))
+        data = await _call(edge.read_file(sid, path))
+        return Response(data, media_type="application/octet-stream")
+
+    async def upload(self, request: Request) -> Response:
+        sid, edge = self._sandbox(request)
+        written: list[tuple[str, bytes]] = []
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form()
+            for _, item in form.multi_items():
+                if isinstance(item, str):
+                    continue
+                name = item.filename or ""
+                path = request.query_params.get("path") if len(form) == 1 and request.query_params.get("path") \
+                    else name
+                written.append((_path(path), await item.read()))
+        else:
+            data = await request.body()
+            if request.headers.get("content-encoding") == "gzip":
+                import gzip
+
+                data = gzip.decompress(data)
+            written.append((_path(request.query_params.get("path")), data))
+        out = []
+        for path, data in written:
+            await _call(edge.write_file(sid, path, data))
+            out.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+        return JSONResponse(out)
+
+
+def _path(p: object) -> str:
+    if not isinstance(p, str) or not p:
+        raise ConnectError("invalid_argument", "path is required")
+    if not p.startswith("/"):
+        p = "/root/" + p  # relative to the user's home, as envd does for root
+    return p
+
+
+async def _call(aw: Awaitable[Any]) -> Any:
+    """An edge call, its errors as Connect errors."""
+    try:
+        return await aw
+    except ConnectError:
+        raise
+    except DsecError as e:
+        raise ConnectError(_code_of(e), e.message) from None
+
+
+def mount(app: FastAPI, envd: Envd) -> None:
+    """Add envd's routes to the apiserver."""
+    streams = {"/process.Process/Start": envd.start, "/process.Process/Connect": envd.connect}
+    unary = {"/process.Process/List": envd.list, "/process.Process/SendInput": envd.send_input,
+             "/process.Process/SendSignal": envd.send_signal, "/process.Process/CloseStdin": envd.close_stdin,
+             "/process.Process/Update": envd.update, "/process.Process/StreamInput": envd.stream_input,
+             "/filesystem.Filesystem/Stat": envd.stat, "/filesystem.Filesystem/ListDir": envd.list_dir,
+             "/filesystem.Filesystem/MakeDir": envd.make_dir, "/filesystem.Filesystem/Move": envd.move,
+             "/filesystem.Filesystem/Remove": envd.remove}
+
+    def stream_route(fn: Callable[[Request], Awaitable[AsyncIterator[dict[str, Any]]]]) -> Any:
+        async def route(request: Request) -> Response:
+            try:
+                events = await fn(request)
+            except ConnectError as e:
+                return stream_response(_failed(e))
+            return stream_response(events)
+        return route
+
+    def unary_route(fn: Callable[[Request], Awaitable[dict[str, Any]]]) -> Any:
+        async def route(request: Request) -> Response:
+            try:
+                if fn is envd.stream_input:
+                    return stream_response(_single(await fn(request)))
+                return JSONResponse(await fn(request))
+            except ConnectError as e:
+                return unary_error(e)
+        return route
+
+    for path, sfn in streams.items():
+        app.router.add_route(path, stream_route(sfn), methods=["POST"], include_in_schema=False)
+    for path, ufn in unary.items():
+        app.router.add_route(path, unary_route(ufn), methods=["POST"], include_in_schema=False)
+
+    async def files_get(request: Request) -> Response:
+        try:
+            return await envd.download(request)
+        except ConnectError as e:
+            return JSONResponse({"code": e.json().get("code"), "message": e.message},
+                                status_code=404 if e.code == "not_found" else 400)
+
+    async def files_post(request: Request) -> Response:
+        try:
+            return await envd.upload(request)
+        except ConnectError as e:
+            return JSONResponse({"code": 400, "message": e.message}, status_code=400)
+
+    async def health(request: Request) -> Response:
+        """204 while the sandbox runs; 502 once it has ended (what the SDK's is_running reads)."""
+        try:
+            sid, edge = envd._sandbox(request)
+            info = await edge.get(sid)
+        except (ConnectError, DsecError):
+            return Response(status_code=502)
+        return Response(status_code=204 if info.state in ("running", "paused") else 502)
+
+    app.router.add_route("/files", files_get, methods=["GET"], include_in_schema=False)
+    app.router.add_route("/files", files_post, methods=["POST"], include_in_schema=False)
+    app.router.add_route("/health", health, methods=["GET"], include_in_schema=False)
+
+
+async def _single(msg: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    yield msg
+
+
+async def _failed(err: ConnectError) -> AsyncIterator[dict[str, Any]]:
+    raise err
+    yield {}  # unreachable: makes this an async generator
+
+
+__all__ = ["ENVD_PREFIXES", "ENVD_VERSION", "Envd", "mount"]

@@ -1,0 +1,132 @@
+"""The official E2B Python SDK (PyPI ``e2b``, unmodified) against dsec: control plane
+(create, list, info, timeout, pause, connect, kill) and envd (commands with streaming,
+stdin, background processes, signals, PTY; files), sync and async, and its errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import TOKEN, Platform
+from e2b import (
+    AsyncSandbox,
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    PtySize,
+    Sandbox,
+    SandboxException,
+)
+
+
+@pytest.fixture
+def e2b_env(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("E2B_API_URL", platform.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", platform.url)
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    yield
+
+
+def test_the_issue_example(e2b_env: None) -> None:
+    sbx = Sandbox.create("base/debian:12", timeout=300)
+    assert sbx.commands.run("echo hello").stdout == "hello\n"
+    sbx.files.write("/root/x.txt", "hi")
+    assert sbx.files.read("/root/x.txt") == "hi"
+    sbx.pause()
+    assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+    sbx = Sandbox.connect(sbx.sandbox_id)
+    assert sbx.files.read("/root/x.txt") == "hi"  # the same sandbox, resumed
+    sbx.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sbx.sandbox_id)
+
+
+def test_commands(e2b_env: None) -> None:
+    sbx = Sandbox.create(timeout=120, envs={"FROM_CREATE": "c"}, metadata={"run": "e2b-test"})
+    try:
+        seen: list[str] = []
+        r = sbx.commands.run("echo $FROM_CREATE $X; pwd; echo err >&2", envs={"X": "x"}, cwd="/tmp",
+                             on_stdout=seen.append)
+        assert r.stdout == "c x\n/tmp\n" and r.stderr == "err\n" and r.exit_code == 0
+        assert "".join(seen) == r.stdout
+        with pytest.raises(CommandExitException) as e:
+            sbx.commands.run("echo out; exit 3")
+        assert e.value.exit_code == 3 and e.value.stdout == "out\n"
+        bg = sbx.commands.run("sleep 60", background=True)
+        assert bg.pid in [p.pid for p in sbx.commands.list()]
+        assert sbx.commands.kill(bg.pid)
+        with pytest.raises(CommandExitException):
+            bg.wait()
+        cat = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.send_stdin(cat.pid, "piped\n")
+        sbx.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "piped\n"
+        slow = sbx.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done", background=True)
+        again = sbx.commands.connect(slow.pid)  # a second client attaches to a running process
+        assert again.wait().stdout.strip().endswith("3")
+        info = [s for s in Sandbox.list(query=None).next_items() if s.sandbox_id == sbx.sandbox_id]
+        assert info and info[0].metadata == {"run": "e2b-test"}
+    finally:
+        sbx.kill()
+
+
+def test_pty(e2b_env: None) -> None:
+    sbx = Sandbox.create(timeout=120)
+    try:
+        out: list[bytes] = []
+        term = sbx.pty.create(PtySize(rows=24, cols=80))
+        sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(term.pid, b"stty size; exit\n")
+        term.wait(on_pty=out.append)
+        assert b"30 100" in b"".join(out)
+    finally:
+        sbx.kill()
+
+
+def test_files(e2b_env: None) -> None:
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.write("/work/a/b.bin", b"\x00\x01binary")
+        assert sbx.files.read("/work/a/b.bin", format="bytes") == b"\x00\x01binary"
+        assert sbx.files.exists("/work/a") and not sbx.files.exists("/work/nope")
+        assert sbx.files.make_dir("/work/d") and not sbx.files.make_dir("/work/d")
+        assert {e.name for e in sbx.files.list("/work")} == {"a", "d"}
+        moved = sbx.files.rename("/work/a/b.bin", "/work/d/c.bin")
+        assert moved.path == "/work/d/c.bin" and moved.size == 8
+        sbx.files.remove("/work/d")
+        assert not sbx.files.exists("/work/d/c.bin")
+        with pytest.raises(NotFoundException):
+            sbx.files.read("/work/missing")
+    finally:
+        sbx.kill()
+
+
+def test_timeout_ends_the_sandbox(e2b_env: None) -> None:
+    sbx = Sandbox.create(timeout=120)
+    sbx.set_timeout(2)
+    end = Sandbox.get_info(sbx.sandbox_id).end_at.timestamp()
+    assert end - time.time() < 5
+    deadline = time.time() + 30
+    while time.time() < deadline and sbx.is_running():
+        time.sleep(0.5)
+    assert not sbx.is_running()
+
+
+def test_errors(e2b_env: None, platform: Platform) -> None:
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="wrong-key")
+    with pytest.raises(SandboxException, match="404: template 'no/such-template:1' not found"):
+        Sandbox.create("no/such-template:1")
+    assert Sandbox.kill("edge0-doesnotexist") is False  # the SDK's answer to a 404
+
+
+async def test_async_sdk(e2b_env: None) -> None:
+    sbx = await AsyncSandbox.create(timeout=120)
+    try:
+        r = await sbx.commands.run("echo async")
+        assert r.stdout == "async\n"
+        await sbx.files.write("/root/a.txt", "A")
+        assert await sbx.files.read("/root/a.txt") == "A"
+    finally:
+        await sbx.kill()
