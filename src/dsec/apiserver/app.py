@@ -27,7 +27,7 @@ from dsec.agent.aether import Aether
 from dsec.agent.initclient import exit_code
 from dsec.e2b import api as e2b_api
 from dsec.e2b import envd
-from dsec.e2b.envd import ENVD_PREFIXES
+from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -227,7 +227,7 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
             return None
         headers = dict(scope["headers"])
-        if scope["path"].startswith(ENVD_PREFIXES):  # E2B's envd: the sandbox's own access token
+        if scope["path"].startswith(ENVD_PREFIXES) or scope["path"] in ENVD_PATHS:  # E2B's envd: per-sandbox token
             sid = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
             given = headers.get(b"x-access-token", b"").decode(errors="replace")
             if not sid or not hmac.compare_digest(given, self.api.tokens.derive("envd", sid)):

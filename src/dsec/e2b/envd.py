@@ -31,7 +31,8 @@ KEEPALIVE_S = 50.0
 SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM, 9: signal.SIGKILL,
            15: signal.SIGTERM}
 FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
-ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/", "/files", "/health", "/envs", "/metrics")
+ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+ENVD_PATHS = frozenset({"/files", "/health"})
 
 
 def _code_of(e: DsecError) -> str:
@@ -366,4 +367,4 @@ async def _failed(err: ConnectError) -> AsyncIterator[dict[str, Any]]:
     yield {}  # unreachable: makes this an async generator
 
 
-__all__ = ["ENVD_PREFIXES", "ENVD_VERSION", "Envd", "mount"]
+__all__ = ["ENVD_PATHS", "ENVD_PREFIXES", "ENVD_VERSION", "Envd", "mount"]

@@ -1,0 +1,102 @@
+"""The E2B SDK against dsec, beside dsec's own SDK, in one run: create-to-first-command
+latency and command round trip (the baseline is dsec's SDK on the same server).
+
+    .venv/bin/python bench/e2b.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from container import pct, start_server, write_section  # noqa: E402
+
+import dsec  # noqa: E402
+from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
+from dsec.layers.store import LayerStore  # noqa: E402
+
+
+def with_dsec(url: str, token: str, n: int, cmds: int) -> dict[str, list[float]]:
+    create, rtt = [], []
+    with dsec.Client(url=url, token=token) as c:
+        for _ in range(n):
+            t = time.perf_counter()
+            sb = c.run_container(dsec.ContainerArgs(image="base/debian:12"))
+            sb.run_shell("true")
+            create.append(time.perf_counter() - t)
+            sb.stop()
+        sb = c.run_container(dsec.ContainerArgs(image="base/debian:12"))
+        for _ in range(cmds):
+            t = time.perf_counter()
+            sb.exec(["true"])
+            rtt.append(time.perf_counter() - t)
+        sb.stop()
+    return {"create": create, "rtt": rtt}
+
+
+def with_e2b(url: str, token: str, n: int, cmds: int) -> dict[str, list[float]]:
+    os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": token})
+    from e2b import Sandbox
+
+    create, rtt = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        sbx = Sandbox.create("base/debian:12")
+        sbx.commands.run("true")
+        create.append(time.perf_counter() - t)
+        sbx.kill()
+    sbx = Sandbox.create("base/debian:12")
+    for _ in range(cmds):
+        t = time.perf_counter()
+        sbx.commands.run("true")
+        rtt.append(time.perf_counter() - t)
+    sbx.kill()
+    return {"create": create, "rtt": rtt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=20)
+    ap.add_argument("--commands", type=int, default=200)
+    ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--write", metavar="MARKDOWN")
+    a = ap.parse_args()
+    prepare_cgroups()
+    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
+    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(a.data_dir, "layers"))
+    token = "bench-" + os.urandom(8).hex()
+    proc, url = start_server(data_dir, token)
+    try:
+        ds = with_dsec(url, token, a.n, a.commands)
+        e2 = with_e2b(url, token, a.n, a.commands)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    ms = 1000.0
+    med = statistics.median
+    rows = [f"n={a.n} creations, {a.commands} commands, base/debian:12, the same dsec server; "
+            f"{os.cpu_count()} cores, kernel {platform.release()}", "",
+            "| metric | dsec SDK (baseline) | E2B SDK (unmodified) | E2B / dsec |", "|---|---|---|---|",
+            f"| create to first command p50 (ms) | {med(ds['create']) * ms:.1f} | {med(e2['create']) * ms:.1f} | "
+            f"{med(e2['create']) / med(ds['create']):.2f}x |",
+            f"| create to first command p90 (ms) | {pct(ds['create'], 90) * ms:.1f} | "
+            f"{pct(e2['create'], 90) * ms:.1f} | |",
+            f"| command round trip p50 (ms) | {med(ds['rtt']) * ms:.2f} | {med(e2['rtt']) * ms:.2f} | "
+            f"{med(e2['rtt']) / med(ds['rtt']):.2f}x |",
+            f"| command round trip p90 (ms) | {pct(ds['rtt'], 90) * ms:.2f} | {pct(e2['rtt'], 90) * ms:.2f} | |"]
+    body = "\n".join(rows)
+    print(body)
+    if a.write:
+        write_section(a.write, body, "python bench/e2b.py --write docs/benchmarks.md", name="e2b",
+                      title="E2B SDK against dsec (`bench/e2b.py`)")
+
+
+if __name__ == "__main__":
+    main()
