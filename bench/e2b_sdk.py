@@ -1,7 +1,7 @@
 """The E2B SDK against dsec, beside dsec's own SDK, in one run: create-to-first-command
 latency and command round trip (the baseline is dsec's SDK on the same server).
 
-    .venv/bin/python bench/e2b.py --write docs/benchmarks.md
+    .venv/bin/python bench/e2b_sdk.py --write docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def main() -> None:
     body = "\n".join(rows)
     print(body)
     if a.write:
-        write_section(a.write, body, "python bench/e2b.py --write docs/benchmarks.md", name="e2b",
-                      title="E2B SDK against dsec (`bench/e2b.py`)")
+        write_section(a.write, body, "python bench/e2b_sdk.py --write docs/benchmarks.md", name="e2b",
+                      title="E2B SDK against dsec (`bench/e2b_sdk.py`)")
 
 
 if __name__ == "__main__":
