@@ -4,6 +4,7 @@ stdin, background processes, signals, PTY; files), sync and async, and its error
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -100,6 +101,39 @@ def test_files(e2b_env: None) -> None:
             sbx.files.read("/work/missing")
     finally:
         sbx.kill()
+
+
+def test_watch_dir(e2b_env: None) -> None:
+    sbx = Sandbox.create(timeout=120)
+    try:
+        sbx.files.make_dir("/work/w")
+        handle = sbx.files.watch_dir("/work/w", recursive=True)
+        sbx.commands.run("mkdir /work/w/sub && echo a > /work/w/f && echo b > /work/w/sub/g && rm /work/w/f")
+        time.sleep(0.3)
+        seen = {(e.name, e.type.value) for e in handle.get_new_events()}
+        assert {("f", "create"), ("f", "write"), ("f", "remove"), ("sub", "create"), ("sub/g", "create")} <= seen, seen
+        handle.stop()
+        with pytest.raises(NotFoundException):
+            sbx.files.watch_dir("/work/none")
+    finally:
+        sbx.kill()
+
+
+async def test_watch_dir_async(e2b_env: None) -> None:
+    sbx = await AsyncSandbox.create(timeout=120)
+    try:
+        await sbx.files.make_dir("/work/w")
+        got: list[tuple[str, str]] = []
+        handle = await sbx.files.watch_dir("/work/w", on_event=lambda e: got.append((e.name, e.type.value)))
+        await sbx.files.write("/work/w/new.txt", "x")
+        for _ in range(50):
+            if ("new.txt", "create") in got:
+                break
+            await asyncio.sleep(0.1)
+        await handle.stop()
+        assert ("new.txt", "create") in got, got
+    finally:
+        await sbx.kill()
 
 
 def test_timeout_ends_the_sandbox(e2b_env: None) -> None:

@@ -33,6 +33,7 @@ from typing import Protocol
 
 from dsec.agent.initclient import SETSID, ChannelLost, SpawnFailed, boottime_ticks, channel, exit_code
 from dsec.agent.procs import ProcessTable
+from dsec.agent.watch import DirWatch
 from dsec.edge import linux
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
@@ -442,6 +443,7 @@ class SandboxFiles(Protocol):
     async def list_dir(self, path: str) -> list[FileStat]: ...
     async def remove(self, path: str, recursive: bool) -> None: ...
     async def move(self, source: str, destination: str) -> None: ...
+    def watch(self, path: str, recursive: bool) -> DirWatch: ...
     async def connect(self, port: int) -> socket.socket: ...
 
 
@@ -494,6 +496,17 @@ class ProcRootFiles:
 
     async def remove(self, path: str, recursive: bool) -> None:
         await asyncio.to_thread(self._remove, path, recursive)
+
+    def watch(self, path: str, recursive: bool) -> DirWatch:
+        """inotify on a directory of the sandbox (resolved in its root, never followed out)."""
+        def open_dir(p: str) -> int:
+            return self._open_in_root(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return DirWatch(open_dir, path, recursive)
+        except FileNotFoundError:
+            raise NotFound(f"no such directory: {path}", field="path") from None
+        except OSError as e:
+            raise InvalidRequest(f"{path}: {e.strerror}", field="path") from None
 
     async def move(self, source: str, destination: str) -> None:
         """rename(2) within the sandbox (destination's parents are made)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import secrets
 import signal
 import stat as statmod
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from dsec.agent.procs import Proc, ProcessTable
+from dsec.agent.watch import DirWatch
 from dsec.e2b.connect import ConnectError, first_message, read_envelopes, stream_response, unary_body, unary_error
 from dsec.edge.api import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
@@ -68,9 +70,15 @@ def _selector(msg: dict[str, Any]) -> tuple[int | None, str | None]:
     return (int(pid) if pid is not None else None), sel.get("tag")
 
 
+EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
+               "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
+MAX_WATCHERS = 1024
+
+
 class Envd:
     def __init__(self, edge_for: Callable[[str], EdgeAPI]) -> None:
         self.edge_for = edge_for
+        self.watchers: dict[str, tuple[str, DirWatch]] = {}  # watcher id -> (sandbox, watch)
 
     def _sandbox(self, request: Request) -> tuple[str, EdgeAPI]:
         sid = request.headers.get(SANDBOX_HEADER, "")
@@ -245,6 +253,54 @@ class Envd:
         await _call(edge.remove(sid, _path(msg.get("path")), True))
         return {}
 
+    async def _watch(self, request: Request, msg: dict[str, Any]) -> tuple[str, DirWatch]:
+        sid, edge = self._sandbox(request)
+        path = _path(msg.get("path"))
+        return sid, await _call(edge.watch_dir(sid, path, bool(msg.get("recursive", False))))
+
+    async def watch_dir(self, request: Request) -> AsyncIterator[dict[str, Any]]:
+        _, w = await self._watch(request, await first_message(request))
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            try:
+                yield {"start": {}}
+                while not w.closed:
+                    try:
+                        await asyncio.wait_for(w.changed.wait(), KEEPALIVE_S)
+                    except TimeoutError:
+                        yield {"keepalive": {}}
+                        continue
+                    for ev in w.drain():
+                        yield {"filesystem": {"name": ev.name, "type": EVENT_TYPES[ev.kind]}}
+            finally:
+                w.close()
+        return events()
+
+    async def create_watcher(self, request: Request) -> dict[str, Any]:
+        if len(self.watchers) >= MAX_WATCHERS:
+            raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers")
+        sid, w = await self._watch(request, await unary_body(request))
+        wid = secrets.token_hex(8)
+        self.watchers[wid] = (sid, w)
+        return {"watcherId": wid}
+
+    def _watcher(self, request: Request, msg: dict[str, Any]) -> tuple[str, DirWatch]:
+        sid, _ = self._sandbox(request)
+        found = self.watchers.get(str(msg.get("watcherId", "")))
+        if found is None or found[0] != sid:
+            raise ConnectError("not_found", f"watcher {msg.get('watcherId')!r} not found")
+        return str(msg["watcherId"]), found[1]
+
+    async def get_watcher_events(self, request: Request) -> dict[str, Any]:
+        _, w = self._watcher(request, await unary_body(request))
+        return {"events": [{"name": e.name, "type": EVENT_TYPES[e.kind]} for e in w.drain()]}
+
+    async def remove_watcher(self, request: Request) -> dict[str, Any]:
+        wid, w = self._watcher(request, await unary_body(request))
+        w.close()
+        self.watchers.pop(wid, None)
+        return {}
+
     # ---- /files ---------------------------------------------------------------------------
     async def download(self, request: Request) -> Response:
         sid, edge = self._sandbox(request)
@@ -299,13 +355,17 @@ async def _call(aw: Awaitable[Any]) -> Any:
 
 def mount(app: FastAPI, envd: Envd) -> None:
     """Add envd's routes to the apiserver."""
-    streams = {"/process.Process/Start": envd.start, "/process.Process/Connect": envd.connect}
+    streams = {"/process.Process/Start": envd.start, "/process.Process/Connect": envd.connect,
+               "/filesystem.Filesystem/WatchDir": envd.watch_dir}
     unary = {"/process.Process/List": envd.list, "/process.Process/SendInput": envd.send_input,
              "/process.Process/SendSignal": envd.send_signal, "/process.Process/CloseStdin": envd.close_stdin,
              "/process.Process/Update": envd.update, "/process.Process/StreamInput": envd.stream_input,
              "/filesystem.Filesystem/Stat": envd.stat, "/filesystem.Filesystem/ListDir": envd.list_dir,
              "/filesystem.Filesystem/MakeDir": envd.make_dir, "/filesystem.Filesystem/Move": envd.move,
-             "/filesystem.Filesystem/Remove": envd.remove}
+             "/filesystem.Filesystem/Remove": envd.remove,
+             "/filesystem.Filesystem/CreateWatcher": envd.create_watcher,
+             "/filesystem.Filesystem/GetWatcherEvents": envd.get_watcher_events,
+             "/filesystem.Filesystem/RemoveWatcher": envd.remove_watcher}
 
     def stream_route(fn: Callable[[Request], Awaitable[AsyncIterator[dict[str, Any]]]]) -> Any:
         async def route(request: Request) -> Response:

@@ -28,6 +28,7 @@ from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, InitChannel, O
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.agent.procs import ProcessTable
+from dsec.agent.watch import DirWatch
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.vm.channel import GuestChannel, GuestFiles
@@ -906,6 +907,11 @@ class Edge:
         self.audit.record(sb.id, "file_write", f"{source} moved to {destination}")
         await agent.files.move(source, destination)
         return await agent.files.stat(destination)
+
+    async def watch_dir(self, sandbox_id: str, path: str, recursive: bool) -> DirWatch:
+        """inotify on a directory of a container sandbox; the caller closes it."""
+        _, agent = await self._ready(sandbox_id)
+        return agent.files.watch(path, recursive)
 
     async def process_table(self, sandbox_id: str) -> ProcessTable:
         """The sandbox's long-lived processes (started and attached to by clients)."""

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsec.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks
+from dsec.agent.watch import DirWatch
 from dsec.backends.vm.qemu import connect_unix
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.models import FileStat
@@ -584,6 +585,9 @@ class GuestFiles:
 
     async def move(self, source: str, destination: str) -> None:
         raise InvalidRequest("moving files is not offered in VM sandboxes yet", field="source")
+
+    def watch(self, path: str, recursive: bool) -> DirWatch:
+        raise InvalidRequest("watching directories is not offered in VM sandboxes yet", field="path")
 
     async def mkdirs(self, path: str) -> None:
         p = self._check(path)
