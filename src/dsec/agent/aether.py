@@ -193,6 +193,9 @@ class ShellSession:
         if self._alive:
             with contextlib.suppress(ChannelLost):
                 await self.agent.init.kill_tree(self.pid, signal.SIGKILL, 0, include_self=True)
+        # a command in flight holds the lock and still reads the session's fds: it ends now
+        # that the shell is dead, and only then are the fds closed (never under its feet)
+        async with self._lock:
             await self._teardown()
 
     async def _read_marker(self, nonce: bytes) -> tuple[int, str] | None:

@@ -122,6 +122,7 @@ class Apiserver:
                 update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
         tried: set[str] = set()
         last: AdmissionRejected | None = None
+        refreshed = False
         for _ in range(MAX_CREATE_ATTEMPTS):
             if not self.watcher.view:
                 await self.watcher.refresh()
@@ -130,6 +131,10 @@ class Apiserver:
             except AdmissionRejected:
                 if last is not None:
                     raise last from None
+                if not refreshed:  # the view may predate sandboxes that have ended since: look again once
+                    refreshed = True
+                    await self.watcher.refresh()
+                    continue
                 raise
             try:
                 with self.placement.reserve(name, req.args):
