@@ -107,7 +107,12 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
             raise typer.Exit(2) from None
     # keep-alive longer than clients keep idle connections (the SDK: 30 s), so a client never
     # sends on a connection the server is closing
-    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65)
+    # the standard asyncio loop, not uvloop: uvloop and a Python socket object can both
+    # believe they own one fd (a transport handed a socket, then closed on error or by the
+    # garbage collector), and the second close lands on whatever file got that number next
+    # (seen here: sandbox sockets and client connections closed under their owners)
+    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65,
+                loop="asyncio")
 
 
 @app.command()

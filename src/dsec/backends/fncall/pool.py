@@ -55,6 +55,13 @@ class _Container:
     retired: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
+    def close_workers(self) -> None:
+        """Close the worker channels explicitly: under uvloop a transport left to the
+        garbage collector closes its fd twice (the second close can hit whatever file now
+        has that number, in any thread)."""
+        for w in self.workers:
+            w.writer.close()
+
 
 @dataclass
 class _Worker:
@@ -127,6 +134,7 @@ class _ImagePool:
 
     def retire(self, c: _Container, why: str) -> None:
         c.retired = True
+        c.close_workers()
         self.containers.pop(c.sandbox_id, None)
         self.idle = deque(w for w in self.idle if w.container is not c)
         log.info("fncall: retiring %s (%s)", c.sandbox_id, why)
@@ -197,12 +205,13 @@ class FnCallService:
                     c.sandbox_id, ["python3", "-I", WORKER_PATH, str(uid), *PREIMPORT, *key.preimport],
                     {WORKER_PATH: self._worker_src} if i == 0 else {})
                 w = _Worker(c, uid, reader, writer)
+                c.workers.append(w)
                 hello = await w.request(None, 30)
                 pool = self.pools.get(key)
                 if pool is not None:
                     pool.languages = list(hello.get("languages", []))
-                c.workers.append(w)
         except BaseException:
+            c.close_workers()
             self.background(self.edge.stop(c.sandbox_id))
             raise
         return c
@@ -225,6 +234,7 @@ class FnCallService:
         for pool in self.pools.values():
             for c in list(pool.containers.values()):
                 c.retired = True
+                c.close_workers()
                 with contextlib.suppress(Exception):
                     await self.edge.stop(c.sandbox_id)
         for t in list(self._tasks):
