@@ -74,6 +74,7 @@ class InitClient:
                     sock.close()
                     raise ChannelLost(f"sandbox init socket unreachable: {e}") from e
                 await asyncio.sleep(0.005)
+        sock.setblocking(False)  # _on_readable reads until EAGAIN (recv_fds ignores its flags argument)
         self._sock = sock
         loop.add_reader(sock.fileno(), self._on_readable)
 

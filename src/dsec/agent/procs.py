@@ -125,6 +125,8 @@ class ProcessTable:
         finally:
             for fd in set(theirs):
                 os.close(fd)
+        for fd in ours:  # written and read from the event loop: never block it
+            os.set_blocking(fd, False)
         p = Proc(pid, tag, cmd, args, envs, cwd or self.default_cwd(), bool(pty), exited)
         if pty:
             p.master = ours[0]
