@@ -32,6 +32,18 @@ if ! .venv/bin/python -c "import dsec, pytest, ruff" 2>/dev/null \
   touch .venv/.dsec-installed
 fi
 
+# the E2B JS SDK for tests/test_e2b.py (node >= 18; Debian's nodejs/npm if the machine has none)
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "== apt: installing nodejs npm"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+if [ ! -f tests/e2b_js/node_modules/e2b/package.json ] \
+   || [ tests/e2b_js/package.json -nt tests/e2b_js/node_modules/e2b/package.json ]; then
+  echo "== npm: installing the E2B JS SDK into tests/e2b_js"
+  npm install --prefix tests/e2b_js --no-audit --no-fund --silent
+fi
+
 echo "== dsec setup (cgroups, dsec-init, base layers)"
 .venv/bin/dsec setup
 

@@ -5,6 +5,9 @@ stdin, background processes, signals, PTY; files), sync and async, and its error
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -153,6 +156,17 @@ def test_errors(e2b_env: None, platform: Platform) -> None:
     with pytest.raises(SandboxException, match="404: template 'no/such-template:1' not found"):
         Sandbox.create("no/such-template:1")
     assert Sandbox.kill("edge0-doesnotexist") is False  # the SDK's answer to a 404
+
+
+def test_js_sdk(platform: Platform) -> None:
+    """The E2B JS SDK (npm e2b, installed by scripts/setup.sh into tests/e2b_js)."""
+    here = os.path.join(os.path.dirname(__file__), "e2b_js")
+    env = {**os.environ, "E2B_API_URL": platform.url, "E2B_SANDBOX_URL": platform.url, "E2B_API_KEY": TOKEN}
+    r = subprocess.run(["node", "smoke.mjs"], cwd=here, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"stdout": "hello from js\n", "read": "hi", "list": [".bashrc", ".profile", "x.txt"],
+                   "exitCode": 3, "afterConnect": "hi", "running": False}, out
 
 
 async def test_async_sdk(e2b_env: None) -> None:
