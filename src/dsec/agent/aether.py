@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dsec.agent.fdio import FdWait, write_all
 from dsec.agent.initclient import SETSID, ChannelLost, SpawnFailed, boottime_ticks, channel, exit_code
 from dsec.agent.procs import ProcessTable
 from dsec.agent.watch import DirWatch
@@ -91,21 +92,6 @@ class _Capture:
 
     def text(self) -> str:
         return self.buf.decode("utf-8", errors="replace")
-
-
-def _fd_ready(fd: int, write: bool = False) -> asyncio.Future[None]:
-    """A future that completes once ``fd`` is readable (or writable); its watcher is
-    removed when it completes or is cancelled."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    def fire() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    add(fd, fire)
-    fut.add_done_callback(lambda _: remove(fd))
-    return fut
 
 
 @dataclass
@@ -207,12 +193,12 @@ class ShellSession:
                 parts = line.split(b" ", 2)
                 if len(parts) == 3 and parts[0] == nonce:
                     return int(parts[1]), parts[2].decode(errors="replace")
-            ready = _fd_ready(self._ctl_r)
+            ready = FdWait(self._ctl_r)
             exited = self._exit
             try:
-                await asyncio.wait([ready, exited], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+                await asyncio.wait([ready.fut, exited], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
             finally:
-                ready.cancel()
+                ready.close()
             try:
                 chunk = os.read(self._ctl_r, 4096)
             except BlockingIOError:
@@ -384,21 +370,10 @@ class Aether:
 
     @staticmethod
     async def _feed(fd: int, data: bytes) -> None:
-        asyncio.get_running_loop()
         os.set_blocking(fd, False)
         try:
-            view = memoryview(data)
-            while view:
-                try:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                except BlockingIOError:
-                    ready = _fd_ready(fd, write=True)
-                    try:
-                        await ready
-                    finally:
-                        ready.cancel()
-        except (BrokenPipeError, OSError):
+            await write_all(fd, data)
+        except OSError:
             pass
         finally:
             os.close(fd)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dsec.agent.fdio import write_all
 from dsec.agent.initclient import CTTY, SETSID, ChannelLost, channel, exit_code
 
 if TYPE_CHECKING:
@@ -195,13 +196,7 @@ class ProcessTable:
         fd = p.master if p.pty else p.stdin_fd
         if fd is None:
             raise ValueError("the process has no open stdin")
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(fd, view)
-                view = view[n:]
-            except BlockingIOError:
-                await asyncio.sleep(0.005)
+        await write_all(fd, data)
 
     def close_stdin(self, p: Proc) -> None:
         if p.stdin_fd is not None:
