@@ -13,16 +13,13 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, start_server, write_section  # noqa: E402
+from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
 
 ATTACKS = {  # name -> (args of the attacker sandbox, command it runs until stopped)
     "fork bomb (pids limit 128)": (dict(image="base/busybox", pids_limit=128),
@@ -75,11 +72,7 @@ async def main() -> None:
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
     ap.add_argument("--write", metavar="MARKDOWN")
     a = ap.parse_args()
-    prepare_cgroups()
-    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
-    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(a.data_dir, "layers"))
-    token = "bench-" + os.urandom(8).hex()
-    proc, url = start_server(data_dir, token)
+    proc, url, token, _ = private_server(a.data_dir)
     try:
         res = await bench(url, token, a.n, a.seconds)
     finally:

@@ -181,6 +181,22 @@ async def bench_dsec(url: str, token: str, n: int, conc: int, execs: int) -> dic
         return {"lat": lat, "exec": ex, "session": sess, "inside": inside, "rate": rate}
 
 
+def private_server(node_data_dir: str, extra_args: list[str] | None = None,
+                   log: bool = False) -> tuple[subprocess.Popen[bytes], str, str, str]:
+    """A dsec server on a private data dir whose layers are hard-linked from the node's
+    store, so a benchmark neither sees nor disturbs a platform already running here.
+    Returns (process, url, token, data dir)."""
+    from dsec.edge.hostprep import prepare_cgroups
+    from dsec.layers.store import LayerStore
+
+    prepare_cgroups()
+    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
+    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(node_data_dir, "layers"))
+    token = "bench-" + os.urandom(8).hex()
+    proc, url = start_server(data_dir, token, extra_args, log=os.path.join(data_dir, "serve.log") if log else None)
+    return proc, url, token, data_dir
+
+
 def start_server(data_dir: str, token: str, extra_args: list[str] | None = None,
                  log: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:

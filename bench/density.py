@@ -21,17 +21,14 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, start_server, write_section  # noqa: E402
+from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
 from dsec.edge.memory import cgroup_memory  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
 
 # best-effort load: a spinner on the latency-sensitive task's core, busy a given share of each 100 ms
 SPIN_PY = ("import os, time\n"
@@ -156,13 +153,9 @@ async def main() -> None:
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
     ap.add_argument("--write", metavar="MARKDOWN")
     a = ap.parse_args()
-    prepare_cgroups()
-    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
-    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(a.data_dir, "layers"))
-    token = "bench-" + os.urandom(8).hex()
     # idle sandboxes with a 0.1-core cap each: 1,000 of them need CPU overcommit beyond the default 8
     extra = ["--cpu-overcommit", "100"] if a.capacity else []
-    proc, url = start_server(data_dir, token, extra, log=os.path.join(data_dir, "serve.log"))
+    proc, url, token, data_dir = private_server(a.data_dir, extra, log=True)
     cores = os.cpu_count() or 1
     steps: dict[tuple[int, str], list[float]] = {}
     try:

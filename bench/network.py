@@ -18,17 +18,14 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, start_server, write_section  # noqa: E402
+from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
 from dsec.edge.network.catalog import pip_config, pip_hosts  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
 
 LOOKUPS = ("import socket, sys, time\nout = []\nfor _ in range({n}):\n"
            "    t = time.perf_counter(); socket.getaddrinfo(sys.argv[1], 443); out.append(time.perf_counter() - t)\n"
@@ -86,12 +83,8 @@ async def main() -> None:
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
     ap.add_argument("--write", metavar="MARKDOWN")
     a = ap.parse_args()
-    prepare_cgroups()
     host = next(h for h in pip_hosts(pip_config()) if not h.startswith("files."))
-    data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
-    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(a.data_dir, "layers"))
-    token = "bench-" + os.urandom(8).hex()
-    proc, url = start_server(data_dir, token)
+    proc, url, token, _ = private_server(a.data_dir)
     try:
         ds = await bench(url, token, a.n, a.fetches, host)
     finally:
