@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, private_server, write_section  # noqa: E402
+from container import pct, private_server, report  # noqa: E402
 
 import dsec  # noqa: E402
 
@@ -87,10 +87,7 @@ async def main() -> None:
         rows.append(f"| {'nothing (baseline)' if name == 'idle' else name} | {statistics.median(v) * ms:.1f} | "
                     f"{pct(v, 90) * ms:.1f} | {statistics.median(v) / base:.2f}x |")
     body = "\n".join(rows)
-    print(body)
-    if a.write:
-        write_section(a.write, body, "python bench/abuse.py --write docs/benchmarks.md", name="abuse",
-                      title="Abuse containment (`bench/abuse.py`)")
+    report(body, a.write, "abuse.py", "abuse", "Abuse containment (`bench/abuse.py`)")
 
 
 if __name__ == "__main__":

@@ -237,6 +237,13 @@ def render(raw: dict, ds: dict, n: int, conc: int, execs: int) -> str:  # type: 
     return "\n".join(out)
 
 
+def report(body: str, write: str | None, script: str, name: str, title: str) -> None:
+    """Print a benchmark's result and, with ``--write``, replace its section of the results file."""
+    print(body)
+    if write:
+        write_section(write, body, f"python bench/{script} --write docs/benchmarks.md", name=name, title=title)
+
+
 def write_section(path: str, body: str, cmd: str, name: str = "container",
                   title: str = "Container backend (`bench/container.py`)") -> None:
     """Replace (or append) one benchmark's section of the results file."""

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, private_server, write_section  # noqa: E402
+from container import pct, private_server, report  # noqa: E402
 
 import dsec  # noqa: E402
 
@@ -85,10 +85,7 @@ def main() -> None:
             f"{med(e2['rtt']) / med(ds['rtt']):.2f}x |",
             f"| command round trip p90 (ms) | {pct(ds['rtt'], 90) * ms:.2f} | {pct(e2['rtt'], 90) * ms:.2f} | |"]
     body = "\n".join(rows)
-    print(body)
-    if a.write:
-        write_section(a.write, body, "python bench/e2b_sdk.py --write docs/benchmarks.md", name="e2b",
-                      title="E2B SDK against dsec (`bench/e2b_sdk.py`)")
+    report(body, a.write, "e2b_sdk.py", "e2b", "E2B SDK against dsec (`bench/e2b_sdk.py`)")
 
 
 if __name__ == "__main__":

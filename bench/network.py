@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, private_server, write_section  # noqa: E402
+from container import pct, private_server, report  # noqa: E402
 
 import dsec  # noqa: E402
 from dsec.edge.network.catalog import pip_config, pip_hosts  # noqa: E402
@@ -110,10 +110,7 @@ async def main() -> None:
                     f"{med(ds['fetch']) / med(hs['fetch']):.2f}x |")
     body = "\n".join([f"n={a.n} creations per series, 100 lookups, {a.fetches} fetches; {os.cpu_count()} cores, "
                       f"kernel {platform.release()}", "", *rows])
-    print(body)
-    if a.write:
-        write_section(a.write, body, "python bench/network.py --write docs/benchmarks.md", name="network",
-                      title="Network policy (`bench/network.py`)")
+    report(body, a.write, "network.py", "network", "Network policy (`bench/network.py`)")
 
 
 if __name__ == "__main__":

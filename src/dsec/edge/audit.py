@@ -63,8 +63,8 @@ class AuditLog:
             return
         with self._db:
             self._db.executemany("INSERT INTO audit (sandbox, ts, kind, detail, flag) VALUES (?,?,?,?,?)", rows)
+        self._counts.update(r[0] for r in rows)
         for sid in {r[0] for r in rows}:
-            self._counts[sid] += sum(1 for r in rows if r[0] == sid)
             if self._counts[sid] > PER_SANDBOX * 1.1:  # amortised: trim once 10% over
                 self._db.execute("DELETE FROM audit WHERE sandbox=? AND seq <= (SELECT seq FROM audit WHERE "
                                  "sandbox=? ORDER BY seq DESC LIMIT 1 OFFSET ?)", (sid, sid, PER_SANDBOX))

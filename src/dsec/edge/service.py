@@ -524,8 +524,7 @@ class Edge:
         files = ProcRootFiles(sb.rec.init_pid)
         await files.write_file("/etc/resolv.conf", f"nameserver {info.gateway}\noptions timeout:2\n".encode())
         if self.network.catalog.ca_bundle:
-            with open(self.network.catalog.ca_bundle, "rb") as f:
-                await files.write_file("/etc/ssl/certs/ca-certificates.crt", f.read())
+            await files.write_file("/etc/ssl/certs/ca-certificates.crt", self.network.catalog.ca_bundle)
         return info
 
     async def set_network_rules(self, sandbox_id: str, changes: dict[str, bool]) -> NetworkInfo:
@@ -1132,10 +1131,10 @@ class Edge:
 
     async def _audit_sweep(self) -> None:
         """Every 10 s: write buffered audit records, run the file detectors."""
-        if time.monotonic() - self._audit_swept < 10:
+        since, now = self._audit_swept - 1, time.time()
+        if now - self._audit_swept < 10:
             return
-        since = time.time() - (time.monotonic() - self._audit_swept) - 1
-        self._audit_swept = time.monotonic()
+        self._audit_swept = now
         await asyncio.to_thread(self.audit.flush)
         # only sandboxes that served requests since the last sweep: an idle fleet costs
         # nothing here (an audit query runs the detectors of its sandbox in any case)

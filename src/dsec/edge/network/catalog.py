@@ -108,7 +108,7 @@ def parse_service(spec: str) -> tuple[str, list[str]]:
 class ServiceCatalog:
     def __init__(self, services: dict[str, list[str]]) -> None:
         self.services = {k: sorted(set(v)) for k, v in services.items() if v}
-        self.ca_bundle: str | None = None
+        self.ca_bundle: bytes | None = None  # contents, read once per edge start
 
     @classmethod
     def from_node(cls, extra: list[str] | None = None) -> ServiceCatalog:
@@ -118,7 +118,9 @@ class ServiceCatalog:
             name, patterns = parse_service(spec)
             services[name] = patterns
         cat = cls(services)
-        cat.ca_bundle = ca_bundle(conf)
+        if path := ca_bundle(conf):
+            with open(path, "rb") as f:
+                cat.ca_bundle = f.read()
         log.info("egress services: %s", cat.services)
         return cat
 
