@@ -415,6 +415,9 @@ class ExecEvent(BaseModel):
     result: ExecResult | None = None
 
 
+Owner = tuple[int, int]  # (uid, gid) inside the sandbox
+
+
 class FileStat(BaseModel):
     path: str
     name: str
@@ -423,6 +426,8 @@ class FileStat(BaseModel):
     mode: int
     mtime: float
     link_target: str | None = None
+    uid: int = 0
+    gid: int = 0
 
 
 class HttpResponse(BaseModel):

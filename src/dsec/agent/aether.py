@@ -37,7 +37,7 @@ from dsec.agent.procs import ProcessTable
 from dsec.agent.watch import DirWatch
 from dsec.edge import linux
 from dsec.errors import InvalidRequest, NotFound, SandboxError
-from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse
+from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse, Owner
 
 OnData = Callable[[str, bytes], None]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -414,9 +414,9 @@ class SandboxFiles(Protocol):
     """Files and TCP inside one sandbox, whatever it runs on."""
 
     async def exists(self, path: str) -> bool: ...
-    async def mkdirs(self, path: str) -> None: ...
+    async def mkdirs(self, path: str, owner: Owner | None = None) -> None: ...
     async def read_file(self, path: str, limit: int) -> bytes: ...
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, owner: Owner | None = None) -> None: ...
     async def stat(self, path: str) -> FileStat: ...
     async def list_dir(self, path: str) -> list[FileStat]: ...
     async def remove(self, path: str, recursive: bool) -> None: ...
@@ -457,14 +457,14 @@ class ProcRootFiles:
     async def exists(self, path: str) -> bool:
         return await asyncio.to_thread(self._exists, path)
 
-    async def mkdirs(self, path: str) -> None:
-        await asyncio.to_thread(self._mkdirs, path)
+    async def mkdirs(self, path: str, owner: Owner | None = None) -> None:
+        await asyncio.to_thread(self._mkdirs, path, owner)
 
     async def read_file(self, path: str, limit: int) -> bytes:
         return await asyncio.to_thread(self._read_file, path, limit)
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        await asyncio.to_thread(self._write_file, path, data, mode)
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, owner: Owner | None = None) -> None:
+        await asyncio.to_thread(self._write_file, path, data, mode, owner)
 
     async def stat(self, path: str) -> FileStat:
         return await asyncio.to_thread(self._stat, path)
@@ -522,9 +522,10 @@ class ProcRootFiles:
         finally:
             os.close(rootfd)
 
-    def _open_parent(self, path: str, create: bool = False) -> tuple[int, str]:
-        """An O_PATH fd of ``path``'s parent (made, with its parents, if ``create``)
-        and the last component. Every lookup is scoped to the sandbox's root."""
+    def _open_parent(self, path: str, create: bool = False, owner: Owner | None = None) -> tuple[int, str]:
+        """An O_PATH fd of ``path``'s parent (made, with its parents, if ``create``, owned
+        by ``owner`` when given) and the last component. Every lookup is scoped to the
+        sandbox's root."""
         if not path.startswith("/"):
             raise InvalidRequest("path must be absolute", field="path")
         parent, name = os.path.split(os.path.normpath(path))
@@ -545,6 +546,8 @@ class ProcRootFiles:
                 up = self._open_in_root(prefix, flags)
                 try:
                     os.mkdir(part, 0o755, dir_fd=up)
+                    if owner is not None:
+                        os.chown(part, *owner, dir_fd=up, follow_symlinks=False)
                 except FileExistsError:
                     pass
                 finally:
@@ -610,8 +613,8 @@ class ProcRootFiles:
         except OSError:
             return False
 
-    def _mkdirs(self, path: str) -> None:
-        os.close(self._open_parent(os.path.join(path, "x"), create=True)[0])
+    def _mkdirs(self, path: str, owner: Owner | None = None) -> None:
+        os.close(self._open_parent(os.path.join(path, "x"), create=True, owner=owner)[0])
 
     def _read_file(self, path: str, limit: int) -> bytes:
         def go() -> bytes:
@@ -629,15 +632,17 @@ class ProcRootFiles:
             return data
         return self._wrap_fs(go, path)  # type: ignore[return-value]
 
-    def _write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def _write_file(self, path: str, data: bytes, mode: int = 0o644, owner: Owner | None = None) -> None:
         def go() -> None:
-            os.close(self._open_parent(path, create=True)[0])
+            os.close(self._open_parent(path, create=True, owner=owner)[0])
             fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, mode)
             with os.fdopen(fd, "wb") as f:
                 if not statmod.S_ISREG(os.fstat(fd).st_mode):
                     raise InvalidRequest(f"{path} exists and is not a regular file", field="path")
                 os.set_blocking(fd, True)
                 os.ftruncate(fd, 0)
+                if owner is not None:
+                    os.fchown(fd, *owner)
                 f.write(data)
         self._wrap_fs(go, path)
 
@@ -729,7 +734,7 @@ def _filestat(path: str, name: str, st: os.stat_result, target: str | None) -> F
     else:
         kind = "other"
     return FileStat(path=path, name=name, type=kind, size=st.st_size, mode=statmod.S_IMODE(st.st_mode),  # type: ignore[arg-type]
-                    mtime=st.st_mtime, link_target=target)
+                    mtime=st.st_mtime, link_target=target, uid=st.st_uid, gid=st.st_gid)
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:

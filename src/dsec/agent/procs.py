@@ -94,6 +94,7 @@ class ProcessTable:
         self.init = init
         self.default_env, self.default_cwd = default_env, default_cwd
         self.procs: dict[int, Proc] = {}
+        self.closed = False  # the sandbox is going: what ends now ended with it
 
     def find(self, pid: int | None = None, tag: str | None = None) -> Proc | None:
         if pid:
@@ -101,7 +102,10 @@ class ProcessTable:
         return next((p for p in self.procs.values() if tag is not None and p.tag == tag), None)
 
     async def start(self, cmd: str, args: list[str], envs: dict[str, str], cwd: str | None,
-                    pty: tuple[int, int] | None, stdin: bool, tag: str | None) -> Proc:
+                    pty: tuple[int, int] | None, stdin: bool, tag: str | None,
+                    user: tuple[int, int] | None = None) -> Proc:
+        """Start ``cmd``; as ``user`` (uid, gid) rather than root when given, through the
+        sandbox's setpriv (util-linux), which execs in place: the pid is the command's."""
         if len(self.procs) >= MAX_PROCS:
             raise ValueError(f"at most {MAX_PROCS} processes at once")
         env = {**self.default_env(), **envs}
@@ -118,7 +122,10 @@ class ProcessTable:
             (in_r, in_w), (out_r, out_w), (err_r, err_w) = channel(), channel(), channel()
             ours, theirs = [in_w, out_r, err_r], [in_r, out_w, err_w]
         try:
-            pid, exited = await self.init.spawn([cmd, *args], env, cwd or self.default_cwd(), theirs, flags)
+            argv = [cmd, *args]
+            if user is not None:
+                argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--init-groups", "--", *argv]
+            pid, exited = await self.init.spawn(argv, env, cwd or self.default_cwd(), theirs, flags)
         except BaseException:
             for fd in ours:
                 os.close(fd)
@@ -178,6 +185,8 @@ class ProcessTable:
             code, text = exit_code(status), _status_text(status)
         except ChannelLost:
             code, text = -1, "the sandbox ended"
+        if self.closed:
+            code, text = -1, "the sandbox ended"
         with contextlib.suppress(TimeoutError):  # output held open by a grandchild must not hold the end
             await asyncio.wait_for(p.ended.wait(), 0.2)
         for fd in list(p.readers):
@@ -213,6 +222,7 @@ class ProcessTable:
         await self.init.resize(p.master, cols, rows)
 
     async def close(self) -> None:
+        self.closed = True
         for p in list(self.procs.values()):
             with contextlib.suppress(ChannelLost):
                 await self.signal(p, signal.SIGKILL)

@@ -1,7 +1,8 @@
 """E2B's control-plane REST API (the part of E2B's OpenAPI document the SDKs use for
 sandboxes) over dsec's own: create from a template, list, get, kill, timeout, pause,
-resume/connect. Templates map to dsec layer stacks: a layer ref (``base/debian:12``) is
-used as is, and E2B's default template name ``base`` means ``base/debian:12``. E2B
+resume/connect. Templates map to dsec layer stacks (dsec.e2b.template): a layer ref
+(``base/debian:12``) is used as is; E2B's default template ``base`` is Debian with E2B's
+unprivileged ``user``. E2B
 metadata are labels, envVars the sandbox's environment, the timeout its remaining
 lifetime. Errors are E2B's ``{"code", "message"}`` with the same HTTP statuses.
 """
@@ -17,11 +18,10 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from dsec.e2b.envd import ENVD_VERSION
+from dsec.e2b.template import stack
 from dsec.errors import DsecError, InvalidRequest, NotFound
 from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
-DEFAULT_TEMPLATE = "base/debian:12"
-TEMPLATE_ALIASES = {"base": DEFAULT_TEMPLATE}
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
 TEMPLATE_LABEL = "e2b.template"
@@ -77,9 +77,9 @@ class E2BApi:
                 "state": "paused" if info.state == SandboxState.paused else "running"}
 
     async def create(self, body: NewSandbox) -> dict[str, Any]:
-        image = TEMPLATE_ALIASES.get(body.templateID, body.templateID)
+        image, layers = stack(body.templateID)
         try:
-            args = ContainerArgs(image=image, env=body.envVars,
+            args = ContainerArgs(image=image, layers=layers, env=body.envVars,
                                  labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
                                  max_lifetime_s=max(1, body.timeout or DEFAULT_TIMEOUT_S), ttl_running_stop=None,
                                  ttl_running_pause=None, workdir="/root")

@@ -14,7 +14,9 @@ import datetime
 import secrets
 import signal
 import stat as statmod
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from dsec.agent.procs import Proc, ProcessTable
 from dsec.agent.watch import DirWatch
+from dsec.e2b.accounts import Account, Accounts, UnknownUser, basic_user
 from dsec.e2b.connect import ConnectError, first_message, read_envelopes, stream_response, unary_body, unary_error
 from dsec.edge.api import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
@@ -52,13 +55,31 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _entry(f: FileStat) -> dict[str, Any]:
+@dataclass
+class Ctx:
+    """One envd request's sandbox, its edge and the user it acts as."""
+
+    sid: str
+    edge: EdgeAPI
+    user: Account
+    accounts: Accounts
+
+    def path(self, p: object, field: str = "path") -> str:
+        if not isinstance(p, str) or not p:
+            raise ConnectError("invalid_argument", f"{field} is required")
+        return p if p.startswith("/") else f"{self.user.home.rstrip('/')}/{p}"  # relative to home, as envd does
+
+    def entry(self, f: FileStat) -> dict[str, Any]:
+        return _entry(f, self.accounts)
+
+
+def _entry(f: FileStat, accounts: Accounts) -> dict[str, Any]:
     mode = f.mode | {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}.get(f.type, 0)
     out: dict[str, Any] = {
         "name": f.name, "type": FILE_TYPES.get(f.type, "FILE_TYPE_UNSPECIFIED"), "path": f.path,
-        "size": str(f.size), "mode": f.mode, "permissions": statmod.filemode(mode), "owner": "root",
-        "group": "root", "modifiedTime": datetime.datetime.fromtimestamp(f.mtime, datetime.UTC).isoformat()
-        .replace("+00:00", "Z")}
+        "size": str(f.size), "mode": f.mode, "permissions": statmod.filemode(mode),
+        "owner": accounts.owner_name(f.uid), "group": accounts.group_name(f.gid),
+        "modifiedTime": datetime.datetime.fromtimestamp(f.mtime, datetime.UTC).isoformat().replace("+00:00", "Z")}
     if f.link_target is not None:
         out["symlinkTarget"] = f.link_target
     return out
@@ -73,19 +94,49 @@ def _selector(msg: dict[str, Any]) -> tuple[int | None, str | None]:
 EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
                "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
 MAX_WATCHERS = 1024
+ACCOUNTS_TTL_S = 2.0
 
 
 class Envd:
     def __init__(self, edge_for: Callable[[str], EdgeAPI]) -> None:
         self.edge_for = edge_for
         self.watchers: dict[str, tuple[str, DirWatch]] = {}  # watcher id -> (sandbox, watch)
+        self.accounts: dict[str, tuple[float, Accounts]] = {}  # sandbox -> (read at, its users)
 
     def _sandbox(self, request: Request) -> tuple[str, EdgeAPI]:
         sid = request.headers.get(SANDBOX_HEADER, "")
         try:
             return sid, self.edge_for(sid)
-        except DsecError as e:
-            raise ConnectError("not_found", f"sandbox {sid!r} not found: {e.message}") from None
+        except DsecError:
+            raise SandboxGone() from None
+
+    async def _accounts(self, sid: str, edge: EdgeAPI) -> Accounts:
+        now = time.monotonic()
+        hit = self.accounts.get(sid)
+        if hit is not None and now - hit[0] < ACCOUNTS_TTL_S:
+            return hit[1]
+
+        async def read(path: str) -> bytes:
+            try:
+                return bytes(await _call(edge.read_file(sid, path)))
+            except SandboxGone:
+                raise
+            except ConnectError:  # no such file, or not a regular one: no users from it
+                return b""
+        accounts = Accounts.parse(await read("/etc/passwd"), await read("/etc/group"))
+        if len(self.accounts) >= 4096:
+            self.accounts.clear()
+        self.accounts[sid] = (now, accounts)
+        return accounts
+
+    async def _ctx(self, request: Request, username: str | None = None) -> Ctx:
+        sid, edge = self._sandbox(request)
+        accounts = await self._accounts(sid, edge)
+        try:
+            user = accounts.user(username or basic_user(request.headers.get("authorization")))
+        except UnknownUser as e:
+            raise ConnectError("invalid_argument", str(e)) from None
+        return Ctx(sid, edge, user, accounts)
 
     async def _table(self, request: Request) -> ProcessTable:
         sid, edge = self._sandbox(request)
@@ -103,15 +154,17 @@ class Envd:
     # ---- process service -----------------------------------------------------------
     async def start(self, request: Request) -> AsyncIterator[dict[str, Any]]:
         msg = await first_message(request)
-        table = await self._table(request)
+        ctx = await self._ctx(request)
+        table = await _call(ctx.edge.process_table(ctx.sid))
         cfg = msg.get("process") or {}
         if not cfg.get("cmd"):
             raise ConnectError("invalid_argument", "process.cmd is required")
         size = ((msg.get("pty") or {}).get("size")) if "pty" in msg else None
         pty = (int(size.get("cols", 80)), int(size.get("rows", 24))) if size is not None else None
         try:
-            p = await table.start(cfg["cmd"], list(cfg.get("args") or []), dict(cfg.get("envs") or {}),
-                                  cfg.get("cwd"), pty, bool(msg.get("stdin", False)), msg.get("tag"))
+            p = await table.start(cfg["cmd"], list(cfg.get("args") or []),
+                                  {**ctx.user.env(), **dict(cfg.get("envs") or {})}, cfg.get("cwd") or ctx.user.home,
+                                  pty, bool(msg.get("stdin", False)), msg.get("tag"), ctx.user.owner)
         except ValueError as e:
             raise ConnectError("resource_exhausted", str(e)) from None
         except DsecError as e:
@@ -132,11 +185,10 @@ class Envd:
                 if ev.kind == "data":
                     yield {"event": {"data": {ev.stream: _b64(ev.data)}}}
                 elif ev.kind == "end":
-                    end: dict[str, Any] = {"exitCode": ev.exit_code, "exited": ev.exit_code >= 0,
-                                           "status": ev.status}
-                    if ev.exit_code < 0:
-                        end["error"] = ev.status
-                    yield {"event": {"end": end}}
+                    if ev.exit_code < 0:  # the sandbox went away under the process
+                        raise ConnectError("unavailable", "the connection to the sandbox ended before the "
+                                           "stream completed")
+                    yield {"event": {"end": {"exitCode": ev.exit_code, "exited": True, "status": ev.status}}}
                     return
         finally:
             p.unsubscribe(q)
@@ -211,23 +263,23 @@ class Envd:
     # ---- filesystem service -----------------------------------------------------------
     async def stat(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        sid, edge = self._sandbox(request)
-        return {"entry": _entry(await _call(edge.stat(sid, _path(msg.get("path")))))}
+        ctx = await self._ctx(request)
+        return {"entry": ctx.entry(await _call(ctx.edge.stat(ctx.sid, ctx.path(msg.get("path")))))}
 
     async def list_dir(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        sid, edge = self._sandbox(request)
+        ctx = await self._ctx(request)
         depth = max(1, int(msg.get("depth") or 1))
-        root = _path(msg.get("path"))
-        if (await _call(edge.stat(sid, root))).type != "dir":
+        root = ctx.path(msg.get("path"))
+        if (await _call(ctx.edge.stat(ctx.sid, root))).type != "dir":
             raise ConnectError("invalid_argument", f"{root} is not a directory")
         out: list[dict[str, Any]] = []
         level = [root]
         for _ in range(depth):
             nxt = []
             for d in level:
-                for f in await _call(edge.list_dir(sid, d)):
-                    out.append(_entry(f))
+                for f in await _call(ctx.edge.list_dir(ctx.sid, d)):
+                    out.append(ctx.entry(f))
                     if f.type == "dir":
                         nxt.append(f.path)
             level = nxt
@@ -235,28 +287,29 @@ class Envd:
 
     async def make_dir(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        sid, edge = self._sandbox(request)
-        path = _path(msg.get("path"))
-        if not await _call(edge.make_dir(sid, path)):
+        ctx = await self._ctx(request)
+        path = ctx.path(msg.get("path"))
+        if not await _call(ctx.edge.make_dir(ctx.sid, path, ctx.user.owner)):
             raise ConnectError("already_exists", f"{path} already exists")
-        return {"entry": _entry(await _call(edge.stat(sid, path)))}
+        return {"entry": ctx.entry(await _call(ctx.edge.stat(ctx.sid, path)))}
 
     async def move(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        sid, edge = self._sandbox(request)
-        f = await _call(edge.move(sid, _path(msg.get("source")), _path(msg.get("destination"))))
-        return {"entry": _entry(f)}
+        ctx = await self._ctx(request)
+        f = await _call(ctx.edge.move(ctx.sid, ctx.path(msg.get("source"), "source"),
+                                      ctx.path(msg.get("destination"), "destination")))
+        return {"entry": ctx.entry(f)}
 
     async def remove(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        sid, edge = self._sandbox(request)
-        await _call(edge.remove(sid, _path(msg.get("path")), True))
+        ctx = await self._ctx(request)
+        await _call(ctx.edge.remove(ctx.sid, ctx.path(msg.get("path")), True))
         return {}
 
     async def _watch(self, request: Request, msg: dict[str, Any]) -> tuple[str, DirWatch]:
-        sid, edge = self._sandbox(request)
-        path = _path(msg.get("path"))
-        return sid, await _call(edge.watch_dir(sid, path, bool(msg.get("recursive", False))))
+        ctx = await self._ctx(request)
+        path = ctx.path(msg.get("path"))
+        return ctx.sid, await _call(ctx.edge.watch_dir(ctx.sid, path, bool(msg.get("recursive", False))))
 
     async def watch_dir(self, request: Request) -> AsyncIterator[dict[str, Any]]:
         _, w = await self._watch(request, await first_message(request))
@@ -303,13 +356,13 @@ class Envd:
 
     # ---- /files ---------------------------------------------------------------------------
     async def download(self, request: Request) -> Response:
-        sid, edge = self._sandbox(request)
-        path = _path(request.query_params.get("path"))
-        data = await _call(edge.read_file(sid, path))
+        ctx = await self._ctx(request, request.query_params.get("username"))
+        path = ctx.path(request.query_params.get("path"))
+        data = await _call(ctx.edge.read_file(ctx.sid, path))
         return Response(data, media_type="application/octet-stream")
 
     async def upload(self, request: Request) -> Response:
-        sid, edge = self._sandbox(request)
+        ctx = await self._ctx(request, request.query_params.get("username"))
         written: list[tuple[str, bytes]] = []
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
@@ -320,27 +373,30 @@ class Envd:
                 name = item.filename or ""
                 path = request.query_params.get("path") if len(form) == 1 and request.query_params.get("path") \
                     else name
-                written.append((_path(path), await item.read()))
+                written.append((ctx.path(path), await item.read()))
         else:
             data = await request.body()
             if request.headers.get("content-encoding") == "gzip":
                 import gzip
 
                 data = gzip.decompress(data)
-            written.append((_path(request.query_params.get("path")), data))
+            written.append((ctx.path(request.query_params.get("path")), data))
         out = []
         for path, data in written:
-            await _call(edge.write_file(sid, path, data))
+            await _call(ctx.edge.write_file(ctx.sid, path, data, owner=ctx.user.owner))
             out.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         return JSONResponse(out)
 
 
-def _path(p: object) -> str:
-    if not isinstance(p, str) or not p:
-        raise ConnectError("invalid_argument", "path is required")
-    if not p.startswith("/"):
-        p = "/root/" + p  # relative to the user's home, as envd does for root
-    return p
+class SandboxGone(ConnectError):
+    """The sandbox does not exist or has ended: answered as E2B's proxy does (HTTP 502,
+    "... was not found"), which the SDKs turn into their sandbox-not-running errors."""
+
+    def __init__(self) -> None:
+        super().__init__("unavailable", "The sandbox was not found")
+
+    def response(self, sid: str) -> Response:
+        return JSONResponse({"code": 502, "message": self.message, "sandboxId": sid}, status_code=502)
 
 
 async def _call(aw: Awaitable[Any]) -> Any:
@@ -349,6 +405,10 @@ async def _call(aw: Awaitable[Any]) -> Any:
         return await aw
     except ConnectError:
         raise
+    except (NotFound, SandboxNotRunning) as e:
+        if e.field == "sandbox_id" or isinstance(e, SandboxNotRunning):
+            raise SandboxGone() from None
+        raise ConnectError(_code_of(e), e.message) from None
     except DsecError as e:
         raise ConnectError(_code_of(e), e.message) from None
 
@@ -371,6 +431,8 @@ def mount(app: FastAPI, envd: Envd) -> None:
         async def route(request: Request) -> Response:
             try:
                 events = await fn(request)
+            except SandboxGone as e:
+                return e.response(request.headers.get(SANDBOX_HEADER, ""))
             except ConnectError as e:
                 return stream_response(_failed(e))
             return stream_response(events)
@@ -382,6 +444,8 @@ def mount(app: FastAPI, envd: Envd) -> None:
                 if fn is envd.stream_input:
                     return stream_response(_single(await fn(request)))
                 return JSONResponse(await fn(request))
+            except SandboxGone as e:
+                return e.response(request.headers.get(SANDBOX_HEADER, ""))
             except ConnectError as e:
                 return unary_error(e)
         return route
@@ -394,6 +458,8 @@ def mount(app: FastAPI, envd: Envd) -> None:
     async def files_get(request: Request) -> Response:
         try:
             return await envd.download(request)
+        except SandboxGone as e:
+            return e.response(request.headers.get(SANDBOX_HEADER, ""))
         except ConnectError as e:
             return JSONResponse({"code": e.json().get("code"), "message": e.message},
                                 status_code=404 if e.code == "not_found" else 400)
@@ -401,17 +467,21 @@ def mount(app: FastAPI, envd: Envd) -> None:
     async def files_post(request: Request) -> Response:
         try:
             return await envd.upload(request)
+        except SandboxGone as e:
+            return e.response(request.headers.get(SANDBOX_HEADER, ""))
         except ConnectError as e:
             return JSONResponse({"code": 400, "message": e.message}, status_code=400)
 
     async def health(request: Request) -> Response:
-        """204 while the sandbox runs; 502 once it has ended (what the SDK's is_running reads)."""
+        """204 while the sandbox runs; once it has ended, the proxy's 502 "was not found"
+        (what the SDK's is_running and its health probe after a dropped stream read)."""
+        sid = request.headers.get(SANDBOX_HEADER, "")
         try:
-            sid, edge = envd._sandbox(request)
+            _, edge = envd._sandbox(request)
             info = await edge.get(sid)
         except (ConnectError, DsecError):
-            return Response(status_code=502)
-        return Response(status_code=204 if info.state in ("running", "paused") else 502)
+            return SandboxGone().response(sid)
+        return Response(status_code=204) if info.state == "running" else SandboxGone().response(sid)
 
     app.router.add_route("/files", files_get, methods=["GET"], include_in_schema=False)
     app.router.add_route("/files", files_post, methods=["POST"], include_in_schema=False)

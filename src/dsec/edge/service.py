@@ -65,6 +65,7 @@ from dsec.models import (
     MicroVMArgs,
     NetworkInfo,
     NodeStats,
+    Owner,
     PauseInfo,
     SandboxEvent,
     SandboxInfo,
@@ -884,21 +885,22 @@ class Edge:
         _, agent = await self._ready(sandbox_id)
         return await agent.files.read_file(path, self.cfg.max_file_bytes)
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
+                         owner: Owner | None = None) -> None:
         if len(data) > self.cfg.max_file_bytes:
             raise PayloadTooLarge(f"file body of {len(data)} bytes exceeds the {self.cfg.max_file_bytes}-byte limit",
                                   field="body")
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_write", f"{path} ({len(data)} bytes, mode {mode:o})")
-        await agent.files.write_file(path, data, mode)
+        await agent.files.write_file(path, data, mode, owner)
 
-    async def make_dir(self, sandbox_id: str, path: str) -> bool:
+    async def make_dir(self, sandbox_id: str, path: str, owner: Owner | None = None) -> bool:
         """Make ``path`` and its parents; False if it already existed."""
         sb, agent = await self._ready(sandbox_id)
         if await agent.files.exists(path):
             return False
         self.audit.record(sb.id, "file_write", f"{path} (directory)")
-        await agent.files.mkdirs(path)
+        await agent.files.mkdirs(path, owner)
         return True
 
     async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:

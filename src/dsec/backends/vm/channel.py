@@ -33,7 +33,7 @@ from dsec.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks
 from dsec.agent.watch import DirWatch
 from dsec.backends.vm.qemu import connect_unix
 from dsec.errors import InvalidRequest, NotFound, SandboxError
-from dsec.models import FileStat
+from dsec.models import FileStat, Owner
 
 TIOCGPTN = 0x80045430  # _IOR('T', 0x30, unsigned int): a pty master's number; not in Python's termios
 MAX_FRAME = 256 * 1024  # what we send; the guest accepts up to 1 MiB
@@ -589,15 +589,17 @@ class GuestFiles:
     def watch(self, path: str, recursive: bool) -> DirWatch:
         raise InvalidRequest("watching directories is not offered in VM sandboxes yet", field="path")
 
-    async def mkdirs(self, path: str) -> None:
+    async def mkdirs(self, path: str, owner: Owner | None = None) -> None:
         p = self._check(path)
+        _root_only(owner)
         self._raise(await self.ch.request("Fm", p), p)
 
     async def read_file(self, path: str, limit: int) -> bytes:
         return await self._collect("Fr", self._check(path), limit, limit=limit)
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, owner: Owner | None = None) -> None:
         p = self._check(path)
+        _root_only(owner)
         if os.path.basename(p) == "":
             raise InvalidRequest("path names the root directory", field="path")
         cid = self.ch.channel_id()
@@ -642,6 +644,12 @@ class GuestFiles:
             code = int(reply[1]) if len(reply) > 1 and reply[1].isdigit() else errno.EIO
             raise SandboxError(f"nothing answers on port {port} in the sandbox: {os.strerror(code)}")
         return mine
+
+
+def _root_only(owner: Owner | None) -> None:
+    if owner not in (None, (0, 0)):
+        raise InvalidRequest("files owned by other users than root are not offered in VM sandboxes yet",
+                             field="owner")
 
 
 def _stat_from(path: str, name: str, f: list[bytes]) -> FileStat:
