@@ -75,6 +75,9 @@ class SandboxBase(Strict):
     ttl_running_pause: Annotated[int | None, Field(ge=1, description="idle seconds before it is paused")] = None
     ttl_paused_stop: Annotated[int | None, Field(ge=1, description="seconds paused before it is stopped")] = None
     max_lifetime_s: Annotated[int | None, Field(ge=1)] = 24 * 3600
+    on_expiry: Literal["stop", "pause"] = Field(
+        default="stop", description="what reaching max_lifetime_s does: stop it, or pause it (it then stays "
+        "paused until resumed with a new lifetime, as E2B's connect does, or until ttl_paused_stop)")
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(default=None, max_length=128)

@@ -626,21 +626,27 @@ class ProcRootFiles:
                 if not statmod.S_ISREG(st.st_mode):
                     raise InvalidRequest(f"{path} is not a regular file", field="path")
                 os.set_blocking(f.fileno(), True)
-                data = f.read(limit + 1)
+                data = bytearray()
+                while len(data) <= limit:  # in bounded reads: procfs refuses one of the whole limit (ENOMEM)
+                    chunk = os.read(f.fileno(), min(1 << 20, limit + 1 - len(data)))
+                    if not chunk:
+                        break
+                    data += chunk
             if len(data) > limit:
                 raise InvalidRequest(f"{path} is larger than the {limit}-byte read limit", field="path")
-            return data
+            return bytes(data)
         return self._wrap_fs(go, path)  # type: ignore[return-value]
 
     def _write_file(self, path: str, data: bytes, mode: int = 0o644, owner: Owner | None = None) -> None:
         def go() -> None:
             os.close(self._open_parent(path, create=True, owner=owner)[0])
-            fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, mode)
+            # O_TRUNC: one change event per step for watchers (create, owner, write), and
+            # the kernel ignores it on FIFOs and devices, which are refused just below
+            fd = self._open_in_root(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode)
             with os.fdopen(fd, "wb") as f:
                 if not statmod.S_ISREG(os.fstat(fd).st_mode):
                     raise InvalidRequest(f"{path} exists and is not a regular file", field="path")
                 os.set_blocking(fd, True)
-                os.ftruncate(fd, 0)
                 if owner is not None:
                     os.fchown(fd, *owner)
                 f.write(data)

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _libc = ctypes.CDLL(None, use_errno=True)
-IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MODIFY, IN_ATTRIB = 0x2, 0x4
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_ISDIR, IN_IGNORED = 0x40000000, 0x8000
-MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+# no IN_CLOSE_WRITE: a write is reported once, by its IN_MODIFY (as envd's fsnotify does)
+MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 MAX_EVENTS = 10_000
 MAX_WATCHES = 4096
 
@@ -40,7 +41,7 @@ def _kind(mask: int) -> str | None:
         return "remove"
     if mask & IN_MOVED_FROM:
         return "rename"
-    if mask & (IN_MODIFY | IN_CLOSE_WRITE):
+    if mask & IN_MODIFY:
         return "write"
     if mask & IN_ATTRIB:
         return "chmod"

@@ -9,7 +9,12 @@ lifetime. Errors are E2B's ``{"code", "message"}`` with the same HTTP statuses.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
+import json
+import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,6 +39,40 @@ class NewSandbox(BaseModel):
     envVars: dict[str, str] = Field(default_factory=dict)
     autoPause: bool = False
     model_config = {"extra": "ignore"}
+
+
+class ListQuery(BaseModel):
+    states: set[str] = Field(default_factory=set)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    template: str | None = None
+    started_after: float | None = None
+    started_before: float | None = None
+    order: str = "desc"
+    limit: int = Field(default=100, ge=1, le=1000)
+    after: tuple[float, str] | None = None  # the key the previous page ended at
+
+
+def _key(info: SandboxInfo) -> tuple[float, str]:
+    return info.created_at, info.sandbox_id
+
+
+def _page_token(info: SandboxInfo) -> str:
+    return base64.urlsafe_b64encode(json.dumps([info.created_at, info.sandbox_id]).encode()).decode()
+
+
+def _parse_token(token: str) -> tuple[float, str]:
+    try:
+        created, sid = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(created), str(sid)
+    except (ValueError, TypeError, binascii.Error):
+        raise InvalidRequest("nextToken: not a token this server gave", field="nextToken") from None
+
+
+def _parse_time(value: str, name: str) -> float:
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise InvalidRequest(f"{name}: not an RFC 3339 time: {value!r}", field=name) from None
 
 
 class TimeoutBody(BaseModel):
@@ -82,6 +121,7 @@ class E2BApi:
             args = ContainerArgs(image=image, layers=layers, env=body.envVars,
                                  labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
                                  max_lifetime_s=max(1, body.timeout or DEFAULT_TIMEOUT_S), ttl_running_stop=None,
+                                 on_expiry="pause" if body.autoPause else "stop",
                                  ttl_running_pause=None, workdir="/root")
         except ValidationError as e:
             raise InvalidRequest(f"templateID/metadata/envVars: {e.errors()[0]['msg']}", field="templateID") from None
@@ -100,17 +140,32 @@ class E2BApi:
             raise NotFound(f"sandbox {sandbox_id} not found (it {info.state.value})", field="sandbox_id")
         return self._listed(info)
 
-    async def list(self, states: set[str], metadata: dict[str, str]) -> list[dict[str, Any]]:
-        out = []
+    async def list(self, q: ListQuery) -> tuple[list[dict[str, Any]], str | None]:
+        """One page of the sandboxes ``q`` selects, ordered by start time (then id), and
+        the token of the next page: the last key returned, so pages stay consistent
+        while sandboxes come and go."""
+        picked = []
         for info in await self.list_all():
             state = "paused" if info.state == SandboxState.paused else \
                 "running" if info.state == SandboxState.running else None
-            if state is None or (states and state not in states) or TEMPLATE_LABEL not in info.labels:
+            if state is None or (q.states and state not in q.states) or TEMPLATE_LABEL not in info.labels:
                 continue
-            if any(info.labels.get(k) != v for k, v in metadata.items()):
+            if any(info.labels.get(k) != v for k, v in q.metadata.items()):
                 continue
-            out.append(self._listed(info))
-        return out
+            if q.template is not None and info.labels[TEMPLATE_LABEL] != q.template:
+                continue
+            if (q.started_after is not None and info.created_at < q.started_after) or \
+                    (q.started_before is not None and info.created_at > q.started_before):
+                continue
+            picked.append(info)
+        desc = q.order == "desc"
+        picked.sort(key=_key, reverse=desc)
+        if q.after is not None:
+            after = q.after
+            picked = [i for i in picked if (_key(i) < after if desc else _key(i) > after)]
+        page = picked[:q.limit]
+        token = _page_token(page[-1]) if len(picked) > q.limit else None
+        return [self._listed(i) for i in page], token
 
     async def kill(self, sandbox_id: str) -> None:
         edge = self.edge_for(sandbox_id)
@@ -137,8 +192,9 @@ class E2BApi:
         if info.state == SandboxState.paused:
             info = await edge.resume(sandbox_id)
             status = 201
-        if timeout:
-            await edge.set_deadline(sandbox_id, timeout)
+            await edge.set_deadline(sandbox_id, timeout or DEFAULT_TIMEOUT_S)
+        elif timeout and (info.expires_at is None or time.time() + timeout > info.expires_at):
+            await edge.set_deadline(sandbox_id, timeout)  # connecting extends a running one, never shortens it
         return status, self._sandbox(info)
 
 
@@ -166,13 +222,22 @@ def mount(app: FastAPI, api: E2BApi) -> None:
 
     async def list_sandboxes(request: Request) -> Response:
         q = request.query_params
-        states = {s for s in q.get("state", "").split(",") if s} if "/v2/" in request.url.path else {"running"}
-        metadata = {}
-        for part in q.get("metadata", "").split("&"):
-            if "=" in part:
-                k, v = part.split("=", 1)
-                metadata[k] = v
-        return JSONResponse(await api.list(states, metadata))
+        query = ListQuery(
+            states={s for s in q.get("state", "").split(",") if s} if "/v2/" in request.url.path else {"running"},
+            metadata=dict(urllib.parse.parse_qsl(q.get("metadata", ""))), template=q.get("template"),
+            started_after=_parse_time(q["startedAfter"], "startedAfter") if q.get("startedAfter") else None,
+            started_before=_parse_time(q["startedBefore"], "startedBefore") if q.get("startedBefore") else None,
+            after=_parse_token(q["nextToken"]) if q.get("nextToken") else None)
+        if q.get("order"):
+            if q["order"] not in ("asc", "desc"):
+                raise InvalidRequest(f"order: must be asc or desc, not {q['order']!r}", field="order")
+            query.order = q["order"]
+        if q.get("limit"):
+            if not q["limit"].isdigit() or not 1 <= int(q["limit"]) <= 1000:
+                raise InvalidRequest("limit: must be an integer from 1 to 1000", field="limit")
+            query.limit = int(q["limit"])
+        page, token = await api.list(query)
+        return JSONResponse(page, headers={"x-next-token": token} if token else None)
 
     async def get(request: Request, sandbox_id: str) -> Response:
         return JSONResponse(await api.get(sandbox_id))

@@ -6,6 +6,7 @@ carrying the error, if any. Errors are Connect codes with their HTTP statuses.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from collections.abc import AsyncIterator
@@ -81,16 +82,32 @@ def unary_error(e: ConnectError) -> Response:
     return JSONResponse(e.json(), status_code=HTTP_STATUS.get(e.code, 500))
 
 
-def stream_response(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def timeout_of(request: Request) -> float | None:
+    """The client's deadline for the call (Connect-Timeout-Ms), in seconds."""
+    raw = request.headers.get("connect-timeout-ms", "")
+    return int(raw) / 1000 if raw.isdigit() and 0 < len(raw) <= 10 else None
+
+
+def stream_response(events: AsyncIterator[dict[str, Any]], timeout: float | None = None) -> StreamingResponse:
     """A server stream: each message in an envelope, then the end-of-stream envelope
-    (with the error, if the stream failed)."""
+    (with the error, if the stream failed or outlived ``timeout``)."""
     async def body() -> AsyncIterator[bytes]:
         end: dict[str, Any] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
         try:
-            async for msg in events:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(anext(events), deadline - loop.time() if deadline else None)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise ConnectError("deadline_exceeded", f"the call outlived its {timeout:g} s timeout") from None
                 yield envelope(msg)
         except ConnectError as e:
             end = {"error": e.json()}
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
         yield envelope(end, END_STREAM)
 
     return StreamingResponse(body(), media_type="application/connect+json")

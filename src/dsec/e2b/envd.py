@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import posixpath
 import secrets
 import signal
 import stat as statmod
@@ -25,7 +26,15 @@ from starlette.responses import JSONResponse, Response
 from dsec.agent.procs import Proc, ProcessTable
 from dsec.agent.watch import DirWatch
 from dsec.e2b.accounts import Account, Accounts, UnknownUser, basic_user
-from dsec.e2b.connect import ConnectError, first_message, read_envelopes, stream_response, unary_body, unary_error
+from dsec.e2b.connect import (
+    ConnectError,
+    first_message,
+    read_envelopes,
+    stream_response,
+    timeout_of,
+    unary_body,
+    unary_error,
+)
 from dsec.edge.api import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
 from dsec.models import FileStat
@@ -69,7 +78,21 @@ class Ctx:
             raise ConnectError("invalid_argument", f"{field} is required")
         return p if p.startswith("/") else f"{self.user.home.rstrip('/')}/{p}"  # relative to home, as envd does
 
-    def entry(self, f: FileStat) -> dict[str, Any]:
+    async def entry(self, f: FileStat) -> dict[str, Any]:
+        """An entry as envd gives it: a symlink has its target's type and, as its
+        target, the absolute path it resolves to (inside the sandbox)."""
+        if f.type == "symlink" and f.link_target is not None:
+            target, link, kind = f.path, f, "other"
+            for _ in range(8):  # a chain of links, as far as the kernel would follow one
+                target = posixpath.normpath(posixpath.join(posixpath.dirname(target), link.link_target or ""))
+                try:
+                    link = await _call(self.edge.stat(self.sid, target))
+                except ConnectError:
+                    break  # dangling
+                if link.type != "symlink":
+                    kind = link.type
+                    break
+            f = f.model_copy(update={"type": kind, "link_target": target})
         return _entry(f, self.accounts)
 
 
@@ -94,6 +117,7 @@ def _selector(msg: dict[str, Any]) -> tuple[int | None, str | None]:
 EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
                "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
 MAX_WATCHERS = 1024
+MAX_ENTRIES = 100_000
 ACCOUNTS_TTL_S = 2.0
 
 
@@ -163,7 +187,8 @@ class Envd:
         pty = (int(size.get("cols", 80)), int(size.get("rows", 24))) if size is not None else None
         try:
             p = await table.start(cfg["cmd"], list(cfg.get("args") or []),
-                                  {**ctx.user.env(), **dict(cfg.get("envs") or {})}, cfg.get("cwd") or ctx.user.home,
+                                  {**ctx.user.env(), **dict(cfg.get("envs") or {})},
+                                  ctx.path(cfg["cwd"]) if cfg.get("cwd") else ctx.user.home,
                                   pty, bool(msg.get("stdin", False)), msg.get("tag"), ctx.user.owner)
         except ValueError as e:
             raise ConnectError("resource_exhausted", str(e)) from None
@@ -264,7 +289,7 @@ class Envd:
     async def stat(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
         ctx = await self._ctx(request)
-        return {"entry": ctx.entry(await _call(ctx.edge.stat(ctx.sid, ctx.path(msg.get("path")))))}
+        return {"entry": await ctx.entry(await _call(ctx.edge.stat(ctx.sid, ctx.path(msg.get("path")))))}
 
     async def list_dir(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
@@ -274,16 +299,14 @@ class Envd:
         if (await _call(ctx.edge.stat(ctx.sid, root))).type != "dir":
             raise ConnectError("invalid_argument", f"{root} is not a directory")
         out: list[dict[str, Any]] = []
-        level = [root]
-        for _ in range(depth):
-            nxt = []
-            for d in level:
-                for f in await _call(ctx.edge.list_dir(ctx.sid, d)):
-                    out.append(ctx.entry(f))
-                    if f.type == "dir":
-                        nxt.append(f.path)
-            level = nxt
-        return {"entries": out}
+
+        async def walk(d: str, level: int) -> None:  # depth first, by name, as envd lists
+            for f in await _call(ctx.edge.list_dir(ctx.sid, d)):
+                out.append(await ctx.entry(f))
+                if f.type == "dir" and level < depth and len(out) < MAX_ENTRIES:
+                    await walk(f.path, level + 1)
+        await walk(root, 1)
+        return {"entries": out[:MAX_ENTRIES]}
 
     async def make_dir(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
@@ -291,19 +314,23 @@ class Envd:
         path = ctx.path(msg.get("path"))
         if not await _call(ctx.edge.make_dir(ctx.sid, path, ctx.user.owner)):
             raise ConnectError("already_exists", f"{path} already exists")
-        return {"entry": ctx.entry(await _call(ctx.edge.stat(ctx.sid, path)))}
+        return {"entry": await ctx.entry(await _call(ctx.edge.stat(ctx.sid, path)))}
 
     async def move(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
         ctx = await self._ctx(request)
         f = await _call(ctx.edge.move(ctx.sid, ctx.path(msg.get("source"), "source"),
                                       ctx.path(msg.get("destination"), "destination")))
-        return {"entry": ctx.entry(f)}
+        return {"entry": await ctx.entry(f)}
 
     async def remove(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
         ctx = await self._ctx(request)
-        await _call(ctx.edge.remove(ctx.sid, ctx.path(msg.get("path")), True))
+        try:
+            await _call(ctx.edge.remove(ctx.sid, ctx.path(msg.get("path")), True))
+        except ConnectError as e:
+            if e.code != "not_found":  # removing what is not there is done, as envd has it
+                raise
         return {}
 
     async def _watch(self, request: Request, msg: dict[str, Any]) -> tuple[str, DirWatch]:
@@ -435,7 +462,7 @@ def mount(app: FastAPI, envd: Envd) -> None:
                 return e.response(request.headers.get(SANDBOX_HEADER, ""))
             except ConnectError as e:
                 return stream_response(_failed(e))
-            return stream_response(events)
+            return stream_response(events, timeout_of(request))
         return route
 
     def unary_route(fn: Callable[[Request], Awaitable[dict[str, Any]]]) -> Any:

@@ -1180,7 +1180,8 @@ class Edge:
                     if info.state == SandboxState.running:
                         self._limit_events(sb)
                     if info.state == SandboxState.paused:  # idle by definition: lifetime and paused TTL only
-                        if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
+                        if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s \
+                                and args.on_expiry == "stop":
                             await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
                         elif args.ttl_paused_stop and now - (info.paused_at or now) > args.ttl_paused_stop:
                             await self._teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
@@ -1188,7 +1189,11 @@ class Edge:
                     if sb.ops:
                         info.last_active_at = now
                     if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
-                        await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                        if args.on_expiry == "pause":
+                            with contextlib.suppress(SandboxBusy, SandboxError):
+                                await self.pause(sb.id)
+                        else:
+                            await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
                     elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
                         await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
                     elif args.ttl_running_pause and now - info.last_active_at > args.ttl_running_pause:
