@@ -178,3 +178,94 @@ async def test_async_sdk(e2b_env: None) -> None:
         assert await sbx.files.read("/root/a.txt") == "A"
     finally:
         await sbx.kill()
+
+
+def test_users(e2b_env: None) -> None:
+    """The ``base`` template acts as E2B's unprivileged ``user`` by default (commands,
+    file owners, relative paths); ``user="root"`` asks for root; a template without that
+    account (a bare layer ref) acts as root."""
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        assert sbx.commands.run("id -un; pwd; echo $HOME").stdout == "user\n/home/user\n/home/user\n"
+        assert sbx.commands.run("id -u", user="root").stdout == "0\n"
+        info = sbx.files.write("notes/a.txt", "x")
+        assert info.path == "/home/user/notes/a.txt"
+        got = sbx.files.get_info("notes/a.txt")
+        assert (got.owner, got.group) == ("user", "user")
+        assert sbx.commands.run("stat -c %U:%G notes notes/a.txt").stdout == "user:user\nuser:user\n"
+        assert sbx.commands.run("cat a.txt", cwd="notes").stdout == "x"  # a relative cwd is under home
+        sbx.commands.run("ln -s a.txt notes/link")
+        link = sbx.files.get_info("notes/link")
+        assert (link.type.value, link.symlink_target) == ("file", "/home/user/notes/a.txt")
+        with pytest.raises(SandboxException, match="does not exist"):
+            sbx.commands.run("true", user="nobody-here")  # type: ignore[arg-type]
+    finally:
+        sbx.kill()
+    bare = Sandbox.create("base/debian:12", timeout=120)
+    try:
+        assert bare.commands.run("id -un; pwd").stdout == "root\n/root\n"
+    finally:
+        bare.kill()
+
+
+def test_list_pages_order_and_filters(e2b_env: None) -> None:
+    from e2b import SandboxQuery, SandboxState
+
+    tag = {"suite": os.urandom(4).hex()}
+    made = [Sandbox.create(timeout=120, metadata=tag) for _ in range(3)]
+    try:
+        pager = Sandbox.list(query=SandboxQuery(metadata=tag), limit=2)
+        first = pager.next_items()
+        assert [s.sandbox_id for s in first] == [made[2].sandbox_id, made[1].sandbox_id]  # newest first
+        assert pager.has_next
+        assert [s.sandbox_id for s in pager.next_items()] == [made[0].sandbox_id] and not pager.has_next
+        asc = Sandbox.list(query=SandboxQuery(metadata=tag), order="asc").next_items()
+        assert [s.sandbox_id for s in asc] == [s.sandbox_id for s in made]
+        assert Sandbox.list(query=SandboxQuery(metadata=tag, template="no-such")).next_items() == []
+        later = made[1].get_info().started_at
+        after = Sandbox.list(query=SandboxQuery(metadata=tag, started_after=later)).next_items()
+        assert {s.sandbox_id for s in after} == {made[1].sandbox_id, made[2].sandbox_id}
+        made[0].pause()
+        paused = Sandbox.list(query=SandboxQuery(metadata=tag, state=[SandboxState.PAUSED])).next_items()
+        assert [s.sandbox_id for s in paused] == [made[0].sandbox_id]
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_sandbox_gone_mid_command(e2b_env: None) -> None:
+    """A command stream cut by the sandbox's end is the SDK's 'killed' error (the proxy's
+    502 "was not found" answers its health probe), not an exit code."""
+    from e2b import SandboxNotRunningException, TimeoutException
+
+    sbx = Sandbox.create(timeout=120)
+    cmd = sbx.commands.run("sleep 60", background=True)
+    sbx.kill()
+    with pytest.raises(TimeoutException, match="killed or reached its end of life") as err:
+        cmd.wait()
+    assert isinstance(err.value, SandboxNotRunningException)
+    with pytest.raises(SandboxNotRunningException):
+        sbx.files.read("/etc/hostname")
+
+
+def test_timeouts_and_auto_pause(e2b_env: None) -> None:
+    from e2b import TimeoutException
+
+    sbx = Sandbox.create(timeout=300, lifecycle={"on_timeout": "pause"})
+    try:
+        with pytest.raises(TimeoutException):
+            sbx.commands.run("sleep 10", timeout=1)  # the stream's deadline, kept by the server
+        before = sbx.get_info().end_at
+        Sandbox.connect(sbx.sandbox_id, timeout=10)  # never shortens a running sandbox's timeout
+        assert sbx.get_info().end_at == before
+        sbx.files.write("/root/kept.txt", "kept")
+        sbx.set_timeout(0)  # the timeout pauses it (autoPause) rather than ending it
+        deadline = time.time() + 30
+        while time.time() < deadline and sbx.is_running():
+            time.sleep(0.3)
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        resumed = Sandbox.connect(sbx.sandbox_id)
+        assert resumed.files.read("/root/kept.txt") == "kept"
+        assert resumed.get_info().end_at.timestamp() > time.time() + 60  # a fresh timeout on resume
+    finally:
+        sbx.kill()
