@@ -40,21 +40,25 @@ def run(e2b_repo: str, node_data: str) -> list[tuple[str, str, str]]:
         env.pop("E2B_DEBUG", None)
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                         *SELECTION], cwd=sdk, env=env, check=False)
-        out = []
-        for case in ET.parse(report).getroot().iter("testcase"):
-            test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-            outcome, why = "passed", ""
-            for kind in ("failure", "error", "skipped"):
-                el = case.find(kind)
-                if el is not None:
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
-                    why = (el.get("message") or "").splitlines()[0][:160] if el.get("message") else ""
-                    break
-            out.append((test_id, outcome, why))
-        return out
+        return outcomes(report)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def outcomes(junit_xml: str) -> list[tuple[str, str, str]]:
+    out = []
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        outcome, why = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
+                why = (el.get("message") or "").splitlines()[0][:160] if el.get("message") else ""
+                break
+        out.append((test_id, outcome, why))
+    return out
 
 
 def render(results: list[tuple[str, str, str]], commit: str) -> str:
@@ -73,12 +77,13 @@ def main() -> None:
     ap.add_argument("--e2b-repo", default=os.environ.get("E2B_REPO"), help="checkout of e2b-dev/E2B")
     ap.add_argument("--node-data", default="/var/lib/dsec", help="the node's data dir (for its layers)")
     ap.add_argument("--write", help="replace the results section of this markdown file")
+    ap.add_argument("--from-junit", help="render an earlier run's JUnit XML instead of running")
     a = ap.parse_args()
     if not a.e2b_repo:
         sys.exit("--e2b-repo (or E2B_REPO) is required: a checkout of e2b-dev/E2B")
     commit = subprocess.run(["git", "-C", a.e2b_repo, "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    body = render(run(a.e2b_repo, a.node_data), commit)
+    body = render(outcomes(a.from_junit) if a.from_junit else run(a.e2b_repo, a.node_data), commit)
     print(body)
     if a.write:
         with open(a.write) as f:

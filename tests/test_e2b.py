@@ -269,3 +269,40 @@ def test_timeouts_and_auto_pause(e2b_env: None) -> None:
         assert resumed.get_info().end_at.timestamp() > time.time() + 60  # a fresh timeout on resume
     finally:
         sbx.kill()
+
+
+def test_snapshots_and_fork(e2b_env: None) -> None:
+    """Snapshots are the sandbox's writes as a workspace layer over its stack; a sandbox
+    created from the snapshot's id has those files; fork does the same for live copies."""
+    sbx = Sandbox.create(timeout=120)
+    made: list[Sandbox] = []
+    try:
+        sbx.files.write("state.txt", "before")
+        snap = sbx.create_snapshot(name="my snap_1")
+        assert snap.names == ["my snap_1"]
+        sbx.files.write("state.txt", "after")
+        restored = Sandbox.create(snap.snapshot_id, timeout=60)
+        made.append(restored)
+        assert restored.files.read("state.txt") == "before"
+        assert restored.commands.run("id -un").stdout == "user\n"  # the template's stack came along
+        listed = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
+        assert [s.snapshot_id for s in listed] == [snap.snapshot_id]
+        assert Sandbox.list_snapshots(name="other").next_items() == []
+        forks = sbx.fork(count=2, timeout=60)
+        made += forks
+        assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 3
+        forks[0].files.write("state.txt", "fork 0")
+        assert [f.files.read("state.txt") for f in forks] == ["fork 0", "after"]
+        assert sbx.files.read("state.txt") == "after" and sbx.is_running()
+        with pytest.raises(SandboxException):  # a running sandbox still uses the snapshot
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        restored.kill()
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    finally:
+        for s in [sbx, *made]:
+            s.kill()
+    from e2b import SandboxNotFoundException
+
+    with pytest.raises(SandboxNotFoundException):
+        sbx.fork()

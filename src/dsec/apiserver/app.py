@@ -302,8 +302,7 @@ def build_app(api: Apiserver) -> FastAPI:
         return _error(InvalidRequest(f"{field}: {msg}" if field else msg, field=field))
 
     app.add_middleware(BearerAuth, api=api)
-    e2b_api.mount(app, e2b_api.E2BApi(api.create, lambda: api.list(None, {}), api.edge_for,
-                                      lambda sid: api.tokens.derive("envd", sid)))
+    e2b_api.mount(app, e2b_api.E2BApi(api, lambda sid: api.tokens.derive("envd", sid)))
     envd.mount(app, envd.Envd(api.edge_for))
 
     @app.post("/v1/tokens", status_code=201)

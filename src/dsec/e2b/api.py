@@ -9,27 +9,43 @@ lifetime. Errors are E2B's ``{"code", "message"}`` with the same HTTP statuses.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import datetime
 import json
+import secrets
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from dsec.e2b.envd import ENVD_VERSION
-from dsec.e2b.template import stack
+from dsec.e2b.template import SNAPSHOT_ID_RE, snapshot_ref, stack
+from dsec.edge.api import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, NotFound
+from dsec.layers.store import Layer, LayerStore
 from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
 TEMPLATE_LABEL = "e2b.template"
+
+
+class Platform(Protocol):
+    """What the E2B front end needs of the apiserver."""
+
+    layers: LayerStore
+
+    async def create(self, req: CreateRequest) -> SandboxInfo: ...
+    async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]: ...
+    def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
+    async def layers_in_use(self) -> set[str]: ...
 
 
 class NewSandbox(BaseModel):
@@ -56,8 +72,32 @@ def _key(info: SandboxInfo) -> tuple[float, str]:
     return info.created_at, info.sandbox_id
 
 
+def _token(created_at: float, ident: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([created_at, ident]).encode()).decode()
+
+
 def _page_token(info: SandboxInfo) -> str:
-    return base64.urlsafe_b64encode(json.dumps([info.created_at, info.sandbox_id]).encode()).decode()
+    return _token(*_key(info))
+
+
+SNAPSHOT_PREFIX, SNAPSHOT_SOURCE = "ws/e2b-snapshot-", "e2b snapshot "
+FORK_PREFIX, FORK_SOURCE = "ws/e2b-fork-", "e2b fork "
+
+
+def _snapshot_meta(layer: Layer) -> dict[str, Any] | None:
+    if not (layer.ref.startswith(SNAPSHOT_PREFIX) and layer.source.startswith(SNAPSHOT_SOURCE)):
+        return None
+    try:
+        meta = json.loads(layer.source[len(SNAPSHOT_SOURCE):])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _snapshot_info(layer: Layer) -> dict[str, Any]:
+    name = (_snapshot_meta(layer) or {}).get("name")
+    snapshot_id = layer.ref.removeprefix("ws/").removesuffix(":1")
+    return {"snapshotID": snapshot_id, "names": [name] if name else [snapshot_id]}
 
 
 def _parse_token(token: str) -> tuple[float, str]:
@@ -73,6 +113,18 @@ def _parse_time(value: str, name: str) -> float:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     except ValueError:
         raise InvalidRequest(f"{name}: not an RFC 3339 time: {value!r}", field=name) from None
+
+
+class SnapshotBody(BaseModel):
+    name: str | None = Field(default=None, max_length=256)
+    memory: bool | None = None  # files only here: a container's memory is not saved (see docs/e2b-compat.md)
+    model_config = {"extra": "ignore"}
+
+
+class ForkBody(BaseModel):
+    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S)
+    count: int = Field(default=1, ge=1, le=64)
+    model_config = {"extra": "ignore"}
 
 
 class TimeoutBody(BaseModel):
@@ -97,10 +149,12 @@ def _error(e: DsecError) -> JSONResponse:
 
 
 class E2BApi:
-    def __init__(self, create: Callable[[CreateRequest], Awaitable[SandboxInfo]],
-                 list_all: Callable[[], Awaitable[list[SandboxInfo]]], edge_for: Callable[[str], Any],
-                 access_token: Callable[[str], str]) -> None:
-        self.create_fn, self.list_all, self.edge_for, self.access_token = create, list_all, edge_for, access_token
+    def __init__(self, platform: Platform, access_token: Callable[[str], str]) -> None:
+        self.platform, self.access_token = platform, access_token
+        self.edge_for = platform.edge_for
+
+    async def list_all(self) -> list[SandboxInfo]:
+        return await self.platform.list(None, {})
 
     def _sandbox(self, info: SandboxInfo) -> dict[str, Any]:
         return {"templateID": info.labels.get(TEMPLATE_LABEL, info.image), "sandboxID": info.sandbox_id,
@@ -116,7 +170,7 @@ class E2BApi:
                 "state": "paused" if info.state == SandboxState.paused else "running"}
 
     async def create(self, body: NewSandbox) -> dict[str, Any]:
-        image, layers = stack(body.templateID)
+        image, layers = stack(body.templateID, self.platform.layers)
         try:
             args = ContainerArgs(image=image, layers=layers, env=body.envVars,
                                  labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
@@ -126,19 +180,87 @@ class E2BApi:
         except ValidationError as e:
             raise InvalidRequest(f"templateID/metadata/envVars: {e.errors()[0]['msg']}", field="templateID") from None
         try:
-            info = await self.create_fn(CreateRequest(args=args))
+            info = await self.platform.create(CreateRequest(args=args))
         except (NotFound, InvalidRequest) as e:
             if isinstance(e, InvalidRequest) and e.field not in ("image", "layers", "args.image"):
                 raise
             raise NotFound(f"template {body.templateID!r} not found: {e.message}", field="templateID") from None
         return self._sandbox(info)
 
-    async def get(self, sandbox_id: str) -> dict[str, Any]:
+    async def _live(self, sandbox_id: str) -> tuple[EdgeAPI, SandboxInfo]:
         edge = self.edge_for(sandbox_id)
         info = await edge.get(sandbox_id)
         if info.state not in (SandboxState.running, SandboxState.paused):
             raise NotFound(f"sandbox {sandbox_id} not found (it {info.state.value})", field="sandbox_id")
-        return self._listed(info)
+        return edge, info
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
+        """A persistent snapshot of the sandbox's files: its writes as a workspace layer
+        over the stack it runs on, which creating a sandbox from the snapshot's id restores."""
+        edge, _ = await self._live(sandbox_id)
+        source = SNAPSHOT_SOURCE + json.dumps({"sandbox": sandbox_id, "name": name})
+        layer = await edge.pack_diff(sandbox_id, snapshot_ref(f"e2b-snapshot-{secrets.token_hex(6)}"), source=source)
+        return _snapshot_info(layer)
+
+    def snapshots(self, sandbox_id: str | None, name: str | None, limit: int,
+                  after: tuple[float, str] | None) -> tuple[list[dict[str, Any]], str | None]:
+        """Newest first, in pages keyed by (creation time, id)."""
+        picked = []
+        for layer in self.platform.layers.list():
+            meta = _snapshot_meta(layer)
+            if meta is None or (sandbox_id and meta.get("sandbox") != sandbox_id) or \
+                    (name is not None and meta.get("name") != name):
+                continue
+            if after is not None and (layer.created_at, layer.ref) >= after:
+                continue
+            picked.append(layer)
+        picked.sort(key=lambda layer: (layer.created_at, layer.ref), reverse=True)
+        page = picked[:limit]
+        more = len(picked) > limit
+        return [_snapshot_info(x) for x in page], _token(page[-1].created_at, page[-1].ref) if more else None
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        try:
+            layer = self.platform.layers.get(snapshot_ref(snapshot_id)) if SNAPSHOT_ID_RE.match(snapshot_id) else None
+        except (DsecError, ValueError):
+            layer = None
+        if layer is None or _snapshot_meta(layer) is None:
+            raise NotFound(f"snapshot {snapshot_id!r} not found", field="templateID")
+        self.platform.layers.remove(layer.ref, await self.platform.layers_in_use())
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[dict[str, Any]]:
+        """``count`` new sandboxes with the sandbox's files as they are now (its writes
+        taken as a layer, as a snapshot is) and its template, metadata and limits; the
+        original keeps running. Forks made are returned even if others fail."""
+        edge, info = await self._live(sandbox_id)
+        await self._drop_unused_forks()
+        layer = await edge.pack_diff(sandbox_id, f"{FORK_PREFIX}{secrets.token_hex(6)}:1",
+                                     source=FORK_SOURCE + json.dumps({"sandbox": sandbox_id}))
+        image, layers = layer.stack()
+        args = ContainerArgs(image=image, layers=layers, labels=info.labels, memory_limit_mb=info.memory_limit_mb,
+                             cpu_cores_limit=info.cpu_cores_limit, max_lifetime_s=max(1, timeout),
+                             ttl_running_stop=None, ttl_running_pause=None, workdir="/root")
+        made = await asyncio.gather(*(self.platform.create(CreateRequest(args=args)) for _ in range(count)),
+                                    return_exceptions=True)
+        out: list[dict[str, Any]] = []
+        for r in made:
+            if isinstance(r, SandboxInfo):
+                out.append({"sandbox": self._sandbox(r)})
+            else:
+                err = r if isinstance(r, DsecError) else DsecError(str(r))
+                out.append({"error": {"code": err.status, "message": err.message}})
+        return out
+
+    async def _drop_unused_forks(self) -> None:
+        """A fork's layer lives while its forks do: earlier ones no sandbox uses are dropped."""
+        in_use = await self.platform.layers_in_use()
+        for layer in self.platform.layers.list():
+            if layer.ref.startswith(FORK_PREFIX) and not set(layer.all_blobs) & in_use:
+                with contextlib.suppress(DsecError):
+                    self.platform.layers.remove(layer.ref, in_use)
+
+    async def get(self, sandbox_id: str) -> dict[str, Any]:
+        return self._listed((await self._live(sandbox_id))[1])
 
     async def list(self, q: ListQuery) -> tuple[list[dict[str, Any]], str | None]:
         """One page of the sandboxes ``q`` selects, ordered by start time (then id), and
@@ -168,10 +290,7 @@ class E2BApi:
         return [self._listed(i) for i in page], token
 
     async def kill(self, sandbox_id: str) -> None:
-        edge = self.edge_for(sandbox_id)
-        info = await edge.get(sandbox_id)
-        if info.state not in (SandboxState.running, SandboxState.paused):
-            raise NotFound(f"sandbox {sandbox_id} not found", field="sandbox_id")
+        edge, _ = await self._live(sandbox_id)
         await edge.stop(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
@@ -184,10 +303,7 @@ class E2BApi:
         await edge.pause(sandbox_id)
 
     async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[int, dict[str, Any]]:
-        edge = self.edge_for(sandbox_id)
-        info = await edge.get(sandbox_id)
-        if info.state not in (SandboxState.running, SandboxState.paused):
-            raise NotFound(f"sandbox {sandbox_id} not found", field="sandbox_id")
+        edge, info = await self._live(sandbox_id)
         status = 200
         if info.state == SandboxState.paused:
             info = await edge.resume(sandbox_id)
@@ -260,12 +376,37 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         status, out = await api.connect(sandbox_id, body.timeout if body else None)
         return JSONResponse(out, status_code=status)
 
+    async def snapshot(request: Request, sandbox_id: str) -> Response:
+        raw = await request.body()
+        body = SnapshotBody.model_validate_json(raw) if raw.strip() else SnapshotBody()
+        return JSONResponse(await api.snapshot(sandbox_id, body.name), status_code=201)
+
+    async def snapshots(request: Request) -> Response:
+        q = request.query_params
+        limit = q.get("limit", "100")
+        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+            raise InvalidRequest("limit: must be an integer from 1 to 1000", field="limit")
+        page, token = api.snapshots(q.get("sandboxID"), q.get("name"), int(limit),
+                                    _parse_token(q["nextToken"]) if q.get("nextToken") else None)
+        return JSONResponse(page, headers={"x-next-token": token} if token else None)
+
+    async def delete_template(request: Request, template_id: str) -> Response:
+        await api.delete_snapshot(template_id)
+        return Response(status_code=204)
+
+    async def fork(request: Request, sandbox_id: str) -> Response:
+        raw = await request.body()
+        body = ForkBody.model_validate_json(raw) if raw.strip() else ForkBody()
+        return JSONResponse(await api.fork(sandbox_id, body.count, body.timeout), status_code=201)
+
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
         ("/sandboxes", create, "POST"), ("/v2/sandboxes", create, "POST"),
         ("/sandboxes", list_sandboxes, "GET"), ("/v2/sandboxes", list_sandboxes, "GET"),
         ("/sandboxes/{sandbox_id}", get, "GET"), ("/sandboxes/{sandbox_id}", kill, "DELETE"),
         ("/sandboxes/{sandbox_id}/timeout", timeout, "POST"), ("/sandboxes/{sandbox_id}/pause", pause, "POST"),
         ("/sandboxes/{sandbox_id}/resume", connect, "POST"), ("/sandboxes/{sandbox_id}/connect", connect, "POST"),
-        ("/v2/sandboxes/{sandbox_id}/connect", connect, "POST")]
+        ("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
+        ("/sandboxes/{sandbox_id}/snapshots", snapshot, "POST"), ("/snapshots", snapshots, "GET"),
+        ("/templates/{template_id}", delete_template, "DELETE"), ("/sandboxes/{sandbox_id}/fork", fork, "POST")]
     for path, fn, method in routes:
         app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)

@@ -8,10 +8,12 @@ files and /etc/skel). Any other template name is taken as a dsec layer ref, used
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 
 from dsec.edge import linux
+from dsec.errors import DsecError
 from dsec.layers.store import Layer, LayerStore
 
 BASE_IMAGE = "base/debian:12"
@@ -26,9 +28,25 @@ ACCOUNT_LINES = {
 }
 
 
-def stack(template: str) -> tuple[str, list[str]]:
-    """(image, layers) a template name means."""
-    return TEMPLATES.get(template, (template, []))
+SNAPSHOT_ID_RE = re.compile(r"^e2b-snapshot-[0-9a-f]{12}$")
+
+
+def snapshot_ref(snapshot_id: str) -> str:
+    """The layer an E2B snapshot id names (ids carry no '/', as they travel in URL paths)."""
+    return f"ws/{snapshot_id}:1"
+
+
+def stack(template: str, store: LayerStore) -> tuple[str, list[str]]:
+    """(image, layers) a template name means: a built-in template, a layer taken from a
+    sandbox (an E2B snapshot or any pack_diff layer: the stack it was taken on, then it),
+    or a layer ref used alone."""
+    if template in TEMPLATES:
+        return TEMPLATES[template]
+    try:
+        layer = store.get(snapshot_ref(template) if SNAPSHOT_ID_RE.match(template) else template)
+    except (DsecError, ValueError):
+        return template, []  # not a layer here: the create says so, naming the field
+    return layer.stack() if layer.parent_image else (template, [])
 
 
 def ensure_user_layer(store: LayerStore) -> Layer:

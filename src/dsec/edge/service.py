@@ -986,7 +986,7 @@ class Edge:
 
     # ---- layers: pack_diff, in-use ------------------------------------------------
     async def pack_diff(self, sandbox_id: str, ref: str, scrub_paths: list[str] | None = None,
-                        default_scrub: bool = True) -> Layer:
+                        default_scrub: bool = True, source: str | None = None) -> Layer:
         """Publish the sandbox's writes (its overlay upper dir: new and changed files,
         whiteouts for deletions, opaque dirs) as workspace layer ``ref``, incremental
         over the stack it runs on. The sandbox is frozen while the image is built."""
@@ -1009,7 +1009,7 @@ class Edge:
             try:
                 layer = await asyncio.to_thread(
                     self.layers.import_dir, os.path.join(sb.dir, "upper"), ref, kind, opts,
-                    sb.rec.args.image, sb.rec.args.layers, f"pack_diff of {sb.id}")
+                    sb.rec.args.image, sb.rec.args.layers, source or f"pack_diff of {sb.id}")
             finally:
                 await self.runtime.resume(sb.id)
         self.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
