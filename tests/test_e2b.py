@@ -306,3 +306,20 @@ def test_snapshots_and_fork(e2b_env: None) -> None:
 
     with pytest.raises(SandboxNotFoundException):
         sbx.fork()
+
+
+def test_metrics(e2b_env: None) -> None:
+    import datetime
+
+    sbx = Sandbox.create(timeout=60)
+    try:
+        sbx.commands.run("head -c 20000000 /dev/urandom > ~/blob")
+        (m,) = sbx.get_metrics()
+        assert m.mem_total == 512 << 20 and 0 < m.mem_used <= m.mem_total
+        assert m.disk_used >= 20_000_000 and m.disk_total == 10240 << 20
+        assert m.cpu_count == 1 and m.cpu_used_pct > 0
+        assert abs(m.timestamp.timestamp() - time.time()) < 10
+        long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)
+        assert sbx.get_metrics(start=long_ago, end=long_ago + datetime.timedelta(minutes=1)) == []
+    finally:
+        sbx.kill()

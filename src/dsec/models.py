@@ -307,6 +307,7 @@ class SandboxInfo(BaseModel):
     job: str | None = None
     memory_limit_mb: int
     cpu_cores_limit: float
+    disk_limit_mb: int | None = Field(default=None, description="containers: the quota on its writable layer")
     error: str | None = None
     vm: VMInfo | None = Field(default=None, description="VM sandboxes: accelerator and how it started")
     paused_at: float | None = None

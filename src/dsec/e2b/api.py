@@ -34,6 +34,7 @@ from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
+METRICS_BUCKET_S = 5
 TEMPLATE_LABEL = "e2b.template"
 
 
@@ -259,6 +260,22 @@ class E2BApi:
                 with contextlib.suppress(DsecError):
                     self.platform.layers.remove(layer.ref, in_use)
 
+    async def metrics(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
+        """The sandbox's use now, from its cgroup and writable layer, stamped with the
+        5-second bucket it falls in (no history is kept: a range that does not hold the
+        current bucket is empty). CPU is its average since it started."""
+        edge, info = await self._live(sandbox_id)
+        now = time.time()
+        bucket = now - now % METRICS_BUCKET_S
+        if (start is not None and bucket < start - METRICS_BUCKET_S) or (end is not None and bucket > end):
+            return []
+        use = await edge.usage(sandbox_id)
+        cores = max(info.cpu_cores_limit, 0.01)
+        return [{"timestamp": _iso(bucket), "timestampUnix": int(bucket), "cpuCount": max(1, round(cores)),
+                 "cpuUsedPct": round(100 * use.cpu_s / max(now - info.created_at, 1e-3) / cores, 2),
+                 "memUsed": use.memory_bytes, "memTotal": info.memory_limit_mb << 20, "memCache": use.file_bytes,
+                 "diskUsed": use.disk_bytes, "diskTotal": (info.disk_limit_mb or 0) << 20}]
+
     async def get(self, sandbox_id: str) -> dict[str, Any]:
         return self._listed((await self._live(sandbox_id))[1])
 
@@ -399,6 +416,18 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         body = ForkBody.model_validate_json(raw) if raw.strip() else ForkBody()
         return JSONResponse(await api.fork(sandbox_id, body.count, body.timeout), status_code=201)
 
+    async def metrics(request: Request, sandbox_id: str) -> Response:
+        q = request.query_params
+
+        def when(name: str) -> float | None:
+            raw = q.get(name)
+            if not raw:
+                return None
+            if not raw.isdigit():
+                raise InvalidRequest(f"{name}: unix seconds, not {raw!r}", field=name)
+            return float(raw)
+        return JSONResponse(await api.metrics(sandbox_id, when("start"), when("end")))
+
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
         ("/sandboxes", create, "POST"), ("/v2/sandboxes", create, "POST"),
         ("/sandboxes", list_sandboxes, "GET"), ("/v2/sandboxes", list_sandboxes, "GET"),
@@ -407,6 +436,7 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         ("/sandboxes/{sandbox_id}/resume", connect, "POST"), ("/sandboxes/{sandbox_id}/connect", connect, "POST"),
         ("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
         ("/sandboxes/{sandbox_id}/snapshots", snapshot, "POST"), ("/snapshots", snapshots, "GET"),
-        ("/templates/{template_id}", delete_template, "DELETE"), ("/sandboxes/{sandbox_id}/fork", fork, "POST")]
+        ("/templates/{template_id}", delete_template, "DELETE"), ("/sandboxes/{sandbox_id}/fork", fork, "POST"),
+        ("/sandboxes/{sandbox_id}/metrics", metrics, "GET")]
     for path, fn, method in routes:
         app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)

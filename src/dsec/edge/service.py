@@ -454,6 +454,7 @@ class Edge:
             sandbox_id=sid, edge=self.name, backend=Backend(args.backend), state=SandboxState.creating,
             image=args.image, layers=args.layers, created_at=now, last_active_at=now, labels=args.labels,
             job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit,
+            disk_limit_mb=args.disk_limit_mb if isinstance(args, ContainerArgs) else None,
             expires_at=now + args.max_lifetime_s if args.max_lifetime_s else None)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         self.sandboxes[sid] = sb  # reserves its share before the first await
