@@ -323,3 +323,26 @@ def test_metrics(e2b_env: None) -> None:
         assert sbx.get_metrics(start=long_ago, end=long_ago + datetime.timedelta(minutes=1)) == []
     finally:
         sbx.kill()
+
+
+def test_signed_file_urls(e2b_env: None) -> None:
+    """A signed URL is its own credential: no token header, no sandbox id; it is refused
+    once expired or when any part of it is changed."""
+    import urllib.error
+    import urllib.request
+
+    sbx = Sandbox.create(timeout=60)
+    try:
+        sbx.files.write("s.txt", "signed")
+        for url in (sbx.download_url("s.txt", "user"), sbx.download_url("s.txt", "user", 120)):
+            with urllib.request.urlopen(url) as resp:
+                assert resp.read() == b"signed"
+        for bad, message in ((sbx.download_url("s.txt", "user", use_signature_expiration=-120),
+                              "signature is already expired"),
+                             (sbx.download_url("s.txt", "user").replace("s.txt", "other.txt"), "invalid signature")):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(bad)
+            assert err.value.code == 401
+            assert json.loads(err.value.read()) == {"code": 401, "message": message}
+    finally:
+        sbx.kill()

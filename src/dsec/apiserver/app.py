@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -27,7 +28,7 @@ from dsec.agent.aether import Aether
 from dsec.agent.initclient import exit_code
 from dsec.e2b import api as e2b_api
 from dsec.e2b import envd
-from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES
+from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -63,6 +64,7 @@ from dsec.models import (
     ProtectRequest,
     SandboxEvent,
     SandboxInfo,
+    SandboxState,
     SandboxUsage,
     StorageStats,
     normalize_layer_ref,
@@ -232,6 +234,8 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
             return None
         headers = dict(scope["headers"])
+        if scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
+            return await self._signed_file(scope, headers)
         if scope["path"].startswith(ENVD_PREFIXES) or scope["path"] in ENVD_PATHS:  # E2B's envd: per-sandbox token
             sid = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
             given = headers.get(b"x-access-token", b"").decode(errors="replace")
@@ -262,10 +266,30 @@ class BearerAuth:
                                     field="sandbox_id")
         return None
 
+    async def _signed_file(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> DsecError | None:
+        """An E2B signed file URL: the signature is the credential, and names the sandbox."""
+        query = dict(urllib.parse.parse_qsl(scope["query_string"].decode(errors="replace")))
+        named = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
+        if named:
+            candidates = [named]
+        else:
+            candidates = [i.sandbox_id for i in await self.api.list(None, {}) if i.state == SandboxState.running]
+        try:
+            sid = signed_file_sandbox(query, scope.get("method", "GET"), candidates,
+                                      lambda s: self.api.tokens.derive("envd", s))
+        except ValueError as e:
+            return Unauthorized(str(e), field="signature")
+        scope["headers"] = [h for h in scope["headers"] if h[0] != b"e2b-sandbox-id"] + \
+            [(b"e2b-sandbox-id", sid.encode())]
+        return None
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         err = await self._refusal(scope)
         if err is None:
             await self.app(scope, receive, send)
+        elif scope["type"] == "http" and (scope["path"] in ENVD_PATHS or scope["path"].startswith(ENVD_PREFIXES)):
+            await JSONResponse({"code": err.status, "message": err.message}, status_code=err.status)(
+                scope, receive, send)  # envd's own error shape
         elif scope["type"] == "http":
             await _error(err)(scope, receive, send)
         else:

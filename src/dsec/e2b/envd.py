@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import hashlib
+import hmac
 import posixpath
 import secrets
 import signal
@@ -413,6 +415,37 @@ class Envd:
             await _call(ctx.edge.write_file(ctx.sid, path, data, owner=ctx.user.owner))
             out.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         return JSONResponse(out)
+
+
+def file_signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
+    """envd's v1 signature of a file URL: sha256 over path, operation ("read"/"write"),
+    user ("" for the default one), the sandbox's access token and the expiry, if any;
+    unpadded base64."""
+    raw = f"{path}:{operation}:{user}:{token}" + (f":{expiration}" if expiration is not None else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+
+
+def signed_file_sandbox(query: dict[str, str], method: str, candidates: list[str],
+                        token_of: Callable[[str], str]) -> str:
+    """The sandbox (of ``candidates``) whose access token signed this /files URL. A signed
+    URL carries no sandbox id (it may be opened by anyone, anywhere), so it is matched
+    against the tokens of the sandboxes it could be for. Raises ValueError with the
+    refusal's message."""
+    sig = query.get("signature", "")
+    raw_exp = query.get("signature_expiration")
+    expiration = None
+    if raw_exp:
+        if not raw_exp.lstrip("-").isdigit():
+            raise ValueError("signature_expiration is not a unix time")
+        expiration = int(raw_exp)
+        if expiration < time.time():
+            raise ValueError("signature is already expired")
+    op = "read" if method == "GET" else "write"
+    for sid in candidates:
+        want = file_signature(query.get("path", ""), op, query.get("username", ""), token_of(sid), expiration)
+        if hmac.compare_digest(want, sig):
+            return sid
+    raise ValueError("invalid signature")
 
 
 class SandboxGone(ConnectError):
