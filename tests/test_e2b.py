@@ -346,3 +346,34 @@ def test_signed_file_urls(e2b_env: None) -> None:
             assert json.loads(err.value.read()) == {"code": 401, "message": message}
     finally:
         sbx.kill()
+
+
+def test_file_metadata_and_watch_entries(e2b_env: None) -> None:
+    """File metadata are user.e2b.* extended attributes on the file (set by the upload,
+    replaced by the next one, visible when set from inside); watch events can carry the
+    entry."""
+    from e2b import InvalidArgumentException
+
+    sbx = Sandbox.create(timeout=60)
+    try:
+        info = sbx.files.write("m.txt", "x", metadata={"Author": "mish"})
+        assert info.metadata == {"author": "mish"}
+        assert sbx.files.get_info("m.txt").metadata == {"author": "mish"}
+        assert sbx.commands.run("getfattr --version >/dev/null 2>&1 || python3 -c \"import os; "
+                                "print(os.getxattr('m.txt', 'user.e2b.author').decode())\"").stdout == "mish\n"
+        assert sbx.files.rename("m.txt", "n.txt").metadata == {"author": "mish"}
+        assert sbx.files.write("n.txt", "y").metadata is None
+        assert sbx.files.get_info("n.txt").metadata is None
+        sbx.commands.run("python3 -c \"import os; os.setxattr('n.txt', 'user.e2b.k', b'v')\"")
+        assert [e.metadata for e in sbx.files.list(".") if e.name == "n.txt"] == [{"k": "v"}]
+        with pytest.raises(InvalidArgumentException):
+            sbx.files.write("bad.txt", "x", metadata={"bad key": "v"})
+        sbx.files.make_dir("w")
+        handle = sbx.files.watch_dir("w", include_entry=True)
+        sbx.files.write("w/f.txt", "hello")
+        time.sleep(0.3)
+        created = [e for e in handle.get_new_events() if e.type.value == "create"]
+        assert created and created[0].entry is not None and created[0].entry.path == "/home/user/w/f.txt"
+        handle.stop()
+    finally:
+        sbx.kill()

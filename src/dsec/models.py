@@ -432,6 +432,7 @@ class FileStat(BaseModel):
     link_target: str | None = None
     uid: int = 0
     gid: int = 0
+    xattrs: dict[str, str] = Field(default_factory=dict, description="its user.* extended attributes")
 
 
 class HttpResponse(BaseModel):

@@ -421,6 +421,7 @@ class SandboxFiles(Protocol):
     async def list_dir(self, path: str) -> list[FileStat]: ...
     async def remove(self, path: str, recursive: bool) -> None: ...
     async def move(self, source: str, destination: str) -> None: ...
+    async def set_xattrs(self, path: str, prefix: str, values: dict[str, str]) -> None: ...
     def watch(self, path: str, recursive: bool) -> DirWatch: ...
     async def connect(self, port: int) -> socket.socket: ...
 
@@ -485,6 +486,31 @@ class ProcRootFiles:
             raise NotFound(f"no such directory: {path}", field="path") from None
         except OSError as e:
             raise InvalidRequest(f"{path}: {e.strerror}", field="path") from None
+
+    async def set_xattrs(self, path: str, prefix: str, values: dict[str, str]) -> None:
+        """Make the user.* extended attributes under ``prefix`` exactly ``values``
+        (names relative to the prefix) on a regular file or directory."""
+        def go() -> None:
+            d, name = self._open_parent(path)
+            try:
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+            finally:
+                os.close(d)
+            try:
+                st = os.fstat(fd)
+                if not (statmod.S_ISREG(st.st_mode) or statmod.S_ISDIR(st.st_mode)):
+                    raise InvalidRequest(f"{path} is not a regular file or directory", field="path")
+                at = f"/proc/self/fd/{fd}"  # an O_PATH fd: xattr calls go through its magic link
+                for old in os.listxattr(at):
+                    if old.startswith(prefix) and old[len(prefix):] not in values:
+                        os.removexattr(at, old)
+                for key, value in values.items():
+                    os.setxattr(at, prefix + key, value.encode())
+            finally:
+                os.close(fd)
+        if not prefix.startswith("user."):
+            raise InvalidRequest("only user.* extended attributes can be set", field="prefix")
+        await asyncio.to_thread(self._wrap_fs, go, path)
 
     async def move(self, source: str, destination: str) -> None:
         """rename(2) within the sandbox (destination's parents are made)."""
@@ -661,9 +687,10 @@ class ProcRootFiles:
             try:
                 st = os.stat(name, dir_fd=d, follow_symlinks=False)
                 target = os.readlink(name, dir_fd=d) if statmod.S_ISLNK(st.st_mode) else None
+                xattrs = _user_xattrs(d, name, st)
             finally:
                 os.close(d)
-            return _filestat(os.path.normpath(path), name, st, target)
+            return _filestat(os.path.normpath(path), name, st, target, xattrs)
         return self._wrap_fs(go, path)  # type: ignore[return-value]
 
     def _list_dir(self, path: str) -> list[FileStat]:
@@ -677,7 +704,7 @@ class ProcRootFiles:
                     except FileNotFoundError:
                         continue
                     target = os.readlink(name, dir_fd=fd) if statmod.S_ISLNK(st.st_mode) else None
-                    out.append(_filestat(os.path.join(path, name), name, st, target))
+                    out.append(_filestat(os.path.join(path, name), name, st, target, _user_xattrs(fd, name, st)))
                 return out
             finally:
                 os.close(fd)
@@ -730,7 +757,31 @@ def _http_over(sock: socket.socket, port: int, method: str, path: str, headers: 
         conn.close()
 
 
-def _filestat(path: str, name: str, st: os.stat_result, target: str | None) -> FileStat:
+def _user_xattrs(dir_fd: int, name: str, st: os.stat_result) -> dict[str, str]:
+    """The user.* extended attributes of ``name`` in ``dir_fd`` (regular files and
+    directories: the only ones that can have them), values as text."""
+    if not (statmod.S_ISREG(st.st_mode) or statmod.S_ISDIR(st.st_mode)):
+        return {}
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return {}
+    try:
+        at = f"/proc/self/fd/{fd}"
+        out = {}
+        for key in os.listxattr(at):
+            if key.startswith("user."):
+                with contextlib.suppress(OSError):
+                    out[key] = os.getxattr(at, key)[:4096].decode(errors="replace")
+        return out
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+
+
+def _filestat(path: str, name: str, st: os.stat_result, target: str | None,
+              xattrs: dict[str, str] | None = None) -> FileStat:
     if statmod.S_ISREG(st.st_mode):
         kind = "file"
     elif statmod.S_ISDIR(st.st_mode):
@@ -740,7 +791,7 @@ def _filestat(path: str, name: str, st: os.stat_result, target: str | None) -> F
     else:
         kind = "other"
     return FileStat(path=path, name=name, type=kind, size=st.st_size, mode=statmod.S_IMODE(st.st_mode),  # type: ignore[arg-type]
-                    mtime=st.st_mtime, link_target=target, uid=st.st_uid, gid=st.st_gid)
+                    mtime=st.st_mtime, link_target=target, uid=st.st_uid, gid=st.st_gid, xattrs=xattrs or {})
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:

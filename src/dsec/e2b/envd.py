@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import hashlib
 import hmac
 import posixpath
+import re
 import secrets
 import signal
 import stat as statmod
@@ -26,7 +28,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from dsec.agent.procs import Proc, ProcessTable
-from dsec.agent.watch import DirWatch
+from dsec.agent.watch import DirWatch, WatchEvent
 from dsec.e2b.accounts import Account, Accounts, UnknownUser, basic_user
 from dsec.e2b.connect import (
     ConnectError,
@@ -41,7 +43,10 @@ from dsec.edge.api import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
 from dsec.models import FileStat
 
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.4"
+METADATA_HEADER, METADATA_XATTR = "x-metadata-", "user.e2b."
+METADATA_KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+METADATA_VALUE_RE = re.compile(r"[\x20-\x7e]*\Z")
 SANDBOX_HEADER = "e2b-sandbox-id"
 KEEPALIVE_S = 50.0
 SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM, 9: signal.SIGKILL,
@@ -98,6 +103,24 @@ class Ctx:
         return _entry(f, self.accounts)
 
 
+@dataclass
+class Watching:
+    """A directory watch and what its events are reported with."""
+
+    ctx: Ctx
+    root: str
+    watch: DirWatch
+    include_entry: bool
+
+    async def event(self, ev: WatchEvent) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": ev.name, "type": EVENT_TYPES[ev.kind]}
+        if self.include_entry and ev.kind != "remove":
+            with contextlib.suppress(ConnectError):  # gone again already: no entry to give
+                out["entry"] = await self.ctx.entry(
+                    await _call(self.ctx.edge.stat(self.ctx.sid, posixpath.join(self.root, ev.name))))
+        return out
+
+
 def _entry(f: FileStat, accounts: Accounts) -> dict[str, Any]:
     mode = f.mode | {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}.get(f.type, 0)
     out: dict[str, Any] = {
@@ -106,7 +129,24 @@ def _entry(f: FileStat, accounts: Accounts) -> dict[str, Any]:
         "owner": accounts.owner_name(f.uid), "group": accounts.group_name(f.gid),
         "modifiedTime": datetime.datetime.fromtimestamp(f.mtime, datetime.UTC).isoformat().replace("+00:00", "Z")}
     if f.link_target is not None:
+        # no isSymlink: with it the SDKs report the link's own type, the official tests its target's
         out["symlinkTarget"] = f.link_target
+    metadata = {k[len(METADATA_XATTR):]: v for k, v in f.xattrs.items() if k.startswith(METADATA_XATTR)}
+    if metadata:
+        out["metadata"] = metadata
+    return out
+
+
+def _metadata(headers: Any) -> dict[str, str]:
+    """File metadata of an upload (``X-Metadata-<key>: value`` headers), keys lowercased."""
+    out = {}
+    for name, value in headers.items():
+        if name.lower().startswith(METADATA_HEADER):
+            key = name[len(METADATA_HEADER):].lower()
+            if not METADATA_KEY_RE.match(key) or not METADATA_VALUE_RE.match(value):
+                raise ConnectError("invalid_argument", f"metadata {key!r}: keys are HTTP tokens, values printable "
+                                   "ASCII")
+            out[key] = value
     return out
 
 
@@ -126,7 +166,7 @@ ACCOUNTS_TTL_S = 2.0
 class Envd:
     def __init__(self, edge_for: Callable[[str], EdgeAPI]) -> None:
         self.edge_for = edge_for
-        self.watchers: dict[str, tuple[str, DirWatch]] = {}  # watcher id -> (sandbox, watch)
+        self.watchers: dict[str, Watching] = {}  # watcher id -> what it watches
         self.accounts: dict[str, tuple[float, Accounts]] = {}  # sandbox -> (read at, its users)
 
     def _sandbox(self, request: Request) -> tuple[str, EdgeAPI]:
@@ -335,13 +375,16 @@ class Envd:
                 raise
         return {}
 
-    async def _watch(self, request: Request, msg: dict[str, Any]) -> tuple[str, DirWatch]:
+    async def _watch(self, request: Request, msg: dict[str, Any]) -> Watching:
         ctx = await self._ctx(request)
         path = ctx.path(msg.get("path"))
-        return ctx.sid, await _call(ctx.edge.watch_dir(ctx.sid, path, bool(msg.get("recursive", False))))
+        w = await _call(ctx.edge.watch_dir(ctx.sid, path, bool(msg.get("recursive", False))))
+        # allowNetworkMounts: nothing to allow, a sandbox's mounts are all local to its edge
+        return Watching(ctx, path, w, bool(msg.get("includeEntry", msg.get("include_entry", False))))
 
     async def watch_dir(self, request: Request) -> AsyncIterator[dict[str, Any]]:
-        _, w = await self._watch(request, await first_message(request))
+        watching = await self._watch(request, await first_message(request))
+        w = watching.watch
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             try:
@@ -353,7 +396,7 @@ class Envd:
                         yield {"keepalive": {}}
                         continue
                     for ev in w.drain():
-                        yield {"filesystem": {"name": ev.name, "type": EVENT_TYPES[ev.kind]}}
+                        yield {"filesystem": await watching.event(ev)}
             finally:
                 w.close()
         return events()
@@ -361,25 +404,25 @@ class Envd:
     async def create_watcher(self, request: Request) -> dict[str, Any]:
         if len(self.watchers) >= MAX_WATCHERS:
             raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers")
-        sid, w = await self._watch(request, await unary_body(request))
+        watching = await self._watch(request, await unary_body(request))
         wid = secrets.token_hex(8)
-        self.watchers[wid] = (sid, w)
+        self.watchers[wid] = watching
         return {"watcherId": wid}
 
-    def _watcher(self, request: Request, msg: dict[str, Any]) -> tuple[str, DirWatch]:
+    def _watcher(self, request: Request, msg: dict[str, Any]) -> tuple[str, Watching]:
         sid, _ = self._sandbox(request)
         found = self.watchers.get(str(msg.get("watcherId", "")))
-        if found is None or found[0] != sid:
+        if found is None or found.ctx.sid != sid:
             raise ConnectError("not_found", f"watcher {msg.get('watcherId')!r} not found")
-        return str(msg["watcherId"]), found[1]
+        return str(msg["watcherId"]), found
 
     async def get_watcher_events(self, request: Request) -> dict[str, Any]:
-        _, w = self._watcher(request, await unary_body(request))
-        return {"events": [{"name": e.name, "type": EVENT_TYPES[e.kind]} for e in w.drain()]}
+        _, watching = self._watcher(request, await unary_body(request))
+        return {"events": [await watching.event(e) for e in watching.watch.drain()]}
 
     async def remove_watcher(self, request: Request) -> dict[str, Any]:
-        wid, w = self._watcher(request, await unary_body(request))
-        w.close()
+        wid, watching = self._watcher(request, await unary_body(request))
+        watching.watch.close()
         self.watchers.pop(wid, None)
         return {}
 
@@ -392,6 +435,7 @@ class Envd:
 
     async def upload(self, request: Request) -> Response:
         ctx = await self._ctx(request, request.query_params.get("username"))
+        metadata = _metadata(request.headers)  # checked before anything is written
         written: list[tuple[str, bytes]] = []
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
@@ -413,7 +457,12 @@ class Envd:
         out = []
         for path, data in written:
             await _call(ctx.edge.write_file(ctx.sid, path, data, owner=ctx.user.owner))
-            out.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+            # always: a file written again without metadata loses what it had
+            await _call(ctx.edge.set_xattrs(ctx.sid, path, METADATA_XATTR, metadata))
+            entry: dict[str, Any] = {"name": path.rsplit("/", 1)[-1], "type": "file", "path": path}
+            if metadata:
+                entry["metadata"] = metadata
+            out.append(entry)
         return JSONResponse(out)
 
 

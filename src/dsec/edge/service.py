@@ -904,6 +904,12 @@ class Edge:
         await agent.files.mkdirs(path, owner)
         return True
 
+    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None:
+        """The user.* extended attributes under ``prefix`` on ``path`` become ``values``."""
+        sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "file_write", f"{path} (xattrs {prefix}*)")
+        await agent.files.set_xattrs(path, prefix, values)
+
     async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_write", f"{source} moved to {destination}")

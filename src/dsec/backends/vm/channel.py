@@ -586,6 +586,9 @@ class GuestFiles:
     async def move(self, source: str, destination: str) -> None:
         raise InvalidRequest("moving files is not offered in VM sandboxes yet", field="source")
 
+    async def set_xattrs(self, path: str, prefix: str, values: dict[str, str]) -> None:
+        raise InvalidRequest("extended attributes are not offered in VM sandboxes yet", field="path")
+
     def watch(self, path: str, recursive: bool) -> DirWatch:
         raise InvalidRequest("watching directories is not offered in VM sandboxes yet", field="path")
 
