@@ -377,3 +377,33 @@ def test_file_metadata_and_watch_entries(e2b_env: None) -> None:
         handle.stop()
     finally:
         sbx.kill()
+
+
+def test_code_interpreter(e2b_env: None) -> None:
+    """PyPI e2b-code-interpreter, unmodified, on the code-interpreter-v1 template: cells run
+    in a Jupyter kernel inside the sandbox (as its user), state persists between cells,
+    output streams to callbacks as it is printed, rich results and errors come back."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sbx = CodeSandbox.create(timeout=120)
+    try:
+        assert sbx.run_code("x = 41; x + 1").text == "42"
+        seen: list[tuple[float, str]] = []
+        t0 = time.time()
+        ex = sbx.run_code("import os, time\nprint('a', flush=True); time.sleep(1.5); print(os.getuid(), os.environ['K'])",
+                          on_stdout=lambda m: seen.append((time.time() - t0, m.line)), envs={"K": "v"})
+        assert ex.logs.stdout == ["a\n", "1000 v\n"] and ex.error is None
+        assert seen[0][0] < seen[1][0] - 1.0  # the first line arrived before the cell ended
+        assert sbx.run_code("import os; os.environ.get('K')").text is None  # envs are the cell's only
+        err = sbx.run_code("1/0").error
+        assert err is not None and err.name == "ZeroDivisionError"
+        html = sbx.run_code("from IPython.display import HTML; HTML('<b>hi</b>')")
+        assert html.results[0].html == "<b>hi</b>"
+        ctx = sbx.create_code_context(cwd="/tmp")
+        assert sbx.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert sbx.run_code("x", context=ctx).error is not None  # a context is its own kernel
+        assert {c.id for c in sbx.list_code_contexts()} >= {ctx.id}
+        sbx.remove_code_context(ctx)
+        assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+    finally:
+        sbx.kill()

@@ -27,7 +27,7 @@ import stat as statmod
 import struct
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -403,11 +403,37 @@ class Aether:
         await self.init.resize(master, cols, rows)  # a VM's pty is in the guest: it is told too
 
     # ---- HTTP -------------------------------------------------------------
+    async def http_stream(self, port: int, method: str, path: str, headers: list[tuple[str, str]],
+                          body: bytes, timeout: float) -> HttpStream:
+        """One HTTP/1.1 request to 127.0.0.1:port inside the sandbox, its response body
+        handed on as it arrives (``timeout`` bounds each wait for more of it)."""
+        sock = await self.files.connect(port)
+        conn, resp = await asyncio.to_thread(_http_start, sock, port, method, path, headers, body, timeout)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while data := await asyncio.to_thread(resp.read1, 65536):
+                    yield data
+            except (OSError, http.client.HTTPException):
+                return  # the server went away mid-body: the body ends there
+            finally:
+                conn.close()
+        return HttpStream(status=resp.status, headers=resp.getheaders(), body=chunks())
+
     async def http_request(self, port: int, method: str, path: str, headers: list[tuple[str, str]],
                            body: bytes, timeout: float) -> HttpResponse:
         """One HTTP/1.1 request to 127.0.0.1:port inside the sandbox."""
         sock = await self.files.connect(port)
         return await asyncio.to_thread(_http_over, sock, port, method, path, headers, body, timeout)
+
+
+@dataclass
+class HttpStream:
+    """An HTTP response from inside a sandbox whose body is read as it arrives."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: AsyncIterator[bytes]
 
 
 class SandboxFiles(Protocol):
@@ -731,8 +757,9 @@ class ProcRootFiles:
         self._wrap_fs(go, path)
 
 
-def _http_over(sock: socket.socket, port: int, method: str, path: str, headers: list[tuple[str, str]],
-               body: bytes, timeout: float) -> HttpResponse:
+def _http_start(sock: socket.socket, port: int, method: str, path: str, headers: list[tuple[str, str]],
+                body: bytes, timeout: float) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """Send one request on ``sock`` and read the response's head (blocking)."""
     sock.settimeout(timeout)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.sock = sock
@@ -746,7 +773,16 @@ def _http_over(sock: socket.socket, port: int, method: str, path: str, headers: 
         if body or method in ("POST", "PUT", "PATCH"):
             conn.putheader("Content-Length", str(len(body)))
         conn.endheaders(body or None)
-        resp = conn.getresponse()
+        return conn, conn.getresponse()
+    except (OSError, http.client.HTTPException) as e:
+        conn.close()
+        raise SandboxError(f"HTTP to port {port} in the sandbox failed: {e}") from None
+
+
+def _http_over(sock: socket.socket, port: int, method: str, path: str, headers: list[tuple[str, str]],
+               body: bytes, timeout: float) -> HttpResponse:
+    conn, resp = _http_start(sock, port, method, path, headers, body, timeout)
+    try:
         data = resp.read(MAX_HTTP_BODY + 1)
         if len(data) > MAX_HTTP_BODY:
             raise SandboxError(f"response from port {port} exceeds {MAX_HTTP_BODY} bytes")

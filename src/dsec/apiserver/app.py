@@ -29,6 +29,7 @@ from dsec.agent.initclient import exit_code
 from dsec.e2b import api as e2b_api
 from dsec.e2b import envd
 from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
+from dsec.e2b.ports import PortProxy
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -326,7 +327,11 @@ def build_app(api: Apiserver) -> FastAPI:
         return _error(InvalidRequest(f"{field}: {msg}" if field else msg, field=field))
 
     app.add_middleware(BearerAuth, api=api)
-    e2b_api.mount(app, e2b_api.E2BApi(api, lambda sid: api.tokens.derive("envd", sid)))
+    # outermost: a request for a sandbox's own port carries that sandbox's token, not a bearer
+    app.add_middleware(PortProxy, edge_for=api.edge_for, envd_token=lambda sid: api.tokens.derive("envd", sid),
+                       traffic_token=lambda sid: api.tokens.derive("traffic", sid))
+    e2b_api.mount(app, e2b_api.E2BApi(api, lambda sid: api.tokens.derive("envd", sid),
+                                      lambda sid: api.tokens.derive("traffic", sid)))
     envd.mount(app, envd.Envd(api.edge_for))
 
     @app.post("/v1/tokens", status_code=201)

@@ -119,7 +119,7 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
 def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """Prepare this node: cgroups, dsec-init, and the built-in base layers (cached)."""
     from dsec.agent.native import ensure_init_binary
-    from dsec.e2b.template import ensure_user_layer
+    from dsec.e2b.template import ensure_interpreter_layer, ensure_user_layer
     from dsec.edge.hostprep import prepare_cgroups
     from dsec.embedded import data_dir_default, load_or_create_token
     from dsec.layers.base import ensure_base_layers
@@ -139,7 +139,8 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOp
         console.print(f"VM guest {g.version}; accelerator {verdict['accel']} ({verdict.get('kvm_probe')})")
     layer_store = _store(d, store)
     with console.status("building base layers (first time: ~1 min)"):
-        for layer in [*ensure_base_layers(layer_store), ensure_user_layer(layer_store)]:
+        for layer in [*ensure_base_layers(layer_store), ensure_user_layer(layer_store),
+                      ensure_interpreter_layer(layer_store)]:
             console.print(f"layer {layer.ref}: {layer.digest[:12]} {layer.size / 1e6:.1f} MB")
 
 

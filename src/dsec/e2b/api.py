@@ -25,15 +25,17 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
+from dsec.e2b.accounts import Accounts
 from dsec.e2b.envd import ENVD_VERSION
-from dsec.e2b.template import SNAPSHOT_ID_RE, snapshot_ref, stack
+from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.edge.api import EdgeAPI
-from dsec.errors import DsecError, InvalidRequest, NotFound
+from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxError
 from dsec.layers.store import Layer, LayerStore
 from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
+TEMPLATE_READY_S = 90.0
 METRICS_BUCKET_S = 5
 TEMPLATE_LABEL = "e2b.template"
 
@@ -150,8 +152,9 @@ def _error(e: DsecError) -> JSONResponse:
 
 
 class E2BApi:
-    def __init__(self, platform: Platform, access_token: Callable[[str], str]) -> None:
-        self.platform, self.access_token = platform, access_token
+    def __init__(self, platform: Platform, access_token: Callable[[str], str],
+                 traffic_token: Callable[[str], str]) -> None:
+        self.platform, self.access_token, self.traffic_token = platform, access_token, traffic_token
         self.edge_for = platform.edge_for
 
     async def list_all(self) -> list[SandboxInfo]:
@@ -160,7 +163,8 @@ class E2BApi:
     def _sandbox(self, info: SandboxInfo) -> dict[str, Any]:
         return {"templateID": info.labels.get(TEMPLATE_LABEL, info.image), "sandboxID": info.sandbox_id,
                 "clientID": info.edge, "envdVersion": ENVD_VERSION,
-                "envdAccessToken": self.access_token(info.sandbox_id)}
+                "envdAccessToken": self.access_token(info.sandbox_id),
+                "trafficAccessToken": self.traffic_token(info.sandbox_id)}
 
     def _listed(self, info: SandboxInfo) -> dict[str, Any]:
         end = info.expires_at or info.created_at + MAX_TIMEOUT_S
@@ -171,9 +175,9 @@ class E2BApi:
                 "state": "paused" if info.state == SandboxState.paused else "running"}
 
     async def create(self, body: NewSandbox) -> dict[str, Any]:
-        image, layers = stack(body.templateID, self.platform.layers)
+        template = resolve(body.templateID, self.platform.layers)
         try:
-            args = ContainerArgs(image=image, layers=layers, env=body.envVars,
+            args = ContainerArgs(image=template.image, layers=template.layers, env=body.envVars,
                                  labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
                                  max_lifetime_s=max(1, body.timeout or DEFAULT_TIMEOUT_S), ttl_running_stop=None,
                                  on_expiry="pause" if body.autoPause else "stop",
@@ -186,7 +190,36 @@ class E2BApi:
             if isinstance(e, InvalidRequest) and e.field not in ("image", "layers", "args.image"):
                 raise
             raise NotFound(f"template {body.templateID!r} not found: {e.message}", field="templateID") from None
+        if template.start:
+            try:
+                await self._start(info.sandbox_id, template)
+            except BaseException:
+                await self.edge_for(info.sandbox_id).stop(info.sandbox_id)
+                raise
         return self._sandbox(info)
+
+    async def _start(self, sandbox_id: str, template: Template) -> None:
+        """Run the template's start command as its default user, in the background, and
+        wait (bounded) until its port answers."""
+        assert template.start is not None
+        edge = self.edge_for(sandbox_id)
+        user = Accounts.parse(await edge.read_file(sandbox_id, "/etc/passwd"), b"").user(None)
+        table = await edge.process_table(sandbox_id)
+        proc = await table.start(template.start[0], template.start[1:], user.env(), user.home, None, False,
+                                 "template-start", user.owner)
+        if template.ready_port is None:
+            return
+        deadline = time.monotonic() + TEMPLATE_READY_S
+        while time.monotonic() < deadline:
+            if proc.end is not None:
+                raise SandboxError(f"the template's start command ended ({proc.end.status}) before port "
+                                   f"{template.ready_port} answered")
+            with contextlib.suppress(SandboxError):
+                if (await edge.http(sandbox_id, template.ready_port, "GET", "/health", [], b"", 5)).status == 200:
+                    return
+            await asyncio.sleep(0.1)
+        raise SandboxError(f"the template's server did not answer on port {template.ready_port} "
+                           f"within {TEMPLATE_READY_S:g} s")
 
     async def _live(self, sandbox_id: str) -> tuple[EdgeAPI, SandboxInfo]:
         edge = self.edge_for(sandbox_id)

@@ -2,7 +2,11 @@
 unprivileged ``user`` (uid 1000, home /home/user) that commands and file writes act as
 by default; here it is ``base/debian:12`` with one small toolkit layer on top that adds
 that account (passwd, group, shadow, gshadow and the home directory, from the base's own
-files and /etc/skel). Any other template name is taken as a dsec layer ref, used alone.
+files and /etc/skel). ``code-interpreter-v1`` (the e2b-code-interpreter SDK's default)
+adds a layer with ipykernel, jupyter_client and dsec's own code interpreter server
+(dsec.e2b.interpreter_server), which the sandbox starts as ``user`` when it is created.
+A snapshot id, or any layer taken from a sandbox, means the stack it was taken on plus
+it; any other template name is a dsec layer ref, used alone.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass, field
 
 from dsec.edge import linux
 from dsec.errors import DsecError
@@ -18,7 +25,24 @@ from dsec.layers.store import Layer, LayerStore
 
 BASE_IMAGE = "base/debian:12"
 USER_LAYER = "tk/e2b-user:1"
-TEMPLATES: dict[str, tuple[str, list[str]]] = {"base": (BASE_IMAGE, [USER_LAYER])}
+INTERPRETER_LAYER = "tk/e2b-code-interpreter:1"
+INTERPRETER_PACKAGES = ["ipykernel>=6.29,<8", "jupyter_client>=8.6,<9"]
+INTERPRETER_PATH, INTERPRETER_PORT = "/opt/dsec/code_interpreter.py", 49999
+
+
+@dataclass(frozen=True)
+class Template:
+    image: str
+    layers: list[str] = field(default_factory=list)
+    start: list[str] | None = None  # run as the template's user when a sandbox is created
+    ready_port: int | None = None  # ... and the sandbox is handed out once this port answers /health
+
+
+TEMPLATES = {
+    "base": Template(BASE_IMAGE, [USER_LAYER]),
+    "code-interpreter-v1": Template(BASE_IMAGE, [USER_LAYER, INTERPRETER_LAYER],
+                                    ["python3", INTERPRETER_PATH, "--port", str(INTERPRETER_PORT)], INTERPRETER_PORT),
+}
 UID = GID = 1000
 ACCOUNT_LINES = {
     "passwd": f"user:x:{UID}:{GID}:user:/home/user:/bin/bash\n",
@@ -36,7 +60,7 @@ def snapshot_ref(snapshot_id: str) -> str:
     return f"ws/{snapshot_id}:1"
 
 
-def stack(template: str, store: LayerStore) -> tuple[str, list[str]]:
+def resolve(template: str, store: LayerStore) -> Template:
     """(image, layers) a template name means: a built-in template, a layer taken from a
     sandbox (an E2B snapshot or any pack_diff layer: the stack it was taken on, then it),
     or a layer ref used alone."""
@@ -45,8 +69,26 @@ def stack(template: str, store: LayerStore) -> tuple[str, list[str]]:
     try:
         layer = store.get(snapshot_ref(template) if SNAPSHOT_ID_RE.match(template) else template)
     except (DsecError, ValueError):
-        return template, []  # not a layer here: the create says so, naming the field
-    return layer.stack() if layer.parent_image else (template, [])
+        return Template(template)  # not a layer here: the create says so, naming the field
+    return Template(*layer.stack()) if layer.parent_image else Template(template)
+
+
+def ensure_interpreter_layer(store: LayerStore) -> Layer:
+    """Build ``tk/e2b-code-interpreter:1`` once per store: the packages installed with
+    this node's pip (the sandbox's Debian python3 is the same 3.11) under
+    /usr/local/lib/python3.11/dist-packages, and the server."""
+    if store.has(INTERPRETER_LAYER):
+        return store.get(INTERPRETER_LAYER)
+    with tempfile.TemporaryDirectory(prefix="dsec-e2b-ci-") as tmp:
+        site = os.path.join(tmp, "usr", "local", "lib", "python3.11", "dist-packages")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
+                        "--target", site, *INTERPRETER_PACKAGES], check=True)
+        dest = os.path.join(tmp, INTERPRETER_PATH.lstrip("/"))
+        os.makedirs(os.path.dirname(dest))
+        shutil.copy(os.path.join(os.path.dirname(__file__), "interpreter_server.py"), dest)
+        for d, _, _ in os.walk(tmp):
+            os.chmod(d, 0o755)  # the temporary root is 0700, and a layer's root dir is the sandbox's /
+        return store.import_dir(tmp, INTERPRETER_LAYER)
 
 
 def ensure_user_layer(store: LayerStore) -> Layer:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from dsec.agent.aether import Aether, OnData
+from dsec.agent.aether import Aether, HttpStream, OnData
 from dsec.agent.procs import ProcessTable
 from dsec.agent.watch import DirWatch
 from dsec.layers.store import Layer
@@ -60,6 +60,8 @@ class EdgeAPI(Protocol):
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None: ...
     async def http(self, sandbox_id: str, port: int, method: str, path: str,
                    headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpResponse: ...
+    async def http_stream(self, sandbox_id: str, port: int, method: str, path: str,
+                          headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpStream: ...
     async def open_tty(self, sandbox_id: str, cols: int, rows: int
                        ) -> tuple[int, int, asyncio.Future[int], Aether]: ...
     def touch(self, sandbox_id: str) -> None: ...

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from pydantic import BaseModel
 
-from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext, InitChannel, OnData, ProcRootFiles, SandboxFiles
+from dsec.agent.aether import (
+    DEFAULT_PATH,
+    Aether,
+    AgentContext,
+    HttpStream,
+    InitChannel,
+    OnData,
+    ProcRootFiles,
+    SandboxFiles,
+)
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.agent.procs import ProcessTable
@@ -957,6 +966,12 @@ class Edge:
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
         return await agent.http_request(port, method, path, headers, body, timeout)
+
+    async def http_stream(self, sandbox_id: str, port: int, method: str, path: str,
+                          headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpStream:
+        sb, agent = await self._ready(sandbox_id)
+        self.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
+        return await agent.http_stream(port, method, path, headers, body, timeout)
 
     async def open_tty(self, sandbox_id: str, cols: int, rows: int) -> tuple[int, int, asyncio.Future[int], Aether]:
         sb, agent = await self._ready(sandbox_id)

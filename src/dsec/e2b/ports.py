@@ -1,0 +1,76 @@
+"""E2B's traffic to a sandbox's own ports. A request that carries ``E2b-Sandbox-Port``
+(other than envd's) is passed to that port inside the sandbox and the response streamed
+back as it comes, as E2B's proxy does; this is how the code interpreter SDK reaches its
+Jupyter server on 49999. The credential is the sandbox's traffic token (E2B's
+``E2B-Traffic-Access-Token``, good for its ports only) or its envd access token; the path,
+query, method, headers (less E2B's own and hop-by-hop ones) and body go through as sent.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from dsec.edge.api import EdgeAPI
+from dsec.errors import DsecError, NotFound, SandboxError, SandboxNotRunning
+
+ENVD_PORT = 49983
+MAX_BODY = 64 << 20
+READ_TIMEOUT_S = 3600.0  # a silent stretch of a long computation; the client keeps its own deadline
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                        "proxy-authorization", "proxy-authenticate", "content-length", "host"})
+
+
+class PortProxy:
+    """ASGI middleware in front of the apiserver."""
+
+    def __init__(self, app: Any, edge_for: Callable[[str], EdgeAPI], envd_token: Callable[[str], str],
+                 traffic_token: Callable[[str], str]) -> None:
+        self.app, self.edge_for, self.envd_token, self.traffic_token = app, edge_for, envd_token, traffic_token
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        port = dict(scope.get("headers", [])).get(b"e2b-sandbox-port") if scope["type"] == "http" else None
+        if port is None or port == str(ENVD_PORT).encode():
+            await self.app(scope, receive, send)
+            return
+        response = await self._forward(Request(scope, receive), port.decode(errors="replace"))
+        await response(scope, receive, send)
+
+    async def _forward(self, request: Request, raw_port: str) -> Response:
+        sid = request.headers.get("e2b-sandbox-id", "")
+        if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+            return _error(400, f"E2b-Sandbox-Port must be a port number, not {raw_port!r}")
+        traffic, envd = request.headers.get("e2b-traffic-access-token"), request.headers.get("x-access-token")
+        if not sid or not ((traffic and hmac.compare_digest(traffic, self.traffic_token(sid)))
+                           or (envd and hmac.compare_digest(envd, self.envd_token(sid)))):
+            return _error(401, "missing or wrong E2B-Traffic-Access-Token (or X-Access-Token) for this sandbox")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY:
+                return _error(413, f"request body over {MAX_BODY} bytes")
+        headers = [(k, v) for k, v in request.headers.items()
+                   if k not in HOP_BY_HOP and not k.startswith("e2b-") and k != "x-access-token"]  # ours, not theirs
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        port = int(raw_port)
+        try:
+            resp = await self.edge_for(sid).http_stream(sid, port, request.method, path, headers, body,
+                                                        READ_TIMEOUT_S)
+        except (NotFound, SandboxNotRunning):
+            return JSONResponse({"code": 502, "message": "The sandbox was not found", "sandboxId": sid},
+                                status_code=502)
+        except SandboxError as e:
+            return JSONResponse({"code": 502, "message": f"The sandbox is running but port is not open ({e.message})",
+                                 "sandboxId": sid, "port": port}, status_code=502)
+        except DsecError as e:
+            return _error(e.status, e.message)
+        return StreamingResponse(resp.body, status_code=resp.status,
+                                 headers={k: v for k, v in resp.headers if k.lower() not in HOP_BY_HOP})
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
