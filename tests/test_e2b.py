@@ -158,6 +158,23 @@ def test_errors(e2b_env: None, platform: Platform) -> None:
     assert Sandbox.kill("edge0-doesnotexist") is False  # the SDK's answer to a 404
 
 
+def test_admission_refusal_is_rate_limit(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """429 when admission refuses: the SDK's RateLimitException, with dsec's reason."""
+    from conftest import _seed_layers
+    from e2b import RateLimitException
+
+    _seed_layers(str(tmp_path))
+    p = Platform(str(tmp_path), ["--admit-max-psi", "-1"])  # any memory pressure, even none, is too much
+    p.start()
+    try:
+        for k, v in {"E2B_API_URL": p.url, "E2B_SANDBOX_URL": p.url, "E2B_API_KEY": TOKEN}.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(RateLimitException, match="memory pressure"):
+            Sandbox.create(timeout=30)
+    finally:
+        p.stop()
+
+
 def test_js_sdk(platform: Platform) -> None:
     """The E2B JS SDK (npm e2b, installed by scripts/setup.sh into tests/e2b_js)."""
     here = os.path.join(os.path.dirname(__file__), "e2b_js")
