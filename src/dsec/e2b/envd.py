@@ -564,22 +564,17 @@ def mount(app: FastAPI, envd: Envd) -> None:
     for path, ufn in unary.items():
         app.router.add_route(path, unary_route(ufn), methods=["POST"], include_in_schema=False)
 
-    async def files_get(request: Request) -> Response:
-        try:
-            return await envd.download(request)
-        except SandboxGone as e:
-            return e.response(request.headers.get(SANDBOX_HEADER, ""))
-        except ConnectError as e:
-            return JSONResponse({"code": e.json().get("code"), "message": e.message},
-                                status_code=404 if e.code == "not_found" else 400)
-
-    async def files_post(request: Request) -> Response:
-        try:
-            return await envd.upload(request)
-        except SandboxGone as e:
-            return e.response(request.headers.get(SANDBOX_HEADER, ""))
-        except ConnectError as e:
-            return JSONResponse({"code": 400, "message": e.message}, status_code=400)
+    def files_route(fn: Callable[[Request], Awaitable[Response]]) -> Any:
+        """/files answers plain HTTP errors, {"code": <status>, "message"}."""
+        async def route(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except SandboxGone as e:
+                return e.response(request.headers.get(SANDBOX_HEADER, ""))
+            except ConnectError as e:
+                status = 404 if e.code == "not_found" else 400
+                return JSONResponse({"code": status, "message": e.message}, status_code=status)
+        return route
 
     async def health(request: Request) -> Response:
         """204 while the sandbox runs; once it has ended, the proxy's 502 "was not found"
@@ -592,8 +587,8 @@ def mount(app: FastAPI, envd: Envd) -> None:
             return SandboxGone().response(sid)
         return Response(status_code=204) if info.state == "running" else SandboxGone().response(sid)
 
-    app.router.add_route("/files", files_get, methods=["GET"], include_in_schema=False)
-    app.router.add_route("/files", files_post, methods=["POST"], include_in_schema=False)
+    app.router.add_route("/files", files_route(envd.download), methods=["GET"], include_in_schema=False)
+    app.router.add_route("/files", files_route(envd.upload), methods=["POST"], include_in_schema=False)
     app.router.add_route("/health", health, methods=["GET"], include_in_schema=False)
 
 
