@@ -140,6 +140,11 @@ class ConnectBody(BaseModel):
     model_config = {"extra": "ignore"}
 
 
+def _reported(ts: float) -> float:
+    """``ts`` at the microsecond it is reported as (datetime rounds to the nearest one)."""
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).timestamp()
+
+
 def _iso(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")
 
@@ -326,8 +331,9 @@ class E2BApi:
                 continue
             if q.template is not None and info.labels[TEMPLATE_LABEL] != q.template:
                 continue
-            if (q.started_after is not None and info.created_at < q.started_after) or \
-                    (q.started_before is not None and info.created_at > q.started_before):
+            started = _reported(info.created_at)  # as startedAt gave it, so a time read from there matches
+            if (q.started_after is not None and started < q.started_after) or \
+                    (q.started_before is not None and started > q.started_before):
                 continue
             picked.append(info)
         desc = q.order == "desc"
