@@ -67,8 +67,12 @@ def run(e2b_repo: str, node_data: str) -> list[tuple[str, str, str]]:
     try:
         env = {**os.environ, "E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": token}
         env.pop("E2B_DEBUG", None)
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                        *SELECTION], cwd=sdk, env=env, check=False)
+        # the pytest script, not python -m pytest: that would put the checkout's own e2b
+        # sources on the path, and the SDK under test is the installed (pinned) one
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "pytest"), "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={report}", *SELECTION], cwd=sdk, env=env, check=False)
+        if not os.path.exists(report):
+            sys.exit("the official tests did not run (see pytest's output above)")
         return outcomes(report)
     finally:
         proc.terminate()

@@ -205,6 +205,12 @@ def test_users(e2b_env: None) -> None:
     try:
         assert sbx.commands.run("id -un; pwd; echo $HOME").stdout == "user\n/home/user\n/home/user\n"
         assert sbx.commands.run("id -u", user="root").stdout == "0\n"
+        # init itself drops to the user (no sandbox binary in between): no capabilities left,
+        # and replacing setpriv, say, changes nothing
+        sbx.commands.run("rm -f /usr/bin/setpriv", user="root")
+        status = sbx.commands.run("grep -E '^(Uid|Gid|Groups|CapEff|CapPrm):' /proc/self/status").stdout
+        assert status.split() == ["Uid:", *["1000"] * 4, "Gid:", *["1000"] * 4, "Groups:", "1000",
+                                  "CapPrm:", "0" * 16, "CapEff:", "0" * 16], status
         info = sbx.files.write("notes/a.txt", "x")
         assert info.path == "/home/user/notes/a.txt"
         got = sbx.files.get_info("notes/a.txt")

@@ -29,10 +29,11 @@ class ChannelLost(SandboxError):
 
 
 class SpawnFailed(SandboxError):
-    CHDIR = 6
+    CHDIR, USER = 6, 7
 
     def __init__(self, err: int, stage: int, argv0: str, cwd: str) -> None:
-        what = f"cannot enter working directory {cwd!r}" if stage == self.CHDIR else f"cannot run {argv0!r}"
+        what = f"cannot enter working directory {cwd!r}" if stage == self.CHDIR else \
+            "cannot take on the requested user" if stage == self.USER else f"cannot run {argv0!r}"
         super().__init__(f"{what}: {os.strerror(err)}")
         self.errno = err
 
@@ -144,12 +145,13 @@ class InitClient:
         return await fut
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
-                    flags: int = SETSID) -> tuple[int, asyncio.Future[int]]:
-        """Start ``argv`` in the sandbox; returns its pid (in the sandbox) and a future
-        of its wait status."""
+                    flags: int = SETSID, user: tuple[int, int] | None = None) -> tuple[int, asyncio.Future[int]]:
+        """Start ``argv`` in the sandbox, as ``user`` (uid, gid) if given, else root;
+        returns its pid (in the sandbox) and a future of its wait status."""
         envl = [f"{k}={v}" for k, v in env.items()]
+        who = [str(user[0]), str(user[1])] if user is not None else []
         reply, exited, _ = await self._request(
-            ["S", str(flags), cwd, str(len(argv)), *argv, str(len(envl)), *envl], fds)
+            ["S", str(flags), cwd, str(len(argv)), *argv, str(len(envl)), *envl, *who], fds)
         if reply[0] == b"E" or exited is None:
             raise SpawnFailed(int(reply[1]), int(reply[2]) if len(reply) > 2 else 0, argv[0], cwd)
         return int(reply[1]), exited

@@ -104,8 +104,8 @@ class ProcessTable:
     async def start(self, cmd: str, args: list[str], envs: dict[str, str], cwd: str | None,
                     pty: tuple[int, int] | None, stdin: bool, tag: str | None,
                     user: tuple[int, int] | None = None) -> Proc:
-        """Start ``cmd``; as ``user`` (uid, gid) rather than root when given, through the
-        sandbox's setpriv (util-linux), which execs in place: the pid is the command's."""
+        """Start ``cmd``; as ``user`` (uid, gid) rather than root when given (init drops
+        to it in the child, before the exec)."""
         if len(self.procs) >= MAX_PROCS:
             raise ValueError(f"at most {MAX_PROCS} processes at once")
         env = {**self.default_env(), **envs}
@@ -122,10 +122,7 @@ class ProcessTable:
             (in_r, in_w), (out_r, out_w), (err_r, err_w) = channel(), channel(), channel()
             ours, theirs = [in_w, out_r, err_r], [in_r, out_w, err_w]
         try:
-            argv = [cmd, *args]
-            if user is not None:
-                argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--init-groups", "--", *argv]
-            pid, exited = await self.init.spawn(argv, env, cwd or self.default_cwd(), theirs, flags)
+            pid, exited = await self.init.spawn([cmd, *args], env, cwd or self.default_cwd(), theirs, flags, user)
         except BaseException:
             for fd in ours:
                 os.close(fd)

@@ -17,7 +17,9 @@
  * namespace's init it cannot be killed from inside.
  *
  * Wire protocol (SOCK_SEQPACKET, one request per message, fields NUL-separated):
- *   "S" flags cwd argc argv... envc env...   + SCM_RIGHTS fds -> child fds 0..n-1
+ *   "S" flags cwd argc argv... envc env... [uid gid]   + SCM_RIGHTS fds -> child fds 0..n-1
+ *       (with uid and gid, the child drops to them, supplementary groups cleared,
+ *       before it enters cwd: the sandbox's own binaries play no part in it)
  *        reply "P" pid | "E" errno stage (5: exec failed, 6: chdir to cwd failed)
  *        later, on the same connection: "X" pid wait-status
  *   "T" pid sig since_ticks include_self  kill descendants of pid started at or after
@@ -40,6 +42,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <grp.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -220,6 +223,12 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
     if (envc < 0 || 5 + argc + envc > nf) { free(argv); replyf(client, "E %ld %ld", EINVAL, 2); return; }
     char **envp = calloc((size_t)envc + 1, sizeof(char *));
     for (int i = 0; i < envc; i++) envp[i] = f[5 + argc + i];
+    long uid = -1, gid = -1;
+    if (nf >= 7 + argc + envc) {
+        uid = atol(f[5 + argc + envc]);
+        gid = atol(f[6 + argc + envc]);
+        if (uid < 0 || gid < 0) { free(argv); free(envp); replyf(client, "E %ld %ld", EINVAL, 7); return; }
+    }
 
     int errpipe[2];
     if (pipe2(errpipe, O_CLOEXEC) < 0) { free(argv); free(envp); replyf(client, "E %ld %ld", errno, 3); return; }
@@ -239,6 +248,12 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
         }
         if (flags & (F_SETSID | F_CTTY)) setsid();
         if (flags & F_CTTY) ioctl(0, TIOCSCTTY, 0);
+        if (uid >= 0) {
+            gid_t g = (gid_t)gid;
+            if (setgroups(1, &g) < 0 || setgid(g) < 0 || setuid((uid_t)uid) < 0) {
+                int e[2] = { errno, 7 }; (void)!write(errpipe[1], e, sizeof e); _exit(126);
+            }
+        }
         if (chdir(cwd) < 0) { int e[2] = { errno, 6 }; (void)!write(errpipe[1], e, sizeof e); _exit(126); }
         landlock_domain();
         environ = envp;
