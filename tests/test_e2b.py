@@ -413,8 +413,8 @@ def test_code_interpreter(e2b_env: None) -> None:
         assert sbx.run_code("x = 41; x + 1").text == "42"
         seen: list[tuple[float, str]] = []
         t0 = time.time()
-        ex = sbx.run_code("import os, time\nprint('a', flush=True); time.sleep(1.5); print(os.getuid(), os.environ['K'])",
-                          on_stdout=lambda m: seen.append((time.time() - t0, m.line)), envs={"K": "v"})
+        cell = "import os, time\nprint('a', flush=True); time.sleep(1.5); print(os.getuid(), os.environ['K'])"
+        ex = sbx.run_code(cell, on_stdout=lambda m: seen.append((time.time() - t0, m.line)), envs={"K": "v"})
         assert ex.logs.stdout == ["a\n", "1000 v\n"] and ex.error is None
         assert seen[0][0] < seen[1][0] - 1.0  # the first line arrived before the cell ended
         assert sbx.run_code("import os; os.environ.get('K')").text is None  # envs are the cell's only
