@@ -20,6 +20,7 @@ from conftest import TOKEN, Platform, leftovers
 
 import dsec
 from dsec.edge.network.catalog import npm_hosts
+from dsec.edge.network.nft import LibNft, NftTable
 from dsec.edge.network.wiring import ifname_for
 
 
@@ -191,3 +192,34 @@ async def test_edge_restart_keeps_links_and_rules(platform: Platform, client: ds
             assert r.exit_code != 0
         finally:
             await sb.stop()
+
+
+async def test_a_dead_edges_table_does_not_steal_the_subnet(tmp_path: str) -> None:
+    """An edge killed for good leaves its nft table; the next edge to claim that subnet
+    (its lock is free again) removes it, or the dead table would steer the new edge's DNS
+    and web traffic to ports nothing serves."""
+    import ipaddress
+
+    from conftest import _seed_layers
+
+    subnet = "10.211.224.0/19"
+    stale = NftTable("dsec_deadbeef", ipaddress.IPv4Network(subnet), 1, 2)  # as a dead edge left it
+    await stale.install()
+    data_dir = str(tmp_path)
+    _seed_layers(data_dir)
+    p = Platform(data_dir, ["--sandbox-subnet", subnet])
+    p.start()
+    try:
+        assert "dsec_deadbeef" not in LibNft().run("list tables")
+        async with dsec.AsyncClient(url=p.url, token=TOKEN) as c:
+            sb = await c.run_container(dsec.ContainerArgs(network_rules={"pypi": True}))
+            try:
+                assert sb.info.network is not None and sb.info.network.address.startswith("10.211.2")
+                r = await sb.run_shell("getent hosts pypi.org")
+                assert r.exit_code == 0 and r.stdout.strip(), r
+            finally:
+                await sb.stop()
+    finally:
+        p.stop()
+        if "dsec_deadbeef" in LibNft().run("list tables"):
+            await stale.remove()

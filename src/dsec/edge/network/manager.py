@@ -90,6 +90,8 @@ class NetworkManager:
         await self.gate.start()
         tag = hashlib.sha1(self.edge_root.encode()).hexdigest()[:8]
         self.table = NftTable(f"dsec_{tag}", self.subnet, self.resolver.port, self.gate.port)
+        for stale in await asyncio.to_thread(self.table.remove_stale):
+            log.warning("removed nft table %s: a dead edge's, for this edge's subnet %s", stale, self.subnet)
         await self.table.install()
         wiring.enable_forwarding()
         self._poll = asyncio.create_task(self._poll_denied())

@@ -14,6 +14,7 @@ One ``inet`` table per edge, written whole at start and changed by element updat
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import ipaddress
@@ -130,6 +131,24 @@ table inet {t} {{
 
     async def install(self) -> None:
         await self.apply(self.ruleset())
+
+    def remove_stale(self) -> list[str]:
+        """Delete other dsec tables that steer this table's subnet: left by an edge that
+        died without cleaning up (its subnet lock is free again, which is how this edge got
+        the subnet), they would redirect this edge's sandboxes' DNS and web traffic to
+        ports nothing serves any more. Returns the tables removed."""
+        listed = json.loads(self.nft.run("list tables", as_json=True) or "{}")
+        names = [t["table"]["name"] for t in listed.get("nftables", [])
+                 if "table" in t and t["table"].get("family") == "inet"]
+        gone = []
+        for name in names:
+            if name == self.name or not name.startswith("dsec_"):
+                continue
+            with contextlib.suppress(SandboxError):  # raced with its own removal
+                if f"ip saddr {self.subnet.with_prefixlen} " in self.nft.run(f"list table inet {name}"):
+                    self.nft.run(f"delete table inet {name}")
+                    gone.append(name)
+        return gone
 
     async def remove(self) -> None:
         await self.apply(f"table inet {self.name}\ndelete table inet {self.name}\n")
