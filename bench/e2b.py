@@ -1,5 +1,7 @@
 """The E2B SDK against dsec, beside dsec's own SDK, in one run: create-to-first-command
-latency and command round trip (the baseline is dsec's SDK on the same server).
+latency and command round trip (the baseline is dsec's SDK on the same server), the same
+on E2B's `base` template (commands as its user), and e2b-code-interpreter's create to
+first cell result and cell round trip.
 
     .venv/bin/python bench/e2b.py --write docs/benchmarks.md
 """
@@ -42,21 +44,42 @@ def with_dsec(url: str, token: str, n: int, cmds: int) -> dict[str, list[float]]
     return {"create": create, "rtt": rtt}
 
 
-def with_e2b(url: str, token: str, n: int, cmds: int) -> dict[str, list[float]]:
+def with_e2b(url: str, token: str, n: int, cmds: int, template: str = "base/debian:12") -> dict[str, list[float]]:
     os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": token})
     from e2b import Sandbox
 
     create, rtt = [], []
     for _ in range(n):
         t = time.perf_counter()
-        sbx = Sandbox.create("base/debian:12")
+        sbx = Sandbox.create(template)
         sbx.commands.run("true")
         create.append(time.perf_counter() - t)
         sbx.kill()
-    sbx = Sandbox.create("base/debian:12")
+    sbx = Sandbox.create(template)
     for _ in range(cmds):
         t = time.perf_counter()
         sbx.commands.run("true")
+        rtt.append(time.perf_counter() - t)
+    sbx.kill()
+    return {"create": create, "rtt": rtt}
+
+
+def with_interpreter(n: int, cells: int) -> dict[str, list[float]]:
+    """e2b-code-interpreter on code-interpreter-v1: create to the first cell's result
+    (the kernel starts with the sandbox) and a cell's round trip (``1 + 1``)."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    create, rtt = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        sbx = CodeSandbox.create()
+        sbx.run_code("1 + 1")
+        create.append(time.perf_counter() - t)
+        sbx.kill()
+    sbx = CodeSandbox.create()
+    for _ in range(cells):
+        t = time.perf_counter()
+        sbx.run_code("1 + 1")
         rtt.append(time.perf_counter() - t)
     sbx.kill()
     return {"create": create, "rtt": rtt}
@@ -73,6 +96,8 @@ def main() -> None:
     try:
         ds = with_dsec(url, token, a.n, a.commands)
         e2 = with_e2b(url, token, a.n, a.commands)
+        e2u = with_e2b(url, token, a.n, a.commands, "base")
+        ci = with_interpreter(max(1, a.n // 4), a.commands // 2)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -87,7 +112,14 @@ def main() -> None:
             f"{pct(e2['create'], 90) * ms:.1f} | |",
             f"| command round trip p50 (ms) | {med(ds['rtt']) * ms:.2f} | {med(e2['rtt']) * ms:.2f} | "
             f"{med(e2['rtt']) / med(ds['rtt']):.2f}x |",
-            f"| command round trip p90 (ms) | {pct(ds['rtt'], 90) * ms:.2f} | {pct(e2['rtt'], 90) * ms:.2f} | |"]
+            f"| command round trip p90 (ms) | {pct(ds['rtt'], 90) * ms:.2f} | {pct(e2['rtt'], 90) * ms:.2f} | |",
+            f"| `base` template (as `user`): create to first command p50 (ms) | | {med(e2u['create']) * ms:.1f} | "
+            f"{med(e2u['create']) / med(ds['create']):.2f}x |",
+            f"| `base` template (as `user`): command round trip p50 (ms) | | {med(e2u['rtt']) * ms:.2f} | "
+            f"{med(e2u['rtt']) / med(ds['rtt']):.2f}x |",
+            f"| e2b-code-interpreter: create to first cell result p50 (ms, n={len(ci['create'])}) | | "
+            f"{med(ci['create']) * ms:.0f} | |",
+            f"| e2b-code-interpreter: cell round trip p50 (ms) | | {med(ci['rtt']) * ms:.2f} | |"]
     body = "\n".join(rows)
     report(body, a.write, "e2b.py", "e2b", "E2B SDK against dsec (`bench/e2b.py`)")
 
