@@ -183,7 +183,9 @@ def test_js_sdk(platform: Platform) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"stdout": "hello from js\n", "read": "hi", "list": [".bashrc", ".profile", "x.txt"],
-                   "exitCode": 3, "afterConnect": "hi", "running": False}, out
+                   "exitCode": 3, "whoami": "user\n/home/user\n", "stdin": "echo through stdin\n", "pty": True,
+                   "watched": True, "metadata": {"tag": "js"}, "listed": True, "afterConnect": "hi",
+                   "running": False}, out
 
 
 async def test_async_sdk(e2b_env: None) -> None:

@@ -12,6 +12,30 @@ try {
 } catch (e) {
   out.exitCode = e.exitCode
 }
+// E2B's default template: its user, a background process, stdin, a PTY, a watch, metadata
+const base = await Sandbox.create({ timeoutMs: 120_000, metadata: { suite: 'js' } })
+out.whoami = (await base.commands.run('id -un; pwd')).stdout
+const bg = await base.commands.run('cat', { background: true, stdin: true })
+await base.commands.sendStdin(bg.pid, 'echo through stdin\n')
+await base.commands.closeStdin(bg.pid)
+out.stdin = (await bg.wait()).stdout
+let ptyOut = ''
+const term = await base.pty.create({ cols: 80, rows: 24, onData: (d) => { ptyOut += new TextDecoder().decode(d) } })
+await base.pty.resize(term.pid, { cols: 100, rows: 30 })
+await base.pty.sendInput(term.pid, new TextEncoder().encode('stty size; exit\n'))
+await term.wait()
+out.pty = ptyOut.includes('30 100')
+const events = []
+await base.files.makeDir('w')
+const watch = await base.files.watchDir('w', (e) => events.push(`${e.type}:${e.name}`), { recursive: true })
+await base.files.write('w/f.txt', 'x', { metadata: { tag: 'js' } })
+await new Promise((r) => setTimeout(r, 300))
+await watch.stop()
+out.watched = events.includes('create:f.txt')
+out.metadata = (await base.files.getInfo('w/f.txt')).metadata
+out.listed = (await Sandbox.list({ query: { metadata: { suite: 'js' } } }).nextItems()).map((s) => s.sandboxId)
+  .includes(base.sandboxId)
+await base.kill()
 await sbx.pause()
 const again = await Sandbox.connect(sbx.sandboxId)
 out.afterConnect = (await again.commands.run('cat /root/x.txt')).stdout
