@@ -432,3 +432,39 @@ def test_code_interpreter(e2b_env: None) -> None:
         assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
     finally:
         sbx.kill()
+
+
+def test_watchers_are_bounded_and_released(e2b_env: None, platform: Platform) -> None:
+    """Watchers a client never removes are bounded per sandbox and released with it."""
+    from dsec.e2b import envd
+
+    assert platform.proc is not None
+    fd_dir = f"/proc/{platform.proc.pid}/fd"
+
+    def inotify_fds() -> int:
+        n = 0
+        for f in os.listdir(fd_dir):
+            try:
+                n += os.readlink(f"{fd_dir}/{f}") == "anon_inode:inotify"
+            except FileNotFoundError:
+                pass
+        return n
+
+    before = inotify_fds()
+    sbx = Sandbox.create(timeout=60)
+    try:
+        handles = [sbx.files.watch_dir("/tmp") for _ in range(envd.MAX_WATCHERS_PER_SANDBOX)]
+        assert inotify_fds() >= before + envd.MAX_WATCHERS_PER_SANDBOX
+        with pytest.raises(SandboxException, match="watchers per sandbox"):
+            sbx.files.watch_dir("/tmp")
+        handles[0].stop()
+        sbx.files.watch_dir("/tmp")  # a removed watcher's place is free again
+    finally:
+        sbx.kill()
+    other = Sandbox.create(timeout=60)
+    try:
+        time.sleep(envd.PRUNE_EVERY_S)
+        other.files.watch_dir("/tmp").stop()  # prunes the dead sandbox's watchers on the way
+        assert inotify_fds() <= before
+    finally:
+        other.kill()

@@ -26,6 +26,25 @@ IN_ISDIR, IN_IGNORED = 0x40000000, 0x8000
 MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 MAX_EVENTS = 10_000
 MAX_WATCHES = 4096
+# each watch is its own inotify instance; the kernel's default allows 128 per user on the
+# whole host, which a handful of sandboxes with watches would use up
+INSTANCES = 16384
+INSTANCES_SYSCTL = "/proc/sys/fs/inotify/max_user_instances"
+
+
+def ensure_instances(n: int = INSTANCES) -> int:
+    """Raise the host's per-user inotify instance limit to ``n`` (never lower it);
+    returns the limit in force."""
+    with open(INSTANCES_SYSCTL) as f:
+        now = int(f.read())
+    if now < n:
+        try:
+            with open(INSTANCES_SYSCTL, "w") as f:
+                f.write(str(n))
+            now = n
+        except OSError:
+            pass  # not allowed here: watches stay bounded by the host's limit
+    return now
 
 
 @dataclass

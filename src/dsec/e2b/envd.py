@@ -158,7 +158,8 @@ def _selector(msg: dict[str, Any]) -> tuple[int | None, str | None]:
 
 EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
                "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
-MAX_WATCHERS = 1024
+MAX_WATCHERS, MAX_WATCHERS_PER_SANDBOX = 8192, 256
+PRUNE_EVERY_S = 10.0
 MAX_ENTRIES = 100_000
 ACCOUNTS_TTL_S = 2.0
 
@@ -168,6 +169,7 @@ class Envd:
         self.edge_for = edge_for
         self.watchers: dict[str, Watching] = {}  # watcher id -> what it watches
         self.accounts: dict[str, tuple[float, Accounts]] = {}  # sandbox -> (read at, its users)
+        self.pruned_at = 0.0
 
     def _sandbox(self, request: Request) -> tuple[str, EdgeAPI]:
         sid = request.headers.get(SANDBOX_HEADER, "")
@@ -402,12 +404,36 @@ class Envd:
         return events()
 
     async def create_watcher(self, request: Request) -> dict[str, Any]:
+        sid, _ = self._sandbox(request)
+        if time.monotonic() - self.pruned_at > PRUNE_EVERY_S:
+            await self._prune()
+        if sum(1 for w in self.watchers.values() if w.ctx.sid == sid) >= MAX_WATCHERS_PER_SANDBOX:
+            await self._prune()
+            if sum(1 for w in self.watchers.values() if w.ctx.sid == sid) >= MAX_WATCHERS_PER_SANDBOX:
+                raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS_PER_SANDBOX} watchers per sandbox")
         if len(self.watchers) >= MAX_WATCHERS:
-            raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers")
+            await self._prune()
+            if len(self.watchers) >= MAX_WATCHERS:
+                raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers on this server")
         watching = await self._watch(request, await unary_body(request))
         wid = secrets.token_hex(8)
         self.watchers[wid] = watching
         return {"watcherId": wid}
+
+    async def _prune(self) -> None:
+        """Close the watchers of sandboxes that have ended (their owners never removed
+        them): a dead sandbox must not hold inotify fds or its share of the limit."""
+        self.pruned_at = time.monotonic()
+        live: dict[str, bool] = {}
+        for wid, w in list(self.watchers.items()):
+            if w.ctx.sid not in live:
+                try:
+                    live[w.ctx.sid] = (await w.ctx.edge.get(w.ctx.sid)).state in ("running", "paused")
+                except DsecError:
+                    live[w.ctx.sid] = False
+            if w.watch.closed or not live[w.ctx.sid]:
+                w.watch.close()
+                self.watchers.pop(wid, None)
 
     def _watcher(self, request: Request, msg: dict[str, Any]) -> tuple[str, Watching]:
         sid, _ = self._sandbox(request)

@@ -38,6 +38,7 @@ from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
 from dsec.agent.procs import ProcessTable
 from dsec.agent.watch import DirWatch
+from dsec.agent.watch import ensure_instances as ensure_inotify_instances
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.vm.channel import GuestChannel, GuestFiles
@@ -214,6 +215,7 @@ class Edge:
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
         self.density["swap"] = await asyncio.to_thread(memory.ensure_swap)
+        self.density["inotify_instances"] = await asyncio.to_thread(ensure_inotify_instances)
         await self.node_layers.start()
         try:
             self.procwatch.start()
