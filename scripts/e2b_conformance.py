@@ -48,8 +48,8 @@ REASONS = [
      "wildcard DNS name for the server"),
     ("test_config_propagation.py::test_connect_sets_stable_host_routing_headers", "asserts the SDK's default "
      "cloud URL, which E2B_SANDBOX_URL (pointing the SDK at dsec) replaces"),
-    ("test_connect.py::test_connect_normalizes_unset_tokens", "a client-side test with a placeholder API key "
-     "whose unmocked call reaches the server, which refuses the key (401)"),
+    ("test_connect.py::test_connect_normalizes_unset_tokens", "a client-side test: it mocks the v1 connect "
+     "call, the SDK under test calls /v2/.../connect, which reaches the server with a placeholder key (401)"),
 ]
 
 
