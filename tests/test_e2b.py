@@ -95,6 +95,10 @@ def test_files(e2b_env: None) -> None:
         assert sbx.files.read("/work/a/b.bin", format="bytes") == b"\x00\x01binary"
         assert sbx.files.exists("/work/a") and not sbx.files.exists("/work/nope")
         assert sbx.files.make_dir("/work/d") and not sbx.files.make_dir("/work/d")
+        from e2b import InvalidArgumentException
+
+        with pytest.raises(InvalidArgumentException, match="not a directory"):
+            sbx.files.make_dir("/work/a/b.bin/sub")  # a component is a file: a clear 400, not a 500
         assert {e.name for e in sbx.files.list("/work")} == {"a", "d"}
         moved = sbx.files.rename("/work/a/b.bin", "/work/d/c.bin")
         assert moved.path == "/work/d/c.bin" and moved.size == 8
@@ -468,3 +472,26 @@ def test_watchers_are_bounded_and_released(e2b_env: None, platform: Platform) ->
         assert inotify_fds() <= before
     finally:
         other.kill()
+
+
+def test_malformed_envd_requests_are_400(e2b_env: None, platform: Platform) -> None:
+    """Hostile or broken clients speaking envd's wire format directly get Connect's
+    invalid_argument (HTTP 400) naming what is wrong, never a 500."""
+    import httpx
+
+    sbx = Sandbox.create(timeout=60)
+    try:
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token or "",
+                   "Content-Type": "application/json"}
+        bad = [("/filesystem.Filesystem/ListDir", {"path": "/", "depth": "deep"}),
+               ("/process.Process/SendInput", {"process": {"pid": "x"}, "input": {"stdin": "!!"}}),
+               ("/process.Process/Update", {"process": 5}),
+               ("/filesystem.Filesystem/Stat", ["not", "an", "object"])]
+        for route, body in bad:
+            r = httpx.post(platform.url + route, json=body, headers=headers)
+            assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (route, r.text)
+        r = httpx.post(platform.url + "/files?path=x", headers={**headers, "X-Metadata-ok": b"\xe9"},
+                       content=b"x")
+        assert r.status_code == 400 and "metadata" in r.json()["message"], r.text
+    finally:
+        sbx.kill()

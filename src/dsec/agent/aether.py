@@ -666,7 +666,9 @@ class ProcRootFiles:
             return False
 
     def _mkdirs(self, path: str, owner: Owner | None = None) -> None:
-        os.close(self._open_parent(os.path.join(path, "x"), create=True, owner=owner)[0])
+        def go() -> None:
+            os.close(self._open_parent(os.path.join(path, "x"), create=True, owner=owner)[0])
+        self._wrap_fs(go, path)
 
     def _read_file(self, path: str, limit: int) -> bytes:
         def go() -> bytes:

@@ -523,6 +523,15 @@ def signed_file_sandbox(query: dict[str, str], method: str, candidates: list[str
     raise ValueError("invalid signature")
 
 
+# what a request whose fields have the wrong shape raises while it is read (a depth that
+# is not a number, a message that is not an object, bad base64): a 400, not a 500
+MALFORMED = (ValueError, TypeError, KeyError, AttributeError)
+
+
+def _malformed(e: Exception) -> ConnectError:
+    return ConnectError("invalid_argument", f"malformed request: {type(e).__name__}: {e}")
+
+
 class SandboxGone(ConnectError):
     """The sandbox does not exist or has ended: answered as E2B's proxy does (HTTP 502,
     "... was not found"), which the SDKs turn into their sandbox-not-running errors."""
@@ -570,6 +579,8 @@ def mount(app: FastAPI, envd: Envd) -> None:
                 return e.response(request.headers.get(SANDBOX_HEADER, ""))
             except ConnectError as e:
                 return stream_response(_failed(e))
+            except MALFORMED as e:
+                return stream_response(_failed(_malformed(e)))
             return stream_response(events, timeout_of(request))
         return route
 
@@ -583,6 +594,8 @@ def mount(app: FastAPI, envd: Envd) -> None:
                 return e.response(request.headers.get(SANDBOX_HEADER, ""))
             except ConnectError as e:
                 return unary_error(e)
+            except MALFORMED as e:
+                return unary_error(_malformed(e))
         return route
 
     for path, sfn in streams.items():
@@ -597,9 +610,10 @@ def mount(app: FastAPI, envd: Envd) -> None:
                 return await fn(request)
             except SandboxGone as e:
                 return e.response(request.headers.get(SANDBOX_HEADER, ""))
-            except ConnectError as e:
-                status = 404 if e.code == "not_found" else 400
-                return JSONResponse({"code": status, "message": e.message}, status_code=status)
+            except (ConnectError, *MALFORMED) as e:
+                err = e if isinstance(e, ConnectError) else _malformed(e)
+                status = 404 if err.code == "not_found" else 400
+                return JSONResponse({"code": status, "message": err.message}, status_code=status)
         return route
 
     async def health(request: Request) -> Response:
