@@ -13,6 +13,12 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dsec.errors import InvalidRequest, NotFound
+
+if TYPE_CHECKING:
+    from dsec.edge.api import EdgeAPI
 
 DEFAULT_USER = "user"
 
@@ -75,6 +81,19 @@ class Accounts:
 
     def group_name(self, gid: int) -> str:
         return self.group_names.get(gid, str(gid))
+
+
+async def load(edge: EdgeAPI, sandbox_id: str) -> Accounts:
+    """The sandbox's users and groups, read from its /etc/passwd and /etc/group (a file
+    that is missing or not a regular file gives none)."""
+    async def read(path: str) -> bytes:
+        try:
+            return await edge.read_file(sandbox_id, path)
+        except (NotFound, InvalidRequest) as e:
+            if e.field == "sandbox_id":
+                raise
+            return b""
+    return Accounts.parse(await read("/etc/passwd"), await read("/etc/group"))
 
 
 def basic_user(authorization: str | None) -> str | None:

@@ -19,13 +19,13 @@ import secrets
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from dsec.e2b.accounts import Accounts
+from dsec.e2b.accounts import load as load_accounts
 from dsec.e2b.envd import ENVD_VERSION
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.edge.api import EdgeAPI
@@ -60,6 +60,9 @@ class NewSandbox(BaseModel):
     model_config = {"extra": "ignore"}
 
 
+Key = tuple[float, str]  # (creation time, id): what pages are ordered and resumed by
+
+
 class ListQuery(BaseModel):
     states: set[str] = Field(default_factory=set)
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -68,19 +71,22 @@ class ListQuery(BaseModel):
     started_before: float | None = None
     order: str = "desc"
     limit: int = Field(default=100, ge=1, le=1000)
-    after: tuple[float, str] | None = None  # the key the previous page ended at
+    after: Key | None = None  # the key the previous page ended at
 
 
-def _key(info: SandboxInfo) -> tuple[float, str]:
-    return info.created_at, info.sandbox_id
+T = TypeVar("T")
 
 
-def _token(created_at: float, ident: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps([created_at, ident]).encode()).decode()
-
-
-def _page_token(info: SandboxInfo) -> str:
-    return _token(*_key(info))
+def _page(items: list[T], key: Callable[[T], Key], desc: bool, after: Key | None,
+          limit: int) -> tuple[list[T], str | None]:
+    """One page of ``items`` in key order, starting past ``after``, and the token of the
+    next page (the last key returned, so pages stay consistent while items come and go)."""
+    items = sorted((i for i in items if after is None or (key(i) < after if desc else key(i) > after)),
+                   key=key, reverse=desc)
+    page = items[:limit]
+    if len(items) <= limit:
+        return page, None
+    return page, base64.urlsafe_b64encode(json.dumps(list(key(page[-1]))).encode()).decode()
 
 
 SNAPSHOT_PREFIX, SNAPSHOT_SOURCE = "ws/e2b-snapshot-", "e2b snapshot "
@@ -103,7 +109,7 @@ def _snapshot_info(layer: Layer) -> dict[str, Any]:
     return {"snapshotID": snapshot_id, "names": [name] if name else [snapshot_id]}
 
 
-def _parse_token(token: str) -> tuple[float, str]:
+def _parse_token(token: str) -> Key:
     try:
         created, sid = json.loads(base64.urlsafe_b64decode(token.encode()))
         return float(created), str(sid)
@@ -208,7 +214,7 @@ class E2BApi:
         wait (bounded) until its port answers."""
         assert template.start is not None
         edge = self.edge_for(sandbox_id)
-        user = Accounts.parse(await edge.read_file(sandbox_id, "/etc/passwd"), b"").user(None)
+        user = (await load_accounts(edge, sandbox_id)).user(None)
         table = await edge.process_table(sandbox_id)
         proc = await table.start(template.start[0], template.start[1:], user.env(), user.home, None, False,
                                  "template-start", user.owner)
@@ -242,7 +248,7 @@ class E2BApi:
         return _snapshot_info(layer)
 
     def snapshots(self, sandbox_id: str | None, name: str | None, limit: int,
-                  after: tuple[float, str] | None) -> tuple[list[dict[str, Any]], str | None]:
+                  after: Key | None) -> tuple[list[dict[str, Any]], str | None]:
         """Newest first, in pages keyed by (creation time, id)."""
         picked = []
         for layer in self.platform.layers.list():
@@ -250,13 +256,9 @@ class E2BApi:
             if meta is None or (sandbox_id and meta.get("sandbox") != sandbox_id) or \
                     (name is not None and meta.get("name") != name):
                 continue
-            if after is not None and (layer.created_at, layer.ref) >= after:
-                continue
             picked.append(layer)
-        picked.sort(key=lambda layer: (layer.created_at, layer.ref), reverse=True)
-        page = picked[:limit]
-        more = len(picked) > limit
-        return [_snapshot_info(x) for x in page], _token(page[-1].created_at, page[-1].ref) if more else None
+        page, token = _page(picked, lambda layer: (layer.created_at, layer.ref), True, after, limit)
+        return [_snapshot_info(x) for x in page], token
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         try:
@@ -318,9 +320,7 @@ class E2BApi:
         return self._listed((await self._live(sandbox_id))[1])
 
     async def list(self, q: ListQuery) -> tuple[list[dict[str, Any]], str | None]:
-        """One page of the sandboxes ``q`` selects, ordered by start time (then id), and
-        the token of the next page: the last key returned, so pages stay consistent
-        while sandboxes come and go."""
+        """One page of the sandboxes ``q`` selects, ordered by start time (then id)."""
         picked = []
         for info in await self.list_all():
             state = "paused" if info.state == SandboxState.paused else \
@@ -336,13 +336,7 @@ class E2BApi:
                     (q.started_before is not None and started > q.started_before):
                 continue
             picked.append(info)
-        desc = q.order == "desc"
-        picked.sort(key=_key, reverse=desc)
-        if q.after is not None:
-            after = q.after
-            picked = [i for i in picked if (_key(i) < after if desc else _key(i) > after)]
-        page = picked[:q.limit]
-        token = _page_token(page[-1]) if len(picked) > q.limit else None
+        page, token = _page(picked, lambda i: (i.created_at, i.sandbox_id), q.order == "desc", q.after, q.limit)
         return [self._listed(i) for i in page], token
 
     async def kill(self, sandbox_id: str) -> None:

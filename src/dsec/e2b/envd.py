@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from dsec.agent.procs import Proc, ProcessTable
 from dsec.agent.watch import DirWatch, WatchEvent
 from dsec.e2b.accounts import Account, Accounts, UnknownUser, basic_user
+from dsec.e2b.accounts import load as load_accounts
 from dsec.e2b.connect import (
     ConnectError,
     first_message,
@@ -183,15 +184,7 @@ class Envd:
         hit = self.accounts.get(sid)
         if hit is not None and now - hit[0] < ACCOUNTS_TTL_S:
             return hit[1]
-
-        async def read(path: str) -> bytes:
-            try:
-                return bytes(await _call(edge.read_file(sid, path)))
-            except SandboxGone:
-                raise
-            except ConnectError:  # no such file, or not a regular one: no users from it
-                return b""
-        accounts = Accounts.parse(await read("/etc/passwd"), await read("/etc/group"))
+        accounts = await _call(load_accounts(edge, sid))
         if len(self.accounts) >= 4096:
             self.accounts.clear()
         self.accounts[sid] = (now, accounts)

@@ -230,7 +230,6 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(json.dumps(item).encode() + b"\n")
                 self.wfile.flush()
             except OSError:  # the caller left: the cell runs on, its output is dropped
-                lines.put(None)
                 return
 
     @staticmethod

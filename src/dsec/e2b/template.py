@@ -11,6 +11,7 @@ it; any other template name is a dsec layer ref, used alone.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -25,8 +26,20 @@ from dsec.layers.store import Layer, LayerStore
 
 BASE_IMAGE = "base/debian:12"
 USER_LAYER = "tk/e2b-user:1"
-INTERPRETER_LAYER = "tk/e2b-code-interpreter:1"
 INTERPRETER_PACKAGES = ["ipykernel>=6.29,<8", "jupyter_client>=8.6,<9"]
+INTERPRETER_SOURCE = os.path.join(os.path.dirname(__file__), "interpreter_server.py")
+
+
+def _interpreter_version() -> str:
+    """Layers are immutable: the layer's version names what goes into it, so a changed
+    server or package list is a new layer, built by the next setup."""
+    h = hashlib.sha256(" ".join(INTERPRETER_PACKAGES).encode())
+    with open(INTERPRETER_SOURCE, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+INTERPRETER_LAYER = f"tk/e2b-code-interpreter:{_interpreter_version()}"
 INTERPRETER_PATH, INTERPRETER_PORT = "/opt/dsec/code_interpreter.py", 49999
 
 
@@ -74,7 +87,7 @@ def resolve(template: str, store: LayerStore) -> Template:
 
 
 def ensure_interpreter_layer(store: LayerStore) -> Layer:
-    """Build ``tk/e2b-code-interpreter:1`` once per store: the packages installed with
+    """Build ``tk/e2b-code-interpreter:<version>`` once per store: the packages installed with
     this node's pip (the sandbox's Debian python3 is the same 3.11) under
     /usr/local/lib/python3.11/dist-packages, and the server."""
     if store.has(INTERPRETER_LAYER):
@@ -85,7 +98,7 @@ def ensure_interpreter_layer(store: LayerStore) -> Layer:
                         "--target", site, *INTERPRETER_PACKAGES], check=True)
         dest = os.path.join(tmp, INTERPRETER_PATH.lstrip("/"))
         os.makedirs(os.path.dirname(dest))
-        shutil.copy(os.path.join(os.path.dirname(__file__), "interpreter_server.py"), dest)
+        shutil.copy(INTERPRETER_SOURCE, dest)
         for d, _, _ in os.walk(tmp):
             os.chmod(d, 0o755)  # the temporary root is 0700, and a layer's root dir is the sandbox's /
         return store.import_dir(tmp, INTERPRETER_LAYER)
