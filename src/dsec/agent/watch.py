@@ -85,10 +85,14 @@ class DirWatch:
             raise
         asyncio.get_running_loop().add_reader(self.fd, self._readable)
 
-    def _add(self, rel: str) -> None:
+    def _add(self, rel: str, announce: bool = False) -> None:
+        """Watch ``rel`` (and, recursively, its subdirectories). ``announce``: the directory
+        is new, so what was made in it before its watch existed is reported as created —
+        ``mkdir d && echo > d/f`` must not lose ``d/f`` to the gap."""
         if len(self.dirs) >= MAX_WATCHES:
             return
         dfd = self.open_dir(os.path.join(self.root, rel) if rel else self.root)
+        subs: list[str] = []
         try:
             wd = _libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dfd}".encode(), MASK)
             if wd < 0:
@@ -96,15 +100,18 @@ class DirWatch:
             self.dirs[wd] = rel
             if self.recursive:
                 with os.scandir(dfd) as it:
-                    subs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+                    for e in it:
+                        if announce:
+                            self.events.append(WatchEvent(os.path.join(rel, e.name), "create"))
+                        if e.is_dir(follow_symlinks=False):
+                            subs.append(e.name)
         finally:
             os.close(dfd)
-        if self.recursive:
-            for name in subs:
-                try:
-                    self._add(os.path.join(rel, name))
-                except OSError:
-                    pass  # gone again, or not a directory any more
+        for name in subs:
+            try:
+                self._add(os.path.join(rel, name), announce)
+            except OSError:
+                pass  # gone again, or not a directory any more
 
     def _readable(self) -> None:
         while not self.closed:
@@ -125,12 +132,12 @@ class DirWatch:
                 if base is None or kind is None or not name:
                     continue
                 rel = os.path.join(base, name)
+                self.events.append(WatchEvent(rel, kind))
                 if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                     try:
-                        self._add(rel)
+                        self._add(rel, announce=True)
                     except OSError:
                         pass
-                self.events.append(WatchEvent(rel, kind))
                 self.changed.set()
 
     def drain(self) -> list[WatchEvent]:
