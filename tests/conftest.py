@@ -139,9 +139,16 @@ def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
     for cg in glob.glob("/proc/[0-9]*/cgroup"):
         try:
             with open(cg) as f:
-                if sandbox_id in f.read():
-                    found.append(f"process {cg.split('/')[2]}")
-        except OSError:
+                if sandbox_id not in f.read():
+                    continue
+            # a zombie holds nothing but its pid until its parent reaps it: the edge reaps
+            # the inits it started; one re-adopted after an edge restart is the host
+            # init's to reap, which on some hosts takes its time
+            with open(cg.replace("/cgroup", "/stat"), "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+            found.append(f"process {cg.split('/')[2]}")
+        except (OSError, IndexError):
             pass
     for where in (("sandboxes",), ("volume", "sandboxes")):
         found += [f"file {p}" for p in glob.glob(os.path.join(platform.data_dir, "edges", "*", *where, sandbox_id))]

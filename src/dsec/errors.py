@@ -8,10 +8,14 @@ class DsecError(Exception):
     status = 500
     code = "internal"
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, *, sandbox_id: str | None = None,
+                 operation: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        # which sandbox and which call, where known (the SDK fills them in from the request)
+        self.sandbox_id = sandbox_id
+        self.operation = operation
 
 
 class InvalidRequest(DsecError):
@@ -77,6 +81,14 @@ class SandboxError(DsecError):
     code = "sandbox_error"
 
 
+class DeadlineExceeded(SandboxError):
+    """A call did not finish within its deadline: the edge's call into a sandbox or helper
+    (the sandbox's init, crun, the shared store), or the SDK's own request timeout."""
+
+    status = 504
+    code = "deadline_exceeded"
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -92,5 +104,6 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         AdmissionRejected,
         EdgeUnavailable,
         SandboxError,
+        DeadlineExceeded,
     )
 }

@@ -42,6 +42,8 @@ from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse, Owner
 OnData = Callable[[str, bytes], None]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_HTTP_BODY = 64 * 1024 * 1024
+# after a timed-out command is SIGKILLed, how long its answer waits for it to be gone
+KILLED_EXIT_WAIT_S = 2.0
 
 
 class _Capture:
@@ -343,11 +345,14 @@ class Aether:
         feeder = asyncio.create_task(self._feed(in_w, (req.stdin or "").encode()))
         timed_out = False
         try:
-            status = await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
+            await asyncio.wait_for(asyncio.shield(exited), req.timeout_s)
         except TimeoutError:
             timed_out = True
             await self.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True)
-            status = await exited
+            # a killed task needs CPU time to exit, and a sandbox at its CPU quota may give it
+            # little: the answer does not wait for that (init reaps it whenever it ends)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), KILLED_EXIT_WAIT_S)
         except asyncio.CancelledError:  # the caller went away (a dropped stream): the command goes too
             with contextlib.suppress(ChannelLost):
                 await asyncio.shield(self.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True))
@@ -364,7 +369,7 @@ class Aether:
         out.close()
         err.close()
         return ExecResult(
-            exit_code=137 if timed_out else exit_code(status), stdout=out.text(), stderr=err.text(),
+            exit_code=137 if timed_out else exit_code(exited.result()), stdout=out.text(), stderr=err.text(),
             timed_out=timed_out, stdout_truncated=out.truncated, stderr_truncated=err.truncated,
             duration_ms=(time.monotonic() - t0) * 1000)
 

@@ -12,10 +12,15 @@ import os
 import socket
 import time
 
-from dsec.errors import SandboxError
+from dsec.errors import DeadlineExceeded, SandboxError
 
 SETSID = 1
 CTTY = 2
+# every request to init has this deadline: init answers from its own loop, outside the
+# workload's limits, so a miss means it is stuck (a frozen sandbox, a kernel in trouble)
+REQUEST_TIMEOUT_S = 10.0
+_NAMES = {"S": "spawn", "T": "kill", "G": "signal", "W": "ping", "A": "adopt", "H": "hold", "R": "retrieve",
+          "D": "drop", "L": "list", "C": "configure"}
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -29,11 +34,12 @@ class ChannelLost(SandboxError):
 
 
 class SpawnFailed(SandboxError):
-    CHDIR, USER = 6, 7
+    CHDIR, USER, CGROUP = 6, 7, 8
 
     def __init__(self, err: int, stage: int, argv0: str, cwd: str) -> None:
         what = f"cannot enter working directory {cwd!r}" if stage == self.CHDIR else \
-            "cannot take on the requested user" if stage == self.USER else f"cannot run {argv0!r}"
+            "cannot take on the requested user" if stage == self.USER else \
+            "cannot join the sandbox's workload cgroup" if stage == self.CGROUP else f"cannot run {argv0!r}"
         super().__init__(f"{what}: {os.strerror(err)}")
         self.errno = err
 
@@ -97,16 +103,19 @@ class InitClient:
                 if fut and not fut.done():
                     fut.set_result(int(fields[2]))
                 continue
-            exit_fut = None
-            if fields[0] == b"P":
-                exit_fut = self._exits[int(fields[1])] = asyncio.get_running_loop().create_future()
-            if self._pending:
-                f = self._pending.popleft()
-                if not f.done():
-                    f.set_result((fields, exit_fut, fds))
-                    continue
+            f = self._pending.popleft() if self._pending else None
+            if f is not None and not f.done():
+                exit_fut = None
+                if fields[0] == b"P":
+                    exit_fut = self._exits[int(fields[1])] = asyncio.get_running_loop().create_future()
+                f.set_result((fields, exit_fut, fds))
+                continue
+            # the answer to a request whose caller gave up (its deadline passed): dropped,
+            # and a process it started is killed rather than left running unowned
             for fd in fds:
                 os.close(fd)
+            if fields[0] == b"P" and len(fields) > 1:
+                self._fire(["T", fields[1].decode(), "9", "0", "1"])
 
     def _lost(self) -> None:
         if self._sock is not None:
@@ -126,23 +135,48 @@ class InitClient:
         if self._sock is not None:
             self._lost()
 
-    async def _request(self, fields: list[str], fds: list[int] | None = None) -> _Reply:
+    def _fire(self, fields: list[str]) -> None:
+        """Send a request nobody waits for (its reply is dropped in turn)."""
+        if self._sock is None:
+            return
+        fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
+        fut.cancel()
+        try:
+            self._sock.send(b"\0".join(f.encode() for f in fields))
+            self._pending.append(fut)
+        except OSError:
+            pass
+
+    async def _request(self, fields: list[str], fds: list[int] | None = None,
+                       timeout: float | None = None) -> _Reply:
         if self._sock is None:
             raise ChannelLost("sandbox init is not connected")
+        what = _NAMES.get(fields[0], fields[0])
+        timeout = REQUEST_TIMEOUT_S if timeout is None else timeout
         msg = b"\0".join(f.encode() for f in fields)
         fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
-        async with self._lock:
-            self._pending.append(fut)
-            try:
-                if fds:
-                    socket.send_fds(self._sock, [msg], fds)
-                else:
-                    self._sock.send(msg)
-            except OSError as e:
-                self._pending.remove(fut)
-                self._lost()
-                raise ChannelLost(f"sandbox init unreachable: {e}") from e
-        return await fut
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._lock:
+                    if self._sock is None:
+                        raise ChannelLost("sandbox init is not connected")
+                    try:
+                        if fds:
+                            socket.send_fds(self._sock, [msg], fds)
+                        else:
+                            self._sock.send(msg)
+                    except BlockingIOError:  # init has not read what we sent before
+                        raise DeadlineExceeded(f"sandbox init is not taking requests ({what})") from None
+                    except OSError as e:
+                        self._lost()
+                        raise ChannelLost(f"sandbox init unreachable: {e}") from e
+                    self._pending.append(fut)
+                return await fut
+        except TimeoutError:
+            raise DeadlineExceeded(f"sandbox init did not answer a {what} request within {timeout:g} s",
+                                   operation=what) from None
+        finally:
+            fut.cancel()  # no-op once answered; otherwise its reply, when it comes, is dropped in turn
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
                     flags: int = SETSID, user: tuple[int, int] | None = None) -> tuple[int, asyncio.Future[int]]:
@@ -193,8 +227,13 @@ class InitClient:
     async def kill_group(self, pgid: int, sig: int) -> None:
         await self._request(["G", str(pgid), str(sig)])
 
-    async def ping(self) -> None:
-        await self._request(["W"])
+    async def ping(self, timeout: float | None = None) -> None:
+        await self._request(["W"], timeout=timeout)
+
+    async def configure(self, cgroup_procs: list[int], idle: bool) -> None:
+        """Tell init where the workload lives: every child it spawns from now on joins
+        these cgroups (cgroup.procs fds opened on the host) before it execs."""
+        await self._request(["C", "1" if idle else "0"], cgroup_procs)
 
 
 def exit_code(status: int) -> int:

@@ -35,6 +35,15 @@ def _check(ret: int, what: str) -> None:
         raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (a container's init, once crun exits) become this process's
+    children instead of the host init's, so the edge reaps them when they end."""
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
 def mount(source: str, target: str, fstype: str, flags: int = 0, data: str | None = None) -> None:
     ret = _libc.mount(source.encode(), target.encode(), fstype.encode(), flags,
                       data.encode() if data is not None else None)

@@ -13,6 +13,8 @@ import logging
 import os
 import subprocess
 
+from dsec.edge.cgroup import WORKLOAD, Cgroup
+
 log = logging.getLogger("dsec.edge.memory")
 CGROUP_ROOT = "/sys/fs/cgroup"
 SYS_PROCESS_MADVISE = 440
@@ -81,14 +83,8 @@ def pressure() -> dict[str, float]:
 
 
 def cgroup_pids(cgroup_path: str) -> list[int]:
-    rel = cgroup_path.lstrip("/")
-    for cand in (os.path.join(CGROUP_ROOT, "memory", rel), os.path.join(CGROUP_ROOT, rel)):
-        try:
-            with open(os.path.join(cand, "cgroup.procs")) as f:
-                return [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-    return []
+    """Every process of the cgroup and its children (the sandbox's init and its workload)."""
+    return sorted(Cgroup(cgroup_path).procs())
 
 
 def cgroup_memory(cgroup_path: str) -> dict[str, int]:
@@ -119,18 +115,37 @@ def cgroup_memory(cgroup_path: str) -> dict[str, int]:
     return out
 
 
+def _key_of(path: str, key: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k == key:
+                    return int(v)
+    return None
+
+
 def _cgroup_key(cgroup_path: str, files: list[tuple[str, str]], key: str) -> int:
-    """The ``key N`` line of the first readable (controller, file) of a cgroup (v1 or v2)."""
+    """The ``key N`` line of the first readable (controller, file) of a cgroup (v1 or v2).
+    v1 counts events where they happen, so the workload's child cgroup is added in; v2's
+    are hierarchical already."""
     rel = cgroup_path.lstrip("/")
     for controller, name in files:
-        path = os.path.join(CGROUP_ROOT, controller, rel, name) if controller else os.path.join(CGROUP_ROOT, rel, name)
-        with contextlib.suppress(OSError, ValueError):
-            with open(path) as f:
-                for line in f:
-                    k, _, v = line.partition(" ")
-                    if k == key:
-                        return int(v)
+        if controller:
+            found = [_key_of(os.path.join(CGROUP_ROOT, controller, r, name), key) for r in (rel, f"{rel}/{WORKLOAD}")]
+            if any(v is not None for v in found):
+                return sum(v or 0 for v in found)
+        elif (v := _key_of(os.path.join(CGROUP_ROOT, rel, name), key)) is not None:
+            return v
     return 0
+
+
+def memory_failures(cgroup_path: str) -> int:
+    """How often the workload's memory charges hit its limit (v1 failcnt; v2 "max" events)."""
+    w = Cgroup(cgroup_path).workload("memory")
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(w, "memory.failcnt")) as f:
+        return int(f.read())
+    return _key_of(os.path.join(w, "memory.events"), "max") or 0
 
 
 def oom_kills(cgroup_path: str) -> int:
@@ -227,24 +242,6 @@ def prefetch(cgroup_path: str) -> int:
     n = sum(_madvise_process(pid, MADV_WILLNEED) for pid in cgroup_pids(cgroup_path))
     _v2_swap_max(cgroup_path, "0")  # what is still out comes back as it is touched
     return n
-
-
-def sched_idle_tree(pids: list[int]) -> None:
-    """SCHED_IDLE for these processes (children inherit it)."""
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-
-
-def cgroup_cpu_idle(cgroup_path: str) -> bool:
-    """Mark the cgroup SCHED_IDLE as a whole (cpu.idle, v2 and recent v1), where the kernel has it."""
-    rel = cgroup_path.lstrip("/")
-    for d in (os.path.join(CGROUP_ROOT, "cpu", rel), os.path.join(CGROUP_ROOT, "cpu,cpuacct", rel),
-              os.path.join(CGROUP_ROOT, rel)):
-        with contextlib.suppress(OSError), open(os.path.join(d, "cpu.idle"), "w") as f:
-            f.write("1")
-            return True
-    return False
 
 
 def has_core_scheduling() -> bool:

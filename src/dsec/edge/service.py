@@ -19,7 +19,9 @@ import shutil
 import socket
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client import generate_latest
 from pydantic import BaseModel
@@ -46,6 +48,7 @@ from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.edge import linux, memory
 from dsec.edge.audit import AuditLog, Detectors
+from dsec.edge.cgroup import Cgroup
 from dsec.edge.metrics import EdgeMetrics, cgroup_usage
 from dsec.edge.network import NetworkManager
 from dsec.edge.procwatch import ProcWatch
@@ -53,6 +56,7 @@ from dsec.edge.state import EdgeState, Record
 from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
     AdmissionRejected,
+    DsecError,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -89,6 +93,14 @@ from dsec.models import (
 from dsec.storage.node import FetchMode, NodeLayers
 
 log = logging.getLogger("dsec.edge")
+T = TypeVar("T")
+# teardown: SIGKILL through the cgroup for at most this long, then every other step
+# (agent, network, crun, unmounts) bounded on its own
+KILL_TIMEOUT_S = 10.0
+STEP_TIMEOUT_S = 10.0
+# an edge restart re-adopts sandboxes concurrently, each within this bound
+READOPT_TIMEOUT_S = 15.0
+READOPT_CONCURRENCY = 32
 # build residue that pack_diff leaves out unless told otherwise (regexes on paths
 # relative to the sandbox root)
 DEFAULT_SCRUB = [
@@ -160,6 +172,10 @@ class Sandbox:
     qgroup: int | None = None  # its subvolume on the sandbox volume (disk quota)
     quota_full: bool = False
     disk: tuple[float, int] = (0.0, 0)  # (when measured, bytes): a tree walk, so cached
+    creator: asyncio.Task[SandboxInfo] | None = None  # the create under way, which a stop cancels
+    memory_held_mb: int = 0  # charged to its cgroup at the last look (admission counts it)
+    memfail_seen: int = 0
+    memfail_reported: float = 0.0
 
     @property
     def id(self) -> str:
@@ -214,6 +230,7 @@ class Edge:
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
+        linux.become_subreaper()  # a container's init is orphaned by crun run -d: the edge reaps it
         self.density["swap"] = await asyncio.to_thread(memory.ensure_swap)
         self.density["inotify_instances"] = await asyncio.to_thread(ensure_inotify_instances)
         await self.node_layers.start()
@@ -330,35 +347,35 @@ class Edge:
         return list(sb.events)
 
     async def _recover(self) -> None:
+        """Take back the sandboxes a previous edge left, all at once, each bounded: one that
+        cannot be re-adopted in time is torn down as failed with the reason, and never
+        holds the others or the edge's start."""
         live = {r.info.sandbox_id: r for r in self.state.live()}
         running = set(await self.runtime.list())
-        for sid, rec in live.items():
-            sb = Sandbox(rec, os.path.join(self.sandbox_root, sid))
-            self.sandboxes[sid] = sb
-            if rec.args.backend != "container":
+        gate = asyncio.Semaphore(READOPT_CONCURRENCY)
+
+        async def one(sid: str, rec: Record) -> None:
+            sb = self.sandboxes[sid] = Sandbox(rec, os.path.join(self.sandbox_root, sid))
+            async with gate:
                 try:
-                    await self._recover_vm(sb)
-                    log.info("re-adopted VM sandbox %s (%s)", sid, rec.info.state.value)
-                    continue
-                except (SandboxError, OSError, ValueError) as e:
-                    log.warning("cannot re-adopt VM %s: %s", sid, e)
-                await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
-                continue
-            if sid in running and _alive(rec.init_pid):
-                if rec.info.network is not None:
-                    await self.network.readopt(sid, rec.info.network)
-                if rec.info.state == SandboxState.paused:  # frozen: its init answers once thawed
-                    log.info("re-adopted paused sandbox %s", sid)
-                    continue
-                try:
-                    await self._attach(sb)
-                    log.info("re-adopted sandbox %s", sid)
-                    continue
-                except SandboxError as e:
-                    log.warning("cannot re-adopt %s: %s", sid, e)
-            await self._teardown(sb, SandboxState.failed, "lost while the edge was down")
-        for sid in running - set(self.sandboxes):
-            await self.runtime.delete(sid)
+                    async with asyncio.timeout(READOPT_TIMEOUT_S):
+                        await self._readopt(sb, sid in running)
+                    return
+                except TimeoutError:
+                    why = f"not re-adopted within {READOPT_TIMEOUT_S:g} s after an edge restart"
+                except (DsecError, OSError, ValueError) as e:
+                    why = f"lost while the edge was down: {_why(e)}"
+            log.warning("sandbox %s: %s", sid, why)
+            await self._teardown(sb, SandboxState.failed, why)
+
+        await asyncio.gather(*(one(sid, rec) for sid, rec in live.items()))
+        for sid in running - set(self.sandboxes):  # a container no record owns (killed mid-create)
+            cg = Cgroup(self.runtime.cgroup_path(sid))
+            await asyncio.to_thread(cg.kill, KILL_TIMEOUT_S)
+            await asyncio.to_thread(cg.remove, True)
+            with contextlib.suppress(DsecError):
+                await self.runtime.delete(sid)
+            await asyncio.to_thread(cg.remove)
         for name in await self.vms.reap_strays(set(self.sandboxes)):
             log.warning("killed a QEMU no sandbox owns: %s", name)
         for mp in linux.mounted_under(self.sandbox_root):
@@ -373,9 +390,41 @@ class Edge:
             sb.qgroup = self.volume.subvolume_id(sb.dir)
         self.state.prune()
 
+    async def _readopt(self, sb: Sandbox, in_crun: bool) -> None:
+        """Re-adopt one sandbox, or raise why it cannot be. The kernel's freezer, not the
+        record, says whether a container is paused: an edge killed in the middle of a
+        pause, resume or pack_diff left the record one step behind."""
+        sid, rec = sb.id, sb.rec
+        if rec.info.state == SandboxState.creating:
+            raise SandboxError("the edge restarted while it was being created")
+        if rec.args.backend != "container":
+            await self._recover_vm(sb)
+            log.info("re-adopted VM sandbox %s (%s)", sid, rec.info.state.value)
+            return
+        if not in_crun or not _alive(rec.init_pid):
+            raise SandboxError("its container is gone")
+        if rec.info.network is not None:
+            await self.network.readopt(sid, rec.info.network)
+        cg = Cgroup(self.runtime.cgroup_path(sid))
+        if rec.info.state == SandboxState.paused and rec.info.pause is not None:
+            if not cg.frozen():  # killed mid-resume: thawed already, so it runs
+                rec.info.state = SandboxState.running
+            else:
+                log.info("re-adopted paused sandbox %s", sid)
+                return
+        elif cg.frozen():  # killed mid-pause or mid-pack_diff: the record says running
+            await self.runtime.resume(sid)
+        await self._attach(sb)
+        rec.info.state = SandboxState.running
+        rec.info.paused_at = None
+        self.state.put(rec)
+        log.info("re-adopted sandbox %s", sid)
+
     # ---- admission ----------------------------------------------------------
     def _reserved(self) -> tuple[float, int, int]:
-        """CPU and memory reserved by the sandboxes here. A paused one reserves no CPU and
+        """CPU and memory reserved by the sandboxes here: each one's request (by default a
+        share of its limit for best-effort work, the limit for latency-sensitive work and
+        VMs), or the memory it holds now if that is more. A paused one reserves no CPU and
         only what it still holds (its memory is in swap, or a VM's in a file): that is what
         lets idle sandboxes be packed far beyond the running ones. Resuming many at once is
         what the pressure policy and swap are for."""
@@ -388,28 +437,32 @@ class Edge:
             if info.state == SandboxState.paused and info.pause is not None:
                 mem += max(1, info.pause.memory_after_bytes >> 20)
                 continue
-            cpu += sb.rec.args.cpu_cores_limit
-            mem += sb.rec.args.memory_limit_mb
+            cpu += sb.rec.args.cpu_admitted
+            mem += max(sb.rec.args.memory_admitted_mb, sb.memory_held_mb)
         return cpu, int(mem), n
 
     def _admit(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> None:
-        psi = memory.pressure().get("full", 0.0)
-        if psi > self.cfg.admit_max_psi:
+        # node-wide memory stalls refuse new work only while the node is also short of
+        # memory: one sandbox thrashing inside its own limit stalls itself, not the node
+        mem_state = memory.pressure()
+        psi, avail = mem_state.get("full", 0.0), mem_state.get("available_mb", float("inf"))
+        if psi > self.cfg.admit_max_psi and avail < 2 * self.cfg.pause_below_mb:
             raise AdmissionRejected(f"edge {self.name} is under memory pressure ({psi:.1f}% of the last 10 s "
-                                    f"fully stalled on memory, limit {self.cfg.admit_max_psi:g}%)")
+                                    f"fully stalled on memory, limit {self.cfg.admit_max_psi:g}%; {avail:.0f} MiB "
+                                    "available)")
         cpu, mem, n = self._reserved()
         if n + 1 > self.cfg.max_sandboxes:
             raise AdmissionRejected(f"edge {self.name} is at its sandbox limit ({self.cfg.max_sandboxes})")
         cpu_cap = self.cpus * self.cfg.cpu_overcommit
-        if cpu + args.cpu_cores_limit > cpu_cap:
+        if cpu + args.cpu_admitted > cpu_cap:
             raise AdmissionRejected(
                 f"edge {self.name} has {cpu_cap - cpu:.2f} of {cpu_cap:.0f} schedulable cores left, "
-                f"asked {args.cpu_cores_limit}", field="cpu_cores_limit")
+                f"asked {args.cpu_admitted:g}", field="cpu_request")
         mem_cap = int(self.memory_mb * self.cfg.memory_overcommit)
-        if mem + args.memory_limit_mb > mem_cap:
+        if mem + args.memory_admitted_mb > mem_cap:
             raise AdmissionRejected(
                 f"edge {self.name} has {mem_cap - mem} of {mem_cap} MiB admissible memory left, "
-                f"asked {args.memory_limit_mb}", field="memory_limit_mb")
+                f"asked {args.memory_admitted_mb}", field="memory_request_mb")
 
     async def stats(self) -> NodeStats:
         cpu, mem, n = self._reserved()
@@ -469,23 +522,40 @@ class Edge:
             expires_at=now + args.max_lifetime_s if args.max_lifetime_s else None)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         self.sandboxes[sid] = sb  # reserves its share before the first await
+        sb.creator = asyncio.current_task()
         try:
+            # on record before anything is built: an edge killed mid-create finds it on
+            # restart and tears down what was built (it ends failed, with the reason)
+            self.state.put(sb.rec)
             if not isinstance(args, ContainerArgs):
                 await self._create_vm(sb, args, digests)
             else:
                 await self._create_container(sb, args, digests)
+            self._still_wanted(sb)
             info.state = SandboxState.running
             if isinstance(args, ContainerArgs) and args.protected_paths:
                 await self.protect(sid, args.protected_paths)
             self.state.put(sb.rec)
         except BaseException as e:
-            await self._teardown(sb, SandboxState.failed, f"create failed: {e}", record=False)
-            self.sandboxes.pop(sid, None)
+            sb.creator = None
+            if sb.teardown is None:  # else a stop is already tearing it down (and waits for us)
+                await self._teardown(sb, SandboxState.failed, f"create failed: {_why(e)}")
+            task = asyncio.current_task()
+            if isinstance(e, asyncio.CancelledError) and sb.stopping and task and task.cancelling() == 1:
+                task.uncancel()  # the stop's own cancel: the caller hears why, the request goes on
+                raise SandboxNotRunning(f"sandbox {sid} was stopped while it was being created") from None
             raise
+        finally:
+            sb.creator = None
         self.metrics.created.inc()
         self.metrics.create_seconds.observe(time.monotonic() - t0)
+        self._still_wanted(sb)
         self.on_event(sid, "created", f"{args.image} {args.layers}")
         return info
+
+    def _still_wanted(self, sb: Sandbox) -> None:
+        if sb.stopping:
+            raise SandboxNotRunning(f"sandbox {sb.id} was stopped while it was being created")
 
     async def _create_container(self, sb: Sandbox, args: ContainerArgs, digests: list[str]) -> None:
         sid = sb.id
@@ -523,12 +593,13 @@ class Edge:
         finally:
             lsock.close()
             os.close(init_fd)
-        if args.qos == "best_effort":  # everything it runs is a child of init and inherits the policy
-            memory.sched_idle_tree([sb.rec.init_pid])
-            memory.cgroup_cpu_idle(self.runtime.cgroup_path(sid))
+        idle = args.qos == "best_effort"
+        # the workload's limits on its own child cgroup; init keeps a reserve beside it
+        procs = await asyncio.to_thread(Cgroup(self.runtime.cgroup_path(sid)).split_workload, args.memory_limit_mb,
+                                        args.cpu_cores_limit, args.pids_limit, limits.cpu_shares, idle)
         if args.network_rules is not None:
             await self._wire_network(sb, args.network_rules)
-        await self._attach(sb)
+        await self._attach(sb, (procs, idle))
 
     async def _wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:
         """Give a container its link; its resolver is the edge's, and it trusts the CAs
@@ -559,10 +630,21 @@ class Edge:
     def _sock_path(self, sid: str) -> str:
         return os.path.join(self.run_dir, "s", sid)
 
-    async def _attach(self, sb: Sandbox) -> None:
+    async def _attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
+        """Connect to the container's init (``workload``: at create, the cgroup.procs fds
+        its children join, and whether they run SCHED_IDLE)."""
         init = InitClient(self._sock_path(sb.id))
-        await init.connect()
-        await self._bind_agent(sb, init, None)
+        try:
+            await init.connect()
+            if workload is not None:
+                await init.configure(*workload)
+            await self._bind_agent(sb, init, None)
+        except BaseException:
+            init.close()
+            raise
+        finally:
+            for fd in workload[0] if workload else []:
+                os.close(fd)
 
     async def _bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
         args = sb.rec.args
@@ -755,37 +837,54 @@ class Edge:
         await asyncio.shield(sb.teardown)
 
     async def _release(self, sb: Sandbox, final: SandboxState, reason: str, record: bool) -> None:
-        async with sb.lock:
-            if sb.stopping and sb.rec.info.state in (SandboxState.stopped, SandboxState.failed):
-                return
-            was_paused = sb.rec.info.state == SandboxState.paused
-            sb.stopping = True
-            sb.rec.info.state = SandboxState.stopping
-            if record:
-                self.state.put(sb.rec)
-            if sb.watch and sb.watch is not asyncio.current_task():
-                sb.watch.cancel()
-            if was_paused and not sb.vm:  # thawed first: a frozen init answers nothing, and holds the kill
-                with contextlib.suppress(SandboxError):
-                    await self.runtime.resume(sb.id)
+        """Kill first, through the cgroup (or QEMU's pid), asking nothing inside the sandbox;
+        then let whatever held the sandbox (a pause, a pack_diff, a create) fall through;
+        then release each resource, every step bounded and on its own: one that fails or
+        hangs is reported and the rest still happen."""
+        if sb.stopping and sb.rec.info.state in (SandboxState.stopped, SandboxState.failed):
+            return
+        t0 = time.monotonic()
+        sb.stopping = True
+        sb.rec.info.state = SandboxState.stopping
+        if record:
+            await self._bounded(sb, "record", asyncio.to_thread(self.state.put, sb.rec))
+        if sb.watch and sb.watch is not asyncio.current_task():
+            sb.watch.cancel()
+        if sb.vm:
+            await self._bounded(sb, "kill QEMU", self.vms.destroy(sb.vm), KILL_TIMEOUT_S + 5)
+        else:
+            cg = Cgroup(self.runtime.cgroup_path(sb.id))
+            if not await self._bounded(sb, "kill", asyncio.to_thread(cg.kill, KILL_TIMEOUT_S), KILL_TIMEOUT_S + 5):
+                self.on_event(sb.id, "teardown_error", f"processes left in its cgroup after {KILL_TIMEOUT_S} s "
+                              f"of SIGKILL: {sorted(cg.procs())[:10]}")
+        if sb.creator is not None and sb.creator is not asyncio.current_task():
+            sb.creator.cancel()  # a create under way stops where it is; what it built is released below
+            await asyncio.wait([sb.creator], timeout=STEP_TIMEOUT_S)
+        locked = False
+        try:
+            async with asyncio.timeout(STEP_TIMEOUT_S):  # the holder's init is dead: it ends soon
+                await sb.lock.acquire()
+                locked = True
+        except TimeoutError:
+            log.warning("sandbox %s: tearing down without its lock (held for %s s)", sb.id, STEP_TIMEOUT_S)
+        try:
             if sb.agent:
-                await sb.agent.close()
+                await self._bounded(sb, "close the agent", sb.agent.close())
                 sb.agent = None
-            await self.network.detach(sb.id)
-            if sb.vm:
-                await self.vms.destroy(sb.vm)
-            else:
-                await self.runtime.delete(sb.id)
+            await self._bounded(sb, "detach the network", self.network.detach(sb.id))
+            if not sb.vm:
+                cg = Cgroup(self.runtime.cgroup_path(sb.id))
+                await asyncio.to_thread(cg.remove, True)  # crun removes the cgroup it made, not ours below it
+                await self._bounded(sb, "crun delete", self.runtime.delete(sb.id))
                 if sb.rec.init_pid:
                     await _wait_gone(sb.rec.init_pid)
+                left = await asyncio.to_thread(cg.remove)
+                if left:
+                    self.on_event(sb.id, "teardown_error", f"cgroups not removed: {left}")
             if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.record_access:
-                await self._save_access_lists(sb, forget=True)
-            for mp in linux.mounted_under(sb.dir):
-                try:
-                    linux.umount(mp)
-                except OSError:
-                    linux.umount(mp, detach=True)
-            await asyncio.to_thread(self.volume.remove, sb.dir)
+                await self._bounded(sb, "save access lists", self._save_access_lists(sb, forget=True))
+            await self._bounded(sb, "unmount", asyncio.to_thread(_unmount_all, sb.dir))
+            await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._sock_path(sb.id))
             self.detectors.forget(sb.id)
@@ -793,11 +892,29 @@ class Edge:
             sb.rec.info.state = final
             sb.rec.info.error = None if final == SandboxState.stopped else reason
             if record:
-                self.state.put(sb.rec)
+                await self._bounded(sb, "record", asyncio.to_thread(self.state.put, sb.rec))
             self.sandboxes.pop(sb.id, None)
+        finally:
+            if locked:
+                sb.lock.release()
         if record:
             self.metrics.stopped.labels(self.name, final.value).inc()
-        self.on_event(sb.id, final.value, reason)
+        self.on_event(sb.id, final.value, f"{reason} (released in {time.monotonic() - t0:.2f} s)")
+
+    async def _bounded(self, sb: Sandbox, step: str, aw: Awaitable[T], timeout: float = STEP_TIMEOUT_S) -> T | None:
+        """One teardown step with a deadline; a failure is the sandbox's event, not the caller's."""
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                return await aw
+        except TimeoutError:
+            self.on_event(sb.id, "teardown_error", f"{step}: no answer within {timeout:g} s")
+        except Exception as e:  # noqa: BLE001 - reported; the other steps still run
+            self.on_event(sb.id, "teardown_error", f"{step}: {_why(e)}")
+        finally:
+            if time.monotonic() - t0 > 0.5:
+                log.info("sandbox %s: teardown step %r took %.2f s", sb.id, step, time.monotonic() - t0)
+        return None
 
     # ---- lookup -------------------------------------------------------------
     def _tombstone(self, sandbox_id: str) -> SandboxInfo:
@@ -1134,6 +1251,14 @@ class Edge:
     def _limit_events(self, sb: Sandbox) -> None:
         """Events for a sandbox running into its own limits (memory, pids, CPU quota)."""
         cg, args = self._cgroup(sb), sb.rec.args
+        sb.memory_held_mb = memory.cgroup_memory(cg).get("total", 0) >> 20
+        # pressure inside its own limit is its own business: an event, never a node-wide refusal
+        fails = memory.memory_failures(cg)
+        if fails > sb.memfail_seen and time.monotonic() - sb.memfail_reported > 60 and sb.memfail_seen:
+            self.on_event(sb.id, "memory_pressure", f"at its {args.memory_limit_mb} MiB limit: the kernel "
+                          f"reclaimed its memory {fails - sb.memfail_seen} time(s) since the last look")
+            sb.memfail_reported = time.monotonic()
+        sb.memfail_seen = fails
         kills = memory.oom_kills(cg)
         if kills > sb.oom_seen:
             self.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
@@ -1227,11 +1352,27 @@ class Edge:
                 log.exception("TTL sweep failed")
 
 
+def _why(e: BaseException) -> str:
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled"
+    return (e.message if isinstance(e, DsecError) else str(e)) or type(e).__name__
+
+
+def _unmount_all(root: str) -> None:
+    for mp in linux.mounted_under(root):
+        try:
+            linux.umount(mp)
+        except OSError:
+            linux.umount(mp, detach=True)
+
+
 def _alive(pid: int) -> bool:
+    """Running, not a zombie: a killed init waits for whoever reaps it (the host's init,
+    which may take its time), but holds nothing of the sandbox any more."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
         return False
 
 
@@ -1239,6 +1380,10 @@ async def _wait_gone(pid: int, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while _alive(pid) and time.monotonic() < deadline:
         await asyncio.sleep(0.002)
+    # the edge is the child subreaper of the inits it started: reap this one (only this
+    # one: a wait for any child would take asyncio's subprocesses' statuses)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
 
 
 def _mem_total_mb() -> int:

@@ -24,6 +24,11 @@ class Demand(Protocol):
     def cpu_cores_limit(self) -> float: ...
     @property
     def memory_limit_mb(self) -> int: ...
+    @property
+    def cpu_admitted(self) -> float:
+        """What a node reserves for it (its request), at most its limit."""
+    @property
+    def memory_admitted_mb(self) -> int: ...
 
 
 @dataclass
@@ -72,9 +77,9 @@ class Placement:
             inf = self._overlay(st.edge)
             if st.sandboxes + inf.count + 1 > st.max_sandboxes:
                 continue
-            if st.cpu_reserved + inf.cpu + args.cpu_cores_limit > st.cpus * st.cpu_overcommit:
+            if st.cpu_reserved + inf.cpu + args.cpu_admitted > st.cpus * st.cpu_overcommit:
                 continue
-            if st.memory_reserved_mb + inf.memory_mb + args.memory_limit_mb > st.memory_mb * st.memory_overcommit:
+            if st.memory_reserved_mb + inf.memory_mb + args.memory_admitted_mb > st.memory_mb * st.memory_overcommit:
                 continue
             out.append(st)
         return out
@@ -83,26 +88,26 @@ class Placement:
         cands = self.eligible(args, exclude or set())
         if not cands:
             raise AdmissionRejected("no healthy edge has room for this sandbox "
-                                    f"({args.cpu_cores_limit} cores, {args.memory_limit_mb} MiB)")
+                                    f"(asks {args.cpu_admitted:g} cores, {args.memory_admitted_mb} MiB)")
         sample = self.rng.sample(cands, min(self.k, len(cands)))
         return min(sample, key=lambda st: max(self._load(st)[:2])).edge
 
     @contextlib.contextmanager
     def reserve(self, edge: str, args: Demand) -> Iterator[None]:
         inf = self.in_flight.setdefault(edge, _InFlight())
-        inf.cpu += args.cpu_cores_limit
-        inf.memory_mb += args.memory_limit_mb
+        inf.cpu += args.cpu_admitted
+        inf.memory_mb += args.memory_admitted_mb
         inf.count += 1
         ok = False
         try:
             yield
             ok = True
         finally:
-            inf.cpu -= args.cpu_cores_limit
-            inf.memory_mb -= args.memory_limit_mb
+            inf.cpu -= args.cpu_admitted
+            inf.memory_mb -= args.memory_admitted_mb
             inf.count -= 1
             if ok:
                 rec = self._recent.setdefault(edge, _InFlight())
-                rec.cpu += args.cpu_cores_limit
-                rec.memory_mb += args.memory_limit_mb
+                rec.cpu += args.cpu_admitted
+                rec.memory_mb += args.memory_admitted_mb
                 rec.count += 1

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from dsec.errors import ERRORS_BY_CODE, DsecError, EdgeUnavailable
+from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable
 from dsec.iam.tokens import TokenInfo
 from dsec.layers.store import Layer
 from dsec.models import (
@@ -80,17 +80,43 @@ class Response:
         return json.loads(self.content)
 
 
-def _raise_for(resp: Response) -> None:
+def _call_of(method: str, path: str) -> tuple[str | None, str]:
+    """(sandbox id, operation) of a request path: ``POST /v1/sandboxes/ID/stop`` is
+    (ID, "stop"); ``POST /v1/sandboxes`` is (None, "create")."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    if len(parts) >= 2 and parts[1] == "sandboxes":
+        if len(parts) == 2:
+            return None, "create" if method == "POST" else "list"
+        op = "/".join(parts[3:]) or {"GET": "get", "DELETE": "stop"}.get(method, method.lower())
+        return parts[2], op
+    return None, f"{method} {'/'.join(parts[1:]) or '/'}"
+
+
+def _transport_error(e: BaseException, url: str, method: str, path: str, timeout: float | None) -> DsecError:
+    """What the SDK raises when no answer came: says which call, on which sandbox, and why."""
+    sid, op = _call_of(method, path)
+    what = f"{op}" + (f" of sandbox {sid}" if sid else "")
+    if isinstance(e, TimeoutError):
+        return DeadlineExceeded(f"{what} got no answer from dsec at {url} within "
+                                f"{timeout if timeout is not None else 'the session'}s timeout "
+                                "(the request was sent; the platform may still finish it)",
+                                sandbox_id=sid, operation=op)
+    return EdgeUnavailable(f"{what}: cannot reach dsec at {url}: {e or type(e).__name__}",
+                           sandbox_id=sid, operation=op)
+
+
+def _raise_for(resp: Response, method: str = "", path: str = "") -> None:
     if resp.status_code < 400:
         return
+    sid, op = _call_of(method, path) if path else (None, None)
     try:
         body = resp.json()
         cls = ERRORS_BY_CODE.get(body.get("error", ""), DsecError)
     except (ValueError, AttributeError):
-        err = DsecError(f"HTTP {resp.status_code}: {resp.text[:500]}")
+        err = DsecError(f"HTTP {resp.status_code}: {resp.text[:500]}", sandbox_id=sid, operation=op)
         err.status = resp.status_code
         raise err from None
-    raise cls(body.get("message", resp.text), field=body.get("field"))
+    raise cls(body.get("message", resp.text), field=body.get("field"), sandbox_id=sid, operation=op)
 
 
 def _filters(job: str | None, labels: dict[str, str] | None) -> list[tuple[str, str]]:
@@ -153,11 +179,11 @@ class AsyncSandbox:
             resp = await http.post(f"{self._base}/exec", params={"stream": "true"},
                                    json=req.model_dump(exclude_none=True),
                                    timeout=aiohttp.ClientTimeout(total=timeout + 30))
-        except aiohttp.ClientError as e:
-            raise EdgeUnavailable(f"cannot reach dsec at {self._client.url}: {e}") from e
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _transport_error(e, self._client.url, "POST", f"{self._base}/exec", timeout + 30) from e
         async with resp:
             if resp.status >= 400:
-                _raise_for(Response(resp.status, await resp.read()))
+                _raise_for(Response(resp.status, await resp.read()), "POST", f"{self._base}/exec")
             buf = b""
             async for chunk in resp.content.iter_any():  # events can be longer than a "line" limit
                 buf += chunk
@@ -327,9 +353,9 @@ class AsyncClient:
             async with http.request(method, path, **kw) as r:
                 resp = Response(r.status, await r.read(), dict(r.headers))
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise EdgeUnavailable(f"cannot reach dsec at {self.url}: {e or type(e).__name__}") from e
+            raise _transport_error(e, self.url, method, path, timeout) from e
         if check:
-            _raise_for(resp)
+            _raise_for(resp, method, path)
         return resp
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:

@@ -33,6 +33,11 @@
  *   "R" key                               reply "F" key + the held fds (dups), or "E ENOENT"
  *   "D" key                               close and forget them; "K 0"
  *   "L"                                   reply "L" key...
+ *   "C" idle + fds                        the workload's cgroup: each later child writes
+ *                                         itself into these cgroup.procs fds (opened by
+ *                                         the host) before anything else, takes OOM score
+ *                                         500 (init keeps what the host gave it) and, if
+ *                                         idle is 1, SCHED_IDLE; reply "K 0"
  *
  * VM mode (`dsec-init --vm MUX`): PID 1 of a VM sandbox's guest. There is no
  * host socket to listen on; dsec-init starts MUX (dsec-vmux) with one end of a
@@ -52,6 +57,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sched.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -71,7 +77,12 @@
 
 extern char **environ;
 
+/* how long a spawn waits for its child's exec before answering anyway: a child that is
+   slow to exec (a workload at its CPU quota) must not hold every other request */
+#define SPAWN_WAIT_MS 2000
+
 static int clients[MAX_CLIENTS];
+static int cg_fds[MAX_FDS], cg_nfds, cg_idle;
 static int nclients;
 static struct { pid_t pid; int client; } tracked[MAX_TRACKED];
 static char msgbuf[MAX_MSG + 1];
@@ -234,6 +245,15 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
     if (pipe2(errpipe, O_CLOEXEC) < 0) { free(argv); free(envp); replyf(client, "E %ld %ld", errno, 3); return; }
     pid_t pid = fork();
     if (pid == 0) {
+        /* into the workload's cgroup before anything else: what it does from here on
+           counts against the sandbox's limits, not init's reserve */
+        for (int i = 0; i < cg_nfds; i++) {
+            if (write(cg_fds[i], "0", 1) < 0) { int e[2] = { errno, 8 }; (void)!write(errpipe[1], e, sizeof e); _exit(126); }
+        }
+        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (oom >= 0) { (void)!write(oom, "500", 3); close(oom); }
+        if (cg_idle) { struct sched_param sp = { 0 }; sched_setscheduler(0, SCHED_IDLE, &sp); }
+        for (int i = 0; i < cg_nfds; i++) close(cg_fds[i]);
         sigset_t all;
         sigfillset(&all);
         for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL);
@@ -268,8 +288,13 @@ static void do_spawn(int client, char **f, int nf, int *fds, int nfds) {
     free(envp);
     if (pid < 0) { close(errpipe[0]); replyf(client, "E %ld %ld", errno, 4); return; }
     int childerr[2] = { 0, 0 };
-    ssize_t r;
-    do { r = read(errpipe[0], childerr, sizeof childerr); } while (r < 0 && errno == EINTR);
+    ssize_t r = 0;
+    struct pollfd ep = { errpipe[0], POLLIN, 0 };
+    int pr;
+    do { pr = poll(&ep, 1, SPAWN_WAIT_MS); } while (pr < 0 && errno == EINTR);
+    if (pr > 0) {
+        do { r = read(errpipe[0], childerr, sizeof childerr); } while (r < 0 && errno == EINTR);
+    }
     close(errpipe[0]);
     if (r == (ssize_t)sizeof childerr) {
         /* the child already exited (or will): it is reaped by the SIGCHLD path untracked */
@@ -304,10 +329,45 @@ static int proc_stat(pid_t pid, pid_t *ppid, unsigned long long *start) {
     return -1;
 }
 
+static pid_t kt_pids[65536], kt_ppids[65536];
+static unsigned long long kt_starts[65536];
+static int kt_order[65536];
+static char kt_mark[65536]; /* 0 unknown, 1 under root, 2 not */
+
+static int kt_cmp(const void *a, const void *b) {
+    pid_t x = kt_pids[*(const int *)a], y = kt_pids[*(const int *)b];
+    return (x > y) - (x < y);
+}
+
+static int kt_find(int n, pid_t pid) {
+    int lo = 0, hi = n - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        pid_t p = kt_pids[kt_order[mid]];
+        if (p == pid) return kt_order[mid];
+        if (p < pid) lo = mid + 1; else hi = mid - 1;
+    }
+    return -1;
+}
+
+/* Is process i a descendant of root? Walks up the parent chain once per process
+   (answers are remembered), so a tree of thousands (a fork bomb) costs n log n. */
+static int kt_under(int n, int i, pid_t root) {
+    static int chain[65536];
+    int len = 0, verdict;
+    for (;;) {
+        if (i < 0) { verdict = 2; break; }
+        if (kt_mark[i]) { verdict = kt_mark[i] == 3 ? 2 : kt_mark[i]; break; } /* 3: a cycle (pid reuse mid-scan) */
+        kt_mark[i] = 3;
+        chain[len++] = i;
+        if (kt_ppids[i] == root) { verdict = 1; break; }
+        i = kt_find(n, kt_ppids[i]);
+    }
+    for (int k = 0; k < len; k++) kt_mark[chain[k]] = (char)verdict;
+    return verdict == 1;
+}
+
 static int kill_tree(pid_t root, int sig, unsigned long long since, int include_self) {
-    static pid_t pids[65536], ppids[65536];
-    static unsigned long long starts[65536];
-    static char mark[65536];
     int n = 0;
     DIR *d = opendir("/proc");
     if (!d) return 0;
@@ -315,28 +375,16 @@ static int kill_tree(pid_t root, int sig, unsigned long long since, int include_
     while ((de = readdir(d)) && n < 65536) {
         pid_t p = (pid_t)atoi(de->d_name);
         if (p <= 1) continue;
-        if (proc_stat(p, &ppids[n], &starts[n]) == 0) pids[n++] = p;
+        if (proc_stat(p, &kt_ppids[n], &kt_starts[n]) == 0) { kt_pids[n] = p; kt_order[n] = n; n++; }
     }
     closedir(d);
-    memset(mark, 0, (size_t)n);
-    /* fixed point: mark descendants of root */
-    int changed = 1;
-    while (changed) {
-        changed = 0;
-        for (int i = 0; i < n; i++) {
-            if (mark[i]) continue;
-            int parent_marked = ppids[i] == root;
-            for (int j = 0; j < n && !parent_marked; j++)
-                if (mark[j] && pids[j] == ppids[i]) parent_marked = 1;
-            if (parent_marked) { mark[i] = 1; changed = 1; }
-        }
-    }
+    memset(kt_mark, 0, (size_t)n);
+    qsort(kt_order, (size_t)n, sizeof kt_order[0], kt_cmp);
     int killed = 0;
+    for (int i = 0; i < n; i++)
+        if (kt_under(n, i, root) && kt_starts[i] >= since) kill(kt_pids[i], SIGSTOP);
     for (int i = 0; i < n; i++) {
-        if (mark[i] && starts[i] >= since) { kill(pids[i], SIGSTOP); }
-    }
-    for (int i = 0; i < n; i++) {
-        if (mark[i] && starts[i] >= since) { kill(pids[i], sig); kill(pids[i], SIGCONT); killed++; }
+        if (kt_mark[i] == 1 && kt_starts[i] >= since) { kill(kt_pids[i], sig); kill(kt_pids[i], SIGCONT); killed++; }
     }
     if (include_self) { kill(root, sig); killed++; }
     return killed;
@@ -412,6 +460,14 @@ static void handle(int idx) {
     case 'L':
         do_list(client);
         break;
+    case 'C':
+        for (int i = 0; i < cg_nfds; i++) close(cg_fds[i]);
+        cg_nfds = 0;
+        cg_idle = nf >= 2 && f[1][0] == '1';
+        /* far from 0..n-1, where a spawned child's fds land */
+        for (int i = 0; i < nfds; i++) { cg_fds[cg_nfds++] = fcntl(fds[i], F_DUPFD_CLOEXEC, 100); close(fds[i]); }
+        replyf(client, "K %ld %ld", 0, 0);
+        return;
     default:
         break;
     }

@@ -9,12 +9,20 @@ as fd 4, so nothing of the agent exists inside the container's filesystem.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
+import time
 from dataclasses import dataclass
 
-from dsec.errors import SandboxError
+from dsec.edge.cgroup import MEMORY_RESERVE_MB, PIDS_RESERVE
+from dsec.errors import DeadlineExceeded, SandboxError
+
+# every crun call has a deadline: crun talks to the kernel only, so a miss means the
+# kernel is stuck on this sandbox (say, a freezer that cannot settle); the caller moves on
+CRUN_TIMEOUT_S = 30.0
 
 CAPS = [
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_SETGID", "CAP_SETUID",
@@ -92,8 +100,12 @@ class Limits:
 
 def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
                tmpfs: dict[str, int] | None = None) -> dict[str, object]:
-    """``tmpfs``: extra size-bounded tmpfs mounts (path -> MiB), charged to the sandbox's memory."""
-    period = 100_000
+    """``tmpfs``: extra size-bounded tmpfs mounts (path -> MiB), charged to the sandbox's memory.
+
+    The limits here are the sandbox cgroup's, which holds dsec-init: the workload's own plus
+    a reserve, and no CPU quota. The workload's exact limits go on its child cgroup
+    (:meth:`dsec.edge.cgroup.Cgroup.split_workload`), so it can never starve init."""
+    outer_mb = limits.memory_mb + MEMORY_RESERVE_MB
     extra = [{"destination": path, "type": "tmpfs", "source": "tmpfs",
               "options": ["nosuid", "nodev", "mode=1777", f"size={mb}m"]} for path, mb in sorted((tmpfs or {}).items())]
     return {
@@ -106,7 +118,6 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
             "cwd": "/",
             "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
-            "oomScoreAdj": 500,
         },
         "root": {"path": rootfs, "readonly": False},
         "hostname": sandbox_id,
@@ -129,9 +140,9 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
             "resources": {
                 # memory+swap capped at the same limit: the node's swap (there for paused
                 # sandboxes) must not stretch a running sandbox's memory past what it asked for
-                "memory": {"limit": limits.memory_mb * 1024 * 1024, "swap": limits.memory_mb * 1024 * 1024},
-                "cpu": {"quota": int(limits.cpu_cores * period), "period": period, "shares": limits.cpu_shares},
-                "pids": {"limit": limits.pids},
+                "memory": {"limit": outer_mb << 20, "swap": outer_mb << 20},
+                "cpu": {"shares": 1024},
+                "pids": {"limit": limits.pids + PIDS_RESERVE},
             },
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
             "maskedPaths": MASKED_PATHS,
@@ -170,11 +181,20 @@ class CrunRuntime:
     def _argv(self, *args: str) -> list[str]:
         return [self.crun, "--root", self.state_root, *args]
 
-    async def _run(self, *args: str, check: bool = True) -> tuple[int, str]:
+    async def _run(self, *args: str, check: bool = True, timeout: float = CRUN_TIMEOUT_S) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
             *self._argv(*args), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        out, _ = await proc.communicate()
+        try:
+            async with asyncio.timeout(timeout):
+                out, _ = await proc.communicate()
+        except BaseException as e:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            if isinstance(e, TimeoutError):
+                raise DeadlineExceeded(f"crun {' '.join(args)} did not finish within {timeout:g} s") from None
+            raise
         text = out.decode(errors="replace").strip()
         if check and proc.returncode != 0:
             raise SandboxError(f"crun {args[0]} failed: {text}")
@@ -197,16 +217,22 @@ class CrunRuntime:
         finally:
             os.close(null)
             os.close(err)
-        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        status = await _wait_child(pid, CRUN_TIMEOUT_S, f"crun run {sandbox_id}")
         if os.waitstatus_to_exitcode(status) != 0:
             with open(err_path, errors="replace") as f:
                 msg = f.read().strip()
             raise SandboxError(f"crun run failed for {sandbox_id}: {msg}")
         try:
             with open(pid_path) as f:
-                return int(f.read().strip())
+                pid = int(f.read().strip())
         except (OSError, ValueError) as e:
             raise SandboxError(f"container {sandbox_id} did not start: {e}") from None
+        # init is out of the OOM killer's reach where the host may say so (CAP_SYS_RESOURCE;
+        # some hosts withhold it). Either way the workload's OOM kills happen in its own child
+        # cgroup, where init is not, and every child init spawns takes score 500.
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("-1000")
+        return pid
 
     async def state(self, sandbox_id: str) -> dict[str, object] | None:
         rc, out = await self._run("state", sandbox_id, check=False)
@@ -232,3 +258,25 @@ class CrunRuntime:
 
     async def delete(self, sandbox_id: str) -> None:
         await self._run("delete", "--force", sandbox_id, check=False)
+
+
+async def _wait_child(pid: int, timeout: float, what: str) -> int:
+    """Wait for a child without a thread per wait; killed (and reaped) if it runs past
+    ``timeout`` or the waiter is cancelled."""
+    deadline, pause = time.monotonic() + timeout, 0.001
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - never blocks
+            if done:
+                return status
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{what} did not finish within {timeout:g} s")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.02)
+    except BaseException:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)  # noqa: ASYNC222 - SIGKILLed: reaped at once
+        except (ChildProcessError, ProcessLookupError):
+            pass
+        raise
