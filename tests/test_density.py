@@ -136,8 +136,8 @@ async def test_best_effort_runs_under_sched_idle(platform: Platform, client: dse
         assert (await ls.exec(probe)).stdout.strip() == "0"  # SCHED_OTHER
         cpu = {}
         for sb in (be, ls):
-            (d,) = glob.glob(f"/sys/fs/cgroup/cpu/*/{sb.sandbox_id}") or glob.glob(
-                f"/sys/fs/cgroup/cpu,cpuacct/*/{sb.sandbox_id}")
+            (d,) = glob.glob(f"/sys/fs/cgroup/cpu/*/{sb.sandbox_id}/w") or glob.glob(
+                f"/sys/fs/cgroup/cpu,cpuacct/*/{sb.sandbox_id}/w")  # the workload's cgroup
             with open(f"{d}/cpu.shares") as f, open(f"{d}/cpu.idle") as g:
                 cpu[sb.sandbox_id] = (int(f.read()), int(g.read()))
         assert cpu[be.sandbox_id][1] == 1 and cpu[ls.sandbox_id] == (1024, 0)
@@ -219,7 +219,8 @@ async def test_memory_pressure_pauses_idle_best_effort_first(pressured: Platform
 def test_admission_refuses_under_memory_pressure(tmp_path: str) -> None:
     data_dir = str(tmp_path)
     _seed_layers(data_dir)
-    p = Platform(data_dir, ["--admit-max-psi", "-1"])  # any pressure, even none, is over the limit
+    # any pressure, even none, is over the limit, and memory counts as short below 2 TiB
+    p = Platform(data_dir, ["--admit-max-psi", "-1", "--pause-below-mb", str(1 << 20)])
     p.start()
     try:
         with dsec.Client(url=p.url, token=TOKEN) as c, pytest.raises(dsec.AdmissionRejected, match="pressure"):

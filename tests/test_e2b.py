@@ -174,7 +174,8 @@ def test_admission_refusal_is_rate_limit(tmp_path: str, monkeypatch: pytest.Monk
     from e2b import RateLimitException
 
     _seed_layers(str(tmp_path))
-    p = Platform(str(tmp_path), ["--admit-max-psi", "-1"])  # any memory pressure, even none, is too much
+    # any memory pressure, even none, is too much, and memory counts as short below 2 TiB
+    p = Platform(str(tmp_path), ["--admit-max-psi", "-1", "--pause-below-mb", str(1 << 20)])
     p.start()
     try:
         for k, v in {"E2B_API_URL": p.url, "E2B_SANDBOX_URL": p.url, "E2B_API_KEY": TOKEN}.items():

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import os
 
 import pytest
 
 import dsec
+from dsec.edge.cgroup import MEMORY_RESERVE_MB
 from tests.conftest import Platform
 
 
@@ -70,14 +72,20 @@ async def test_cgroup_limits_are_applied(platform: Platform, client: dsec.AsyncC
     sb = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=96,
                                                        cpu_cores_limit=0.5, pids_limit=64))
     try:
-        mem = glob.glob(f"/sys/fs/cgroup/memory/**/{sb.sandbox_id}/memory.limit_in_bytes", recursive=True) \
-            or glob.glob(f"/sys/fs/cgroup/**/{sb.sandbox_id}/memory.max", recursive=True)
+        # the workload's limits are on the sandbox's child cgroup w; dsec-init stays in the
+        # parent, which holds a small reserve above them so the agent outlives its workload
+        mem = glob.glob(f"/sys/fs/cgroup/memory/**/{sb.sandbox_id}/w/memory.limit_in_bytes", recursive=True) \
+            or glob.glob(f"/sys/fs/cgroup/**/{sb.sandbox_id}/w/memory.max", recursive=True)
         assert mem and int(open(mem[0]).read()) == 96 * 1024 * 1024
-        pids = glob.glob(f"/sys/fs/cgroup/**/{sb.sandbox_id}/pids.max", recursive=True)
+        parent = os.path.dirname(os.path.dirname(mem[0])) + "/" + os.path.basename(mem[0])
+        assert int(open(parent).read()) == (96 + MEMORY_RESERVE_MB) * 1024 * 1024
+        pids = glob.glob(f"/sys/fs/cgroup/**/{sb.sandbox_id}/w/pids.max", recursive=True)
         assert pids and open(pids[0]).read().strip() == "64"
-        cpu = glob.glob(f"/sys/fs/cgroup/cpu/**/{sb.sandbox_id}/cpu.cfs_quota_us", recursive=True)
+        cpu = glob.glob(f"/sys/fs/cgroup/cpu/**/{sb.sandbox_id}/w/cpu.cfs_quota_us", recursive=True)
         if cpu:
             assert int(open(cpu[0]).read()) == 50000
+            # no quota on the parent: a kill must never wait for the next CPU period
+            assert int(open(os.path.dirname(os.path.dirname(cpu[0])) + "/cpu.cfs_quota_us").read()) == -1
         # a fork bomb hits the pids limit, not the host, and the sandbox recovers
         r = await sb.exec("i=0; while [ $i -lt 200 ]; do (sleep 2 &) 2>/dev/null; i=$((i+1)); done; echo end",
                           timeout=30)

@@ -18,7 +18,21 @@ def node(name: str, cpu_reserved: float = 0, healthy: bool = True, mem_reserved:
                      memory_reserved_mb=mem_reserved, max_sandboxes=100)
 
 
-ARGS = dsec.ContainerArgs(image="base/busybox", cpu_cores_limit=1, memory_limit_mb=512)
+# placement reserves what a sandbox requests (its limits when it asks for guaranteed resources)
+ARGS = dsec.ContainerArgs(image="base/busybox", cpu_cores_limit=1, memory_limit_mb=512, cpu_request=1,
+                          memory_request_mb=512)
+BEST_EFFORT = dsec.ContainerArgs(image="base/busybox", cpu_cores_limit=1, memory_limit_mb=512)
+
+
+def test_best_effort_reserves_a_fraction_of_its_limits() -> None:
+    assert BEST_EFFORT.cpu_admitted == pytest.approx(0.05) and BEST_EFFORT.memory_admitted_mb == 64
+    view = {"a": node("a", cpu_reserved=3.5)}  # half a core left: room for best-effort sandboxes, not one core
+    p = Placement(lambda: view, k=2)
+    for _ in range(8):
+        with p.reserve(p.choose(BEST_EFFORT), BEST_EFFORT):
+            pass
+    with pytest.raises(dsec.AdmissionRejected):
+        p.choose(ARGS)
 
 
 def test_filters_unhealthy_and_full_nodes() -> None:
