@@ -46,9 +46,11 @@ def _seed_layers(data_dir: str) -> None:
 class Platform:
     """One embedded dsec process under test."""
 
-    def __init__(self, data_dir: str, extra_args: list[str] | None = None) -> None:
+    def __init__(self, data_dir: str, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.extra_args = extra_args or []
+        self.env = env or {}  # added to this process's environment (the fault tests' failpoints)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -59,7 +61,7 @@ class Platform:
             [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(self.port), "--data-dir",
              self.data_dir, "--token", TOKEN, "--log-level", os.environ.get("DSEC_TEST_LOG_LEVEL", "warning"),
              *self.extra_args],
-            stdout=self.log, stderr=self.log, start_new_session=True)
+            stdout=self.log, stderr=self.log, start_new_session=True, env={**os.environ, **self.env})
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -2,6 +2,7 @@
 
 from dsec.errors import (
     AdmissionRejected,
+    DeadlineExceeded,
     DsecError,
     EdgeUnavailable,
     Forbidden,
@@ -33,7 +34,7 @@ from dsec.models import (
 from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __all__ = [
-    "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DsecError",
+    "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DeadlineExceeded", "DsecError",
     "EdgeUnavailable", "Forbidden", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
     "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
     "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",

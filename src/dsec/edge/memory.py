@@ -101,6 +101,10 @@ def cgroup_memory(cgroup_path: str) -> dict[str, int]:
             out["anon"] = int(st.get("total_rss", st.get("rss", 0)))
             out["file"] = int(st.get("total_cache", st.get("cache", 0)))
             out["swap"] = int(st.get("total_swap", st.get("swap", 0)))
+            # memory.stat may lag by seconds (its flush is rate-limited); the page
+            # counters are exact, and a pause reports right after pushing memory out
+            with open(os.path.join(v1, "memory.memsw.usage_in_bytes")) as f:
+                out["swap"] = max(0, int(f.read()) - out["total"])
         return out
     v2 = os.path.join(CGROUP_ROOT, rel)
     with contextlib.suppress(OSError):

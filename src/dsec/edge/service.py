@@ -64,6 +64,7 @@ from dsec.errors import (
     SandboxError,
     SandboxNotRunning,
 )
+from dsec.faults import failpoint
 from dsec.layers.store import ImportOptions, Layer, LayerStore, layer_kind
 from dsec.models import (
     AuditRecord,
@@ -356,6 +357,9 @@ class Edge:
 
         async def one(sid: str, rec: Record) -> None:
             sb = self.sandboxes[sid] = Sandbox(rec, os.path.join(self.sandbox_root, sid))
+            if rec.info.state == SandboxState.stopping:  # the edge died in its stop: finish it
+                await self._teardown(sb, SandboxState.stopped, "stopped (finished after an edge restart)")
+                return
             async with gate:
                 try:
                     async with asyncio.timeout(READOPT_TIMEOUT_S):
@@ -527,10 +531,12 @@ class Edge:
             # on record before anything is built: an edge killed mid-create finds it on
             # restart and tears down what was built (it ends failed, with the reason)
             self.state.put(sb.rec)
+            await failpoint("create.recorded")
             if not isinstance(args, ContainerArgs):
                 await self._create_vm(sb, args, digests)
             else:
                 await self._create_container(sb, args, digests)
+            await failpoint("create.attached")
             self._still_wanted(sb)
             info.state = SandboxState.running
             if isinstance(args, ContainerArgs) and args.protected_paths:
@@ -576,6 +582,7 @@ class Edge:
         rootfs = os.path.join(sb.dir, "rootfs")
         linux.mount("overlay", rootfs, "overlay", 0,
                     f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
+        await failpoint("create.mounted")
         limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit,
                         cpu_shares=2 if args.qos == "best_effort" else 1024)
         with open(os.path.join(sb.dir, "config.json"), "w") as f:
@@ -593,6 +600,8 @@ class Edge:
         finally:
             lsock.close()
             os.close(init_fd)
+        self.state.put(sb.rec)  # its init pid: a restart finds the container to kill
+        await failpoint("create.started")
         idle = args.qos == "best_effort"
         # the workload's limits on its own child cgroup; init keeps a reserve beside it
         procs = await asyncio.to_thread(Cgroup(self.runtime.cgroup_path(sid)).split_workload, args.memory_limit_mb,
@@ -731,7 +740,9 @@ class Edge:
                 msg = f"snapshot {meta['size'] >> 20} MiB in {sb.vm.timings.get('pause_s', 0):.2f} s; QEMU ended"
             else:
                 await self.runtime.pause(sb.id)  # frozen first: nothing touches the memory we push out
+                await failpoint("pause.frozen")
                 await asyncio.to_thread(memory.page_out, cg)
+                await failpoint("pause.paged")
                 msg = "frozen, memory pushed out to swap"
             after = memory.cgroup_memory(cg)
             info.pause = PauseInfo(memory_before_bytes=before.get("total", 0), memory_after_bytes=after.get("total", 0),
@@ -779,6 +790,7 @@ class Edge:
                 # swap-in starts (asynchronously) before the processes run and fault it in one page at a time
                 await asyncio.to_thread(memory.prefetch, self.runtime.cgroup_path(sb.id))
                 await self.runtime.resume(sb.id)
+                await failpoint("resume.thawed")
                 if sb.agent is None:  # paused across an edge restart: bound now that init answers
                     await self._attach(sb)
                 msg = "memory prefetch started, thawed"
@@ -848,6 +860,7 @@ class Edge:
         sb.rec.info.state = SandboxState.stopping
         if record:
             await self._bounded(sb, "record", asyncio.to_thread(self.state.put, sb.rec))
+            await failpoint("stop.recorded")
         if sb.watch and sb.watch is not asyncio.current_task():
             sb.watch.cancel()
         if sb.vm:
@@ -857,6 +870,7 @@ class Edge:
             if not await self._bounded(sb, "kill", asyncio.to_thread(cg.kill, KILL_TIMEOUT_S), KILL_TIMEOUT_S + 5):
                 self.on_event(sb.id, "teardown_error", f"processes left in its cgroup after {KILL_TIMEOUT_S} s "
                               f"of SIGKILL: {sorted(cg.procs())[:10]}")
+        await failpoint("stop.killed")
         if sb.creator is not None and sb.creator is not asyncio.current_task():
             sb.creator.cancel()  # a create under way stops where it is; what it built is released below
             await asyncio.wait([sb.creator], timeout=STEP_TIMEOUT_S)
@@ -876,6 +890,7 @@ class Edge:
                 cg = Cgroup(self.runtime.cgroup_path(sb.id))
                 await asyncio.to_thread(cg.remove, True)  # crun removes the cgroup it made, not ours below it
                 await self._bounded(sb, "crun delete", self.runtime.delete(sb.id))
+                await failpoint("stop.deleted")
                 if sb.rec.init_pid:
                     await _wait_gone(sb.rec.init_pid)
                 left = await asyncio.to_thread(cg.remove)
@@ -1148,9 +1163,11 @@ class Edge:
         async with sb.lock:
             await self.runtime.pause(sb.id)
             try:
+                await failpoint("pack_diff.frozen")
                 layer = await asyncio.to_thread(
                     self.layers.import_dir, os.path.join(sb.dir, "upper"), ref, kind, opts,
                     sb.rec.args.image, sb.rec.args.layers, source or f"pack_diff of {sb.id}")
+                await failpoint("pack_diff.built")
             finally:
                 await self.runtime.resume(sb.id)
         self.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
