@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from tests.conftest import TOKEN, Platform, _seed_layers, leftovers
+from tests.conftest import TOKEN, Platform, _seed_layers, leftovers, stop_all
 
 HOG = (b"import hashlib, os, time\n"
        b"b = bytearray(os.urandom(32 << 20)) + bytearray(b'x' * (128 << 20))\n"
@@ -195,10 +195,7 @@ def pressured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     p = Platform(data_dir, ["--pause-below-mb", str(1 << 30)])
     p.start()
     yield p
-    with dsec.Client(url=p.url, token=TOKEN) as c:
-        for info in c.list():
-            c.connect(info.sandbox_id).stop()
-    p.stop()
+    stop_all(p)
 
 
 async def test_memory_pressure_pauses_idle_best_effort_first(pressured: Platform) -> None:
@@ -226,4 +223,4 @@ def test_admission_refuses_under_memory_pressure(tmp_path: str) -> None:
         with dsec.Client(url=p.url, token=TOKEN) as c, pytest.raises(dsec.AdmissionRejected, match="pressure"):
             c.run_container(dsec.ContainerArgs(image="base/busybox"))
     finally:
-        p.stop()
+        stop_all(p)

@@ -170,7 +170,7 @@ def test_errors(e2b_env: None, platform: Platform) -> None:
 
 def test_admission_refusal_is_rate_limit(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """429 when admission refuses: the SDK's RateLimitException, with dsec's reason."""
-    from conftest import _seed_layers
+    from conftest import _seed_layers, stop_all
     from e2b import RateLimitException
 
     _seed_layers(str(tmp_path))
@@ -183,7 +183,7 @@ def test_admission_refusal_is_rate_limit(tmp_path: str, monkeypatch: pytest.Monk
         with pytest.raises(RateLimitException, match="memory pressure"):
             Sandbox.create(timeout=30)
     finally:
-        p.stop()
+        stop_all(p)
 
 
 def test_js_sdk(platform: Platform) -> None:

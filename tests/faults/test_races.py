@@ -14,7 +14,7 @@ import pytest
 import websockets
 
 import dsec
-from tests.conftest import TOKEN, Platform, _seed_layers, leftovers, wait_for
+from tests.conftest import TOKEN, Platform, _seed_layers, leftovers, stop_all, wait_for
 from tests.faults.conftest import STOP_BOUND_S, Probe, stop_within_bound
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +29,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
                                                    f"pack_diff.frozen=sleep:{HOLD_S}"})
     p.start()
     yield p
-    p.stop()
+    stop_all(p)
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ async def _race(platform: Platform, bystander: dsec.AsyncSandbox, sb: dsec.Async
 async def test_stop_racing_stop(platform: Platform, bystander: dsec.AsyncSandbox, client: dsec.AsyncClient) -> None:
     sb = await client.run_container(dsec.ContainerArgs())
     await sb.exec("sleep 600 &")
-    a, b = await asyncio.gather(sb.stop(), client.connect(sb.sandbox_id).stop())
+    a, b = await asyncio.gather(sb.stop(), (await client.connect(sb.sandbox_id)).stop())
     assert a.state == b.state == dsec.SandboxState.stopped
     assert wait_for(lambda: not leftovers(platform, sb.sandbox_id), 5)
 
@@ -107,7 +107,7 @@ async def test_stop_during_create(platform: Platform, bystander: dsec.AsyncSandb
         await asyncio.sleep(0.05)
     (info,) = found
     assert info.state == dsec.SandboxState.creating
-    out = await _race(platform, bystander, client.connect(info.sandbox_id), creating, settle=0.2)
+    out = await _race(platform, bystander, await client.connect(info.sandbox_id), creating, settle=0.2)
     assert isinstance(out, dsec.SandboxNotRunning) and "stopped while it was being created" in str(out), out
 
 

@@ -124,7 +124,7 @@ async def test_disk_quota_filled(platform: Platform, bystander: dsec.AsyncSandbo
     async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
         sb = await c.run_container(dsec.ContainerArgs(disk_limit_mb=64))
     async with Probe(platform, bystander):
-        r = await sb.exec("dd if=/dev/zero of=/root/fill bs=1M count=512; sync", timeout=120)
+        r = await sb.exec("dd if=/dev/zero of=/root/fill bs=1M count=512", timeout=120)
         assert r.exit_code != 0 and ("quota" in r.stderr or "No space" in r.stderr), r
         r = await sb.exec("i=0; while touch /root/f$i 2>/dev/null; do i=$((i+1)); done; echo $i", timeout=120)
         assert int(r.stdout) < 1_000_000, r  # files are bounded by the same quota

@@ -70,18 +70,21 @@ class InitClient:
 
     async def connect(self, timeout: float = 5.0) -> None:
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        # non-blocking from the start: a unix connect to an init whose backlog is full (it
+        # is starved, or busy reaping a fork bomb's orphans) would otherwise block the
+        # edge's event loop until init accepts; _on_readable also reads until EAGAIN
+        # (recv_fds ignores its flags argument)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         deadline = loop.time() + timeout
         while True:
             try:
                 sock.connect(self.sock_path)
                 break
-            except (FileNotFoundError, ConnectionRefusedError) as e:
+            except (FileNotFoundError, ConnectionRefusedError, BlockingIOError) as e:
                 if loop.time() > deadline:
                     sock.close()
                     raise ChannelLost(f"sandbox init socket unreachable: {e}") from e
                 await asyncio.sleep(0.005)
-        sock.setblocking(False)  # _on_readable reads until EAGAIN (recv_fds ignores its flags argument)
         self._sock = sock
         loop.add_reader(sock.fileno(), self._on_readable)
 
