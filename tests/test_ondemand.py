@@ -57,7 +57,8 @@ def shared(mfs: MooseFS, tmp_path_factory: pytest.TempPathFactory) -> tuple[str,
     os.makedirs(store_root)
     store = LayerStore(store_root, "sharedfs")
     sums: dict[str, str] = {}
-    for ref, sub, seed in (("ws/od-big:v1", "od", 1), ("ws/od-rec:v1", "rec", 2), ("ws/od-fault:v1", "fault", 3)):
+    for ref, sub, seed in (("ws/od-big:v1", "od", 1), ("ws/od-rec:v1", "rec", 2), ("ws/od-fault:v1", "fault", 3),
+                          ("ws/od-unreach:v1", "unreach", 4)):
         src = str(tmp_path_factory.mktemp(sub))
         sums.update(_tree(src, sub, 6, seed))
         store.import_dir(src, ref)
@@ -250,6 +251,41 @@ async def test_stalled_store_gives_eio_in_bounded_time_then_recovers(
         assert (await _blob(client, "ws/od-fault:v1")).errors >= 1
     finally:
         await sb.stop()
+
+
+async def test_store_unreachable_during_create_fails_cleanly(node: Platform, client: dsec.AsyncClient,
+                                                             mfs: MooseFS) -> None:
+    """A create whose layer is not on the node yet, while the store does not answer: it
+    fails within the fetch bounds with a clear error and leaves nothing; the sandboxes
+    already running keep answering; once the store is back the same create works."""
+    bystander = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64))
+    try:
+        before = {i.sandbox_id for i in await client.list()}
+        mfs.stall_chunkserver()
+        try:
+            creating = asyncio.ensure_future(_busybox(client, "ws/od-unreach:v1"))
+            await asyncio.sleep(0.5)
+            assert (await bystander.exec(["echo", "alive"], timeout=10)).stdout == "alive\n"
+            with pytest.raises(dsec.DsecError) as e:
+                await asyncio.wait_for(creating, 60)
+            assert "shared layer store did not deliver" in str(e.value), e.value
+            assert {i.sandbox_id for i in await client.list()} == before  # nothing half built
+        finally:
+            mfs.resume_chunkserver()
+        deadline = time.time() + 60
+        while True:
+            try:
+                sb = await _busybox(client, "ws/od-unreach:v1")
+                break
+            except dsec.DsecError:
+                assert time.time() < deadline
+                await asyncio.sleep(1)
+        while (await sb.exec("cat /unreach/* > /dev/null", timeout=60)).exit_code != 0:  # reads recover too
+            assert time.time() < deadline
+            await asyncio.sleep(1)
+        await sb.stop()
+    finally:
+        await bystander.stop()
 
 
 async def test_writes_stay_on_the_node(node: Platform, client: dsec.AsyncClient,

@@ -6,6 +6,7 @@ from dsec.errors import (
     DsecError,
     EdgeUnavailable,
     Forbidden,
+    InsufficientStorage,
     InvalidRequest,
     LayerInUse,
     NotFound,
@@ -36,7 +37,7 @@ from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DeadlineExceeded", "DsecError",
     "EdgeUnavailable", "Forbidden", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
-    "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
+    "InsufficientStorage", "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
     "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",
     "TestCase", "Unauthorized", "VMArgs", "VMInfo",
 ]

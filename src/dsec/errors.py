@@ -81,6 +81,13 @@ class SandboxError(DsecError):
     code = "sandbox_error"
 
 
+class InsufficientStorage(DsecError):
+    """The node's own disk (its data dir) is full: nothing the request can change."""
+
+    status = 507
+    code = "insufficient_storage"
+
+
 class DeadlineExceeded(SandboxError):
     """A call did not finish within its deadline: the edge's call into a sandbox or helper
     (the sandbox's init, crun, the shared store), or the SDK's own request timeout."""
@@ -105,5 +112,6 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         EdgeUnavailable,
         SandboxError,
         DeadlineExceeded,
+        InsufficientStorage,
     )
 }

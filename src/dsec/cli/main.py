@@ -78,6 +78,9 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
               help="an egress service beyond pypi/npm/debian, NAME=HOST[,*.SUFFIX] (repeatable)")] = None,
           sandbox_subnet: Annotated[str | None, typer.Option(
               help="IPv4 subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)")] = None,
+          sandbox_volume_gb: Annotated[int | None, typer.Option(
+              help="size of the btrfs volume holding writable layers with per-sandbox quotas "
+                   "(default: half the free space, 4-256 GiB; 0: plain directories, no quotas)")] = None,
           ) -> None:
     """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
     import uvicorn
@@ -85,6 +88,10 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
     from dsec.embedded import build_embedded, data_dir_default
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to stderr
     if fetch_mode not in ("ondemand", "eager"):
         err.print("[red]error[/red]: --fetch-mode must be ondemand or eager")
         raise typer.Exit(2)
@@ -97,7 +104,7 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
     cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
            "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi, "cpu_overcommit": cpu_overcommit,
            "memory_overcommit": memory_overcommit, "egress_services": egress_service or [],
-           "sandbox_subnet": sandbox_subnet}
+           "sandbox_subnet": sandbox_subnet, "sandbox_volume_gb": sandbox_volume_gb}
     with _errors():
         try:
             fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import random
 import secrets
 import shutil
 import socket
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Awaitable
@@ -57,6 +59,7 @@ from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
     AdmissionRejected,
     DsecError,
+    InsufficientStorage,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -550,6 +553,9 @@ class Edge:
             if isinstance(e, asyncio.CancelledError) and sb.stopping and task and task.cancelling() == 1:
                 task.uncancel()  # the stop's own cancel: the caller hears why, the request goes on
                 raise SandboxNotRunning(f"sandbox {sid} was stopped while it was being created") from None
+            if _out_of_space(e):
+                raise InsufficientStorage(f"edge {self.name} has no space left in its data dir: {_why(e)}",
+                                          sandbox_id=sid, operation="create") from e
             raise
         finally:
             sb.creator = None
@@ -1391,6 +1397,13 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT from the node's own disk, or SQLite saying the same."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e)
 
 
 async def _wait_gone(pid: int, timeout: float = 5.0) -> None:

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
 
 from dsec.edge import linux
 from dsec.errors import SandboxError
@@ -35,6 +36,10 @@ from dsec.storage.lazyfs import LazyClient
 
 log = logging.getLogger("dsec.storage")
 FetchMode = Literal["ondemand", "eager"]
+T = TypeVar("T")
+# reads of the shared store that may hang (a stalled storage node) run on threads of their
+# own: a stuck read keeps its thread, and must never take one the rest of the edge needs
+STORE_IO_THREADS = 16
 
 
 class NodeLayers:
@@ -56,7 +61,9 @@ class NodeLayers:
         for d in (self.mnt_dir, self.meta_dir, self.full_dir, self.cache_dir, self.lazy_mnt):
             os.makedirs(d, exist_ok=True)
         self.lazy = LazyClient(os.path.join(run_dir, "lazyfs.sock"))
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # the reader process
+        self._mounting: dict[str, asyncio.Lock] = {}  # one mount of each target at a time
+        self._io = ThreadPoolExecutor(STORE_IO_THREADS, thread_name_prefix="dsec-store")
         self._poll: asyncio.Task[None] | None = None
         self._error_seq = 0
         self.snapshot: dict[str, Any] = {}
@@ -150,9 +157,12 @@ class NodeLayers:
         ``target`` is given (a private mount, read through ``<data>@<record_tag>``)."""
         shared = target is None
         target = target or os.path.join(self.mnt_dir, digest)
-        async with self._lock:
-            if self.on_demand:
+        if self.on_demand:
+            async with self._lock:
                 await self._ensure_reader()
+        # per image, not node-wide: a store that stalls on one image holds only the
+        # creates that need it
+        async with self._mounting.setdefault(target, asyncio.Lock()):
             if shared and os.path.ismount(target):
                 return target
             source, opts = await self._prepare(digest, record_tag)
@@ -167,14 +177,25 @@ class NodeLayers:
         """Image ``digest`` as files for a VM's read-only disks, without mounting it on
         the host: (metadata image, data blob or None). From a shared store read on
         demand the blob is the lazy reader's file, so the guest's reads fetch chunks."""
-        async with self._lock:
-            if self.on_demand:
+        if self.on_demand:
+            async with self._lock:
                 await self._ensure_reader()
-            source, opts = await self._prepare(digest, None)
+        source, opts = await self._prepare(digest, None)
         return source, opts.removeprefix("device=") if opts else None
 
+    async def _store_io(self, what: str, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+        """``fn(*args)`` against the shared store, on the store's threads, within the
+        fetch bound; a miss is the request's clear error."""
+        limit = timeout or self.fetch_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._io, fn, *args), limit)
+        except TimeoutError:
+            raise SandboxError(f"shared layer store did not deliver {what} within {limit:g} s") from None
+        except OSError as e:
+            raise SandboxError(f"shared layer store: cannot read {what}: {e.strerror or e}") from None
+
     async def _prepare(self, digest: str, record_tag: str | None) -> tuple[str, str | None]:
-        data = self.store.data_of(digest)
+        data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
         if self.store.backend.kind == "local":
             return self.store.mount_args(digest)
         meta = await self._copy(f"{digest}.erofs", self.meta_dir, digest)
@@ -190,52 +211,61 @@ class NodeLayers:
         dest = os.path.join(dest_dir, name)
         if os.path.exists(dest):
             return dest
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self._copy_verified, name, dest, digest),
-                                   max(self.fetch_timeout_s, 60.0))
-        except TimeoutError:
-            raise SandboxError(f"shared layer store did not deliver {name[:12]} in time") from None
-        except OSError as e:
-            raise SandboxError(f"shared layer store: cannot read {name[:12]}: {e.strerror}") from None
-        return dest
-
-    def _copy_verified(self, name: str, dest: str, digest: str) -> None:
-        tmp = f"{dest}.{os.getpid()}.tmp"
-        h = hashlib.sha256()
-        with open(self.store.backend.path(name), "rb") as src, open(tmp, "wb") as out:
-            while buf := src.read(4 << 20):
-                h.update(buf)
-                out.write(buf)
-                self.copied_bytes += len(buf)
-        if h.hexdigest() != digest:
+        tmp = await self._fetch(name, dest, max(self.fetch_timeout_s, 60.0))
+        if await asyncio.to_thread(_sha256_file, tmp) != digest:
             os.unlink(tmp)
             raise SandboxError(f"{name[:12]} from the shared store does not match its digest")
         os.chmod(tmp, 0o444)
         os.replace(tmp, dest)
+        return dest
 
     async def _fetch_index(self, data: str) -> None:
         """Copy the blob's chunk index to the node (checked), once: the reader looks it up there."""
         dest = os.path.join(self.meta_dir, f"{data}.chunks")
         if os.path.exists(dest):
             return
-        raw = await asyncio.wait_for(asyncio.to_thread(self._read_whole, f"{data}.chunks"), self.fetch_timeout_s)
-        ChunkIndex.from_bytes(raw)
-        tmp = f"{dest}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(raw)
+        tmp = await self._fetch(f"{data}.chunks", dest, self.fetch_timeout_s)
+        try:
+            with open(tmp, "rb") as f:
+                ChunkIndex.from_bytes(f.read())
+        except ValueError:
+            os.unlink(tmp)
+            raise
         os.replace(tmp, dest)
 
-    def _read_whole(self, name: str) -> bytes:
-        with open(self.store.backend.path(name), "rb") as f:
-            raw = f.read()
-        self.copied_bytes += len(raw)
-        return raw
+    async def _fetch(self, name: str, dest: str, limit: float) -> str:
+        """Copy a store file next to ``dest`` with cp, a process of its own: a stalled
+        store then holds that process, never a file of the edge's (a child the edge forks
+        closes every fd it inherits, and closing a FUSE file with a read stuck on it
+        blocks; the edge's fork would block with it). Returns the copy's path."""
+        tmp = f"{dest}.{os.getpid()}.tmp"
+        proc = await asyncio.create_subprocess_exec(
+            "cp", "--", self.store.backend.path(name), tmp, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            async with asyncio.timeout(limit):
+                _, err = await proc.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()  # reaped by asyncio's child watcher when the store lets it go
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(sys.exc_info()[1], TimeoutError):
+                raise SandboxError(f"shared layer store did not deliver {name[:12]} within {limit:g} s") from None
+            raise
+        if proc.returncode != 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            why = err.decode(errors="replace").strip().rsplit(": ", 1)[-1]
+            raise SandboxError(f"shared layer store: cannot read {name[:12]}: {why}")
+        self.copied_bytes += os.path.getsize(tmp)
+        return tmp
 
     async def release(self, in_use: set[str]) -> None:
         """Unmount node-shared layer mounts no sandbox uses any more."""
-        async with self._lock:
-            for mp in linux.mounted_under(self.mnt_dir):
-                if os.path.basename(mp) not in in_use:
+        for mp in linux.mounted_under(self.mnt_dir):
+            if os.path.basename(mp) not in in_use:
+                async with self._mounting.setdefault(mp, asyncio.Lock()):
                     with contextlib.suppress(OSError):
                         linux.umount(mp)
 
@@ -246,24 +276,34 @@ class NodeLayers:
             return 0
         queued = 0
         for digest in digests:
-            data = self.store.data_of(digest)
-            chunks = self.store.access_list(data) if data else []
-            if not (data and chunks):
-                continue
             try:  # a hint: never the reason a create fails
+                data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
+                chunks = await self._store_io("an access list", self.store.access_list, data) if data else []
+                if not (data and chunks):
+                    continue
                 async with self._lock:
                     await self._ensure_reader()
                 await self._fetch_index(data)
                 await self.lazy.call("prefetch", data=data, chunks=chunks)
                 queued += len(chunks)
             except (OSError, TimeoutError, RuntimeError, ValueError, SandboxError) as e:
-                log.warning("prefetch of %s not queued: %s", data[:12], e)
+                log.warning("prefetch for %s not queued: %s", digest[:12], e)
         return queued
 
     async def recorded(self, digest: str, record_tag: str, forget: bool = False) -> tuple[str, list[int]] | None:
         """(data blob, chunks in first-touch order) that the private mount read so far."""
-        data = self.store.data_of(digest)
-        if not self.on_demand or data is None:
+        if not self.on_demand:
+            return None
+        data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
+        if data is None:
             return None
         got = await self.lazy.call("recorded", name=f"{data}@{record_tag}", forget=forget)
         return data, [int(c) for c in got["chunks"]]
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(4 << 20):
+            h.update(buf)
+    return h.hexdigest()
