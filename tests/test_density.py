@@ -224,3 +224,20 @@ def test_admission_refuses_under_memory_pressure(tmp_path: str) -> None:
             c.run_container(dsec.ContainerArgs(image="base/busybox"))
     finally:
         stop_all(p)
+
+
+async def test_a_burst_of_default_creates_is_admitted(platform: Platform, client: dsec.AsyncClient) -> None:
+    """32 default sandboxes at once on this (2-core) node: admission reserves what a
+    best-effort sandbox requests (5% of a core, 1/8 of its memory), not its limits, so
+    none is refused (it refused the 17th when it reserved limits)."""
+    made = await asyncio.gather(*(client.run_container(dsec.ContainerArgs(job="burst")) for _ in range(32)),
+                                return_exceptions=True)
+    try:
+        refused = [m for m in made if isinstance(m, BaseException)]
+        assert not refused, refused[:3]
+        (node,) = await client.nodes()
+        assert node.cpu_reserved >= 32 * 0.05 and node.cpu_reserved < node.cpus  # requests, not limits
+        r = await made[-1].exec(["echo", "ok"])  # type: ignore[union-attr]
+        assert r.stdout == "ok\n"
+    finally:
+        await client.stop_many(job="burst")

@@ -304,6 +304,12 @@ class VMRuntime:
         marker = f"unix:{self.sock_dir}/".encode()
         for cmd in glob.glob("/proc/[0-9]*/cmdline"):
             try:
+                # the name first: it is the task's own, while reading a process's arguments
+                # takes its memory map's lock and may fault its pages in from swap (seconds
+                # each for a fork bomb thrashing at its memory limit)
+                with open(cmd[:-7] + "comm", "rb") as f:
+                    if not f.read().startswith(b"qemu-system"):
+                        continue
                 with open(cmd, "rb") as f:
                     argv = f.read().split(b"\0")
             except OSError:
