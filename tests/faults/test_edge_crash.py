@@ -9,11 +9,13 @@ import asyncio
 import json
 import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 import dsec
+from dsec.cli.main import SHUTDOWN_GRACE_S
 from dsec.faults import POINTS
 from tests.conftest import TOKEN, Platform, _seed_layers, leftovers, stop_all, wait_for
 from tests.faults.conftest import Probe, stop_within_bound
@@ -134,7 +136,13 @@ async def test_restart_is_not_held_by_a_hostile_sandbox(platform: Platform, clie
     sb = await client.run_container(dsec.ContainerArgs(memory_limit_mb=128))
     await sb.exec("setsid bash -c 'b() { b | b & }; b' >/dev/null 2>&1 < /dev/null &")
     await asyncio.sleep(3)
-    platform.stop()
+    long_exec = asyncio.ensure_future(sb.exec("sleep 600", timeout=600))  # in flight across the shutdown
+    await asyncio.sleep(0.5)
+    t0 = time.monotonic()
+    await asyncio.to_thread(platform.stop)  # graceful: bounded although a request is in flight
+    assert time.monotonic() - t0 < SHUTDOWN_GRACE_S + 10
+    with pytest.raises(dsec.DsecError):
+        await long_exec
     platform.start()  # within Platform's 60 s readiness wait, /healthz included
     async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
         v = await c.connect(sb.sandbox_id)

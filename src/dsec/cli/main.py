@@ -34,6 +34,7 @@ token_app = typer.Typer(help="API tokens: one project and one role each (admin o
 app.add_typer(token_app, name="token")
 console = Console()
 err = Console(stderr=True)
+SHUTDOWN_GRACE_S = 10
 
 StoreOpt = Annotated[str | None, typer.Option(
     "--store", help="shared layer store: a distributed filesystem path mounted on every node (default $DSEC_STORE, "
@@ -89,7 +90,6 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import faulthandler
-    import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to stderr
     if fetch_mode not in ("ondemand", "eager"):
@@ -118,8 +118,10 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
     # believe they own one fd (a transport handed a socket, then closed on error or by the
     # garbage collector), and the second close lands on whatever file got that number next
     # (seen here: sandbox sockets and client connections closed under their owners)
+    # a shutdown waits this long for requests in flight (a 300 s exec, an open TTY), then
+    # cancels them: the sandboxes keep running and are re-adopted by the next start
     uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65,
-                loop="asyncio")
+                loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
 @app.command()

@@ -32,9 +32,12 @@ from dataclasses import dataclass, field
 from dsec.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks
 from dsec.agent.watch import DirWatch
 from dsec.backends.vm.qemu import connect_unix
-from dsec.errors import InvalidRequest, NotFound, SandboxError
+from dsec.errors import DeadlineExceeded, InvalidRequest, NotFound, SandboxError
 from dsec.models import FileStat, Owner
 
+# a request to the guest's agent (dsec-vmux) that gets no answer in this long fails; longer
+# than a container's init (10 s): these guests may run under TCG
+REQUEST_TIMEOUT_S = 30.0
 TIOCGPTN = 0x80045430  # _IOR('T', 0x30, unsigned int): a pty master's number; not in Python's termios
 MAX_FRAME = 256 * 1024  # what we send; the guest accepts up to 1 MiB
 MAX_BUFFER = 64 << 20
@@ -259,8 +262,18 @@ class GuestChannel:
             self._writing = False
 
     async def request(self, *fields: str | int, upload: tuple[int, bytes] | None = None) -> list[bytes]:
-        """One control request and its reply; ``upload`` (channel, bytes) is sent on
-        that channel, then its end, right after the request (a file write)."""
+        """One control request and its reply, within a deadline (longer for an upload, at
+        1 MiB/s even under TCG); ``upload`` (channel, bytes) is sent on that channel, then
+        its end, right after the request (a file write)."""
+        limit = REQUEST_TIMEOUT_S + (len(upload[1]) >> 20 if upload else 0)
+        try:
+            async with asyncio.timeout(limit):
+                return await self._request(fields, upload)
+        except TimeoutError:
+            raise DeadlineExceeded(f"the VM's agent did not answer a {str(fields[0])!r} request within "
+                                   f"{limit:g} s", operation=str(fields[0])) from None
+
+    async def _request(self, fields: tuple[str | int, ...], upload: tuple[int, bytes] | None) -> list[bytes]:
         rid = str(self._next_req)
         self._next_req += 1
         fut: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
