@@ -6,11 +6,11 @@ Nothing is mocked."""
 from __future__ import annotations
 
 import asyncio
-import time
 import glob
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
