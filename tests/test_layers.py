@@ -9,6 +9,7 @@ import os
 import secrets
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -308,3 +309,23 @@ def test_layer_build_cli(platform: Platform, tmp_path_factory: pytest.TempPathFa
         assert bad.returncode != 0 and "step 1 failed" in bad.stderr
         assert not [layer for layer in c.layers() if layer.ref.endswith("-bad:v1")]
         assert not [i for i in c.list(labels={"dsec-role": "builder"}) if i.state == dsec.SandboxState.running]
+
+
+async def test_stale_build_scratch_is_swept(tmp_path: str) -> None:
+    """A layer build killed mid-way (an edge crash in pack_diff) leaves a scratch dir in the
+    store's tmp/; an edge start removes those older than a day and leaves younger ones (a
+    build in progress, maybe another node's on a shared store)."""
+    from dsec.storage.node import NodeLayers
+
+    store = LayerStore(os.path.join(tmp_path, "store"))
+    old, young = (os.path.join(store.backend.tempdir(), n) for n in ("tmpold", "tmpyoung"))
+    for d in (old, young):
+        os.makedirs(os.path.join(d, "sub"))
+        with open(os.path.join(d, "sub", "meta"), "wb") as f:
+            f.write(b"x" * 4096)
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(old, (two_days_ago, two_days_ago))
+    node = NodeLayers(store, os.path.join(tmp_path, "node"), os.path.join(tmp_path, "run"))
+    await node.sweep_scratch()
+    assert not os.path.exists(old) and os.path.isdir(young)
+    store.close()

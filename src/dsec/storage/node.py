@@ -40,6 +40,7 @@ T = TypeVar("T")
 # reads of the shared store that may hang (a stalled storage node) run on threads of their
 # own: a stuck read keeps its thread, and must never take one the rest of the edge needs
 STORE_IO_THREADS = 16
+SCRATCH_MAX_AGE_MIN = 24 * 60
 
 
 class NodeLayers:
@@ -65,6 +66,7 @@ class NodeLayers:
         self._mounting: dict[str, asyncio.Lock] = {}  # one mount of each target at a time
         self._io = ThreadPoolExecutor(STORE_IO_THREADS, thread_name_prefix="dsec-store")
         self._poll: asyncio.Task[None] | None = None
+        self._sweep: asyncio.Task[None] | None = None
         self._error_seq = 0
         self.snapshot: dict[str, Any] = {}
         # bytes this node copied whole from the store (metadata, eager data blobs)
@@ -76,10 +78,31 @@ class NodeLayers:
 
     # ---- the lazy reader process --------------------------------------------------
     async def start(self) -> None:
+        self._sweep = asyncio.create_task(self.sweep_scratch())
         if not self.on_demand:
             return
         await self._ensure_reader()
         self._poll = asyncio.create_task(self._poll_loop())
+
+    async def sweep_scratch(self, max_age_min: int = SCRATCH_MAX_AGE_MIN) -> None:
+        """Remove layer-build scratch dirs in the store older than ``max_age_min`` (a
+        builder killed mid-build leaves one; on a shared store, other nodes' builds in
+        progress are younger). In a process of its own, bounded, like every other store
+        access of the edge's that may stall (see :meth:`_fetch`)."""
+        proc = await asyncio.create_subprocess_exec(
+            "find", self.store.backend.tempdir(), "-mindepth", "1", "-maxdepth", "1", "-mmin", f"+{max_age_min}",
+            "-exec", "rm", "-rf", "{}", "+", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        try:
+            async with asyncio.timeout(300):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            log.warning("sweeping the store's scratch dirs took over 300 s; left for the next start")
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
 
     async def _alive(self) -> bool:
         try:
@@ -138,6 +161,10 @@ class NodeLayers:
             await asyncio.sleep(1.0)
 
     async def close(self, sandboxes_left: bool) -> None:
+        if self._sweep:
+            self._sweep.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await self._sweep
         if self._poll:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
