@@ -88,9 +88,16 @@ class Platform:
 
 @pytest.fixture(scope="session")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    data_dir = str(tmp_path_factory.mktemp("dsec-data"))
+    yield from own_platform(tmp_path_factory, "dsec-data")
+
+
+def own_platform(tmp_path_factory: pytest.TempPathFactory, name: str, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> Iterator[Platform]:
+    """A platform on a fresh data dir, for a fixture to yield from; its sandboxes are
+    stopped when the fixture ends."""
+    data_dir = str(tmp_path_factory.mktemp(name))
     _seed_layers(data_dir)
-    p = Platform(data_dir)
+    p = Platform(data_dir, extra_args, env)
     p.start()
     yield p
     stop_all(p)

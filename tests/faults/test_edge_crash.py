@@ -17,7 +17,7 @@ import pytest
 import dsec
 from dsec.cli.main import SHUTDOWN_GRACE_S
 from dsec.faults import POINTS
-from tests.conftest import TOKEN, Platform, _seed_layers, leftovers, stop_all, wait_for
+from tests.conftest import TOKEN, Platform, leftovers, own_platform, wait_for
 from tests.faults.conftest import Probe, stop_within_bound
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,18 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    data_dir = str(tmp_path_factory.mktemp("crash"))
-    _seed_layers(data_dir)
-    p = Platform(data_dir)
-    p.start()
-    yield p
-    stop_all(p)
-
-
-@pytest.fixture
-async def client(platform: Platform) -> AsyncIterator[dsec.AsyncClient]:
-    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
-        yield c
+    yield from own_platform(tmp_path_factory, "crash")
 
 
 def _crash_at(platform: Platform, point: str) -> None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 import websockets
 
 import dsec
-from tests.conftest import TOKEN, Platform, _seed_layers, leftovers, stop_all, wait_for
+from tests.conftest import TOKEN, Platform, leftovers, own_platform, wait_for
 from tests.faults.conftest import STOP_BOUND_S, Probe, stop_within_bound
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,19 +23,8 @@ HOLD_S = 3  # how long a failpoint holds a create, pause or pack_diff
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    data_dir = str(tmp_path_factory.mktemp("races"))
-    _seed_layers(data_dir)
-    p = Platform(data_dir, env={"DSEC_FAILPOINTS": f"create.mounted=sleep:{HOLD_S},pause.frozen=sleep:{HOLD_S},"
-                                                   f"pack_diff.frozen=sleep:{HOLD_S}"})
-    p.start()
-    yield p
-    stop_all(p)
-
-
-@pytest.fixture
-async def client(platform: Platform) -> AsyncIterator[dsec.AsyncClient]:
-    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
-        yield c
+    held = ",".join(f"{step}=sleep:{HOLD_S}" for step in ("create.mounted", "pause.frozen", "pack_diff.frozen"))
+    yield from own_platform(tmp_path_factory, "races", env={"DSEC_FAILPOINTS": held})
 
 
 async def _other_ends(task: asyncio.Task[object]) -> object:

@@ -247,7 +247,7 @@ class LayerStore:
             proc = subprocess.run([*cmd, meta, src], capture_output=True)
             if proc.returncode != 0:
                 raise InvalidRequest(f"mkfs.erofs failed for {src}: {proc.stderr.decode(errors='replace')[-500:]}")
-            data_digest, digest = _sha256(data), _sha256(meta)
+            data_digest, digest = sha256_file(data), sha256_file(meta)
             index = os.path.join(work, "chunks")
             with open(index, "wb") as f:
                 f.write(ChunkIndex.build(data, self.chunk_size).to_bytes())
@@ -289,7 +289,7 @@ class LayerStore:
         if self.has(ref):
             raise InvalidRequest(f"layer {ref!r} already exists", field="ref")
         check_erofs(path)
-        digest = _sha256(path)
+        digest = sha256_file(path)
         self.backend.put(path, f"{digest}.erofs")
         return self._publish(Layer(ref=ref, kind=kind, digest=digest, size=os.path.getsize(self.blob_path(digest)),
                                    created_at=time.time(), source=source))
@@ -336,7 +336,8 @@ class LayerStore:
         return removed
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """A file's sha256, hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

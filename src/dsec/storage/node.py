@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import subprocess
@@ -30,7 +29,7 @@ from typing import Any, Literal, TypeVar
 
 from dsec.edge import linux
 from dsec.errors import SandboxError
-from dsec.layers.store import LayerStore, check_erofs
+from dsec.layers.store import LayerStore, check_erofs, sha256_file
 from dsec.storage.chunks import ChunkIndex
 from dsec.storage.lazyfs import LazyClient
 
@@ -239,7 +238,7 @@ class NodeLayers:
         if os.path.exists(dest):
             return dest
         tmp = await self._fetch(name, dest, max(self.fetch_timeout_s, 60.0))
-        if await asyncio.to_thread(_sha256_file, tmp) != digest:
+        if await asyncio.to_thread(sha256_file, tmp) != digest:
             os.unlink(tmp)
             raise SandboxError(f"{name[:12]} from the shared store does not match its digest")
         os.chmod(tmp, 0o444)
@@ -326,11 +325,3 @@ class NodeLayers:
             return None
         got = await self.lazy.call("recorded", name=f"{data}@{record_tag}", forget=forget)
         return data, [int(c) for c in got["chunks"]]
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while buf := f.read(4 << 20):
-            h.update(buf)
-    return h.hexdigest()
