@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -36,6 +36,16 @@ async def _start_hog(sb: dsec.AsyncSandbox) -> str:
             return r.stdout
         await asyncio.sleep(0.1)
     raise AssertionError("the memory hog did not start")
+
+
+async def _usage_when(sb: dsec.AsyncSandbox, ok: Callable[[dsec.SandboxUsage], bool]) -> dsec.SandboxUsage:
+    """The sandbox's usage once ``ok`` holds of it (within 10 s), else the last reading."""
+    for _ in range(50):
+        u = await sb.usage()
+        if ok(u):
+            break
+        await asyncio.sleep(0.2)
+    return u
 
 
 async def test_pause_pushes_memory_out_and_resume_brings_it_back(platform: Platform,
@@ -166,13 +176,14 @@ async def test_usage_accounting_api_ps_and_metrics(platform: Platform, client: d
     try:
         await sb.exec("head -c 20000000 /dev/urandom > /root/blob")
         await _start_hog(sb)
-        u = await sb.usage()
+        # memory.stat is flushed at most every 2 s (v1): poll rather than read once
+        u = await _usage_when(sb, lambda u: u.anon_bytes >= 150 << 20)
         assert u.disk_bytes >= 20_000_000  # the writable layer
         assert u.anon_bytes >= 150 << 20 and u.memory_bytes >= u.anon_bytes
         assert u.pids >= 2 and u.cpu_s > 0 and u.oom_kills == 0
         await sb.pause()
-        paused = await sb.usage()  # reading usage does not resume it
-        assert (await sb.refresh()).state == "paused"
+        paused = await _usage_when(sb, lambda p: p.anon_bytes < u.anon_bytes // 4)
+        assert (await sb.refresh()).state == "paused"  # reading usage does not resume it
         assert paused.swap_bytes >= 100 << 20 and paused.anon_bytes < u.anon_bytes // 4
         (listed,) = await client.list(job="usage-acct", usage=True)
         assert listed.usage is not None and listed.usage.swap_bytes >= 100 << 20

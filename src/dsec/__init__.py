@@ -28,6 +28,7 @@ from dsec.models import (
     NetworkInfo,
     SandboxInfo,
     SandboxState,
+    SandboxUsage,
     TestCase,
     VMArgs,
     VMInfo,
@@ -39,5 +40,5 @@ __all__ = [
     "EdgeUnavailable", "Forbidden", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
     "InsufficientStorage", "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
     "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",
-    "TestCase", "Unauthorized", "VMArgs", "VMInfo",
+    "SandboxUsage",     "TestCase", "Unauthorized", "VMArgs", "VMInfo",
 ]

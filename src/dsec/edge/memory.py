@@ -105,6 +105,10 @@ def cgroup_memory(cgroup_path: str) -> dict[str, int]:
             # counters are exact, and a pause reports right after pushing memory out
             with open(os.path.join(v1, "memory.memsw.usage_in_bytes")) as f:
                 out["swap"] = max(0, int(f.read()) - out["total"])
+            # the same lag can leave anon/file above what is charged now (right after a
+            # pause pushed it out): never report more than the exact total
+            out["anon"] = min(out["anon"], out["total"])
+            out["file"] = min(out["file"], out["total"] - out["anon"])
         return out
     v2 = os.path.join(CGROUP_ROOT, rel)
     with contextlib.suppress(OSError):
