@@ -484,6 +484,8 @@ class FileStat(BaseModel):
 
 
 class HttpResponse(BaseModel):
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
     status: int
     headers: list[tuple[str, str]]
     body: bytes

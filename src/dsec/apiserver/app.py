@@ -12,25 +12,22 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import re
-import signal
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Query, Request, WebSocket
+from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from dsec.agent.aether import Aether
-from dsec.agent.initclient import exit_code
 from dsec.e2b import api as e2b_api
 from dsec.e2b import envd
 from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
 from dsec.e2b.ports import PortProxy
 from dsec.edge.api import EdgeAPI
+from dsec.edge.wire import TtyInput
 from dsec.errors import (
     AdmissionRejected,
     DsecError,
@@ -51,7 +48,6 @@ from dsec.models import (
     ClickRequest,
     ContainerArgs,
     CreateRequest,
-    ExecEvent,
     ExecRequest,
     FileStat,
     FnCallArgs,
@@ -358,7 +354,7 @@ def build_app(api: Apiserver) -> FastAPI:
         """Prometheus text format: the edge's counters and per-sandbox cgroup usage (embedded mode has one
         edge; in cluster mode each edge is scraped on its own)."""
         # a scrape reads every sandbox's cgroup (and now and then walks its writable layer): not on the loop
-        body = b"".join([await asyncio.to_thread(e.metrics_text) for e in api.edges.values()])
+        body = b"".join([await e.metrics_text() for e in api.edges.values()])
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/nodes")
@@ -436,37 +432,16 @@ def build_app(api: Apiserver) -> FastAPI:
             res = await edge.exec(sandbox_id, req)
             return Response(res.model_dump_json(), media_type="application/json")
         await edge.get(sandbox_id)  # a bad id fails before the 200 goes out
-        queue: asyncio.Queue[ExecEvent | DsecError | None] = asyncio.Queue()
-
-        def on_data(name: str, data: bytes) -> None:
-            queue.put_nowait(ExecEvent(type=name, data=data.decode("utf-8", errors="replace")))  # type: ignore[arg-type]
-
-        async def run() -> None:
-            try:
-                res = await edge.exec(sandbox_id, req, on_data)
-                queue.put_nowait(ExecEvent(type="result", result=res))
-            except DsecError as e:
-                queue.put_nowait(e)
-            finally:
-                queue.put_nowait(None)
-
-        task = asyncio.create_task(run())
+        events = edge.exec_stream(sandbox_id, req)
 
         async def body() -> AsyncIterator[bytes]:
-            done = False
-            try:
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, DsecError):
-                        yield (json.dumps({"type": "error", "error": item.code, "message": item.message})
-                               + "\n").encode()
-                    else:
-                        yield item.model_dump_json(exclude_none=True).encode() + b"\n"
-                done = True
+            try:  # closing the stream (the client went away) stops the command
+                async for item in events:
+                    yield item.model_dump_json(exclude_none=True).encode() + b"\n"
+            except DsecError as e:
+                yield (json.dumps({"type": "error", "error": e.code, "message": e.message}) + "\n").encode()
             finally:
-                if not done:  # the client disconnected mid-stream: stop the command
-                    task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await events.aclose()  # type: ignore[attr-defined]
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
 
@@ -608,78 +583,43 @@ def build_app(api: Apiserver) -> FastAPI:
 
     @app.websocket("/v1/sandboxes/{sandbox_id}/tty")
     async def tty(ws: WebSocket, sandbox_id: str, cols: int = 80, rows: int = 24) -> None:
+        await ws.accept()
         try:
-            edge = api.edge_for(sandbox_id)
-            master, pid, exited, agent = await edge.open_tty(sandbox_id, max(1, min(cols, 1000)),
-                                                             max(1, min(rows, 1000)))
+            session = api.edge_for(sandbox_id).tty(sandbox_id, cols, rows, _tty_input(ws))
+            await anext(session)  # the shell is up (or why not)
         except DsecError as e:
-            # accept first so the client sees why (close code 4000 + HTTP status), not a bare 403
-            await ws.accept()
+            # the close code carries the HTTP status (4000 + status) and the reason
             await ws.close(code=4000 + e.status, reason=e.message[:120])
             return
-        await ws.accept()
-        await _bridge_tty(ws, master, pid, exited, agent, lambda: edge.touch(sandbox_id))
+        try:
+            async for out in session:
+                if out.data:
+                    await ws.send_bytes(out.data)
+                if out.exit_code is not None:
+                    await ws.send_text(json.dumps({"exit": out.exit_code}))
+            with contextlib.suppress(Exception):
+                await ws.close()
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the client went away: closing the session kills the shell
+        finally:
+            await session.aclose()  # type: ignore[attr-defined]
 
     return app
 
 
-async def _bridge_tty(ws: WebSocket, master: int, pid: int, exited: asyncio.Future[int],
-                      agent: Aether, touch: Callable[[], None]) -> None:
-    loop = asyncio.get_running_loop()
-    out: asyncio.Queue[bytes] = asyncio.Queue()
-    os.set_blocking(master, False)
-
-    def readable() -> None:
-        try:
-            data = os.read(master, 65536)
-        except BlockingIOError:
+async def _tty_input(ws: WebSocket) -> AsyncIterator[TtyInput]:
+    """What the user's terminal sends: bytes are keystrokes; text is JSON control
+    ({"resize": [cols, rows]} or {"data": "..."}). Ends when the client goes away."""
+    while True:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
             return
-        except OSError:
-            data = b""
-        out.put_nowait(data)
-        if not data:
-            loop.remove_reader(master)
-
-    loop.add_reader(master, readable)
-
-    async def pump_out() -> None:
-        while data := await out.get():
-            await ws.send_bytes(data)
-
-    async def pump_in() -> None:
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            if msg.get("bytes"):
-                os.write(master, msg["bytes"])
-            elif msg.get("text"):
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    ctl = json.loads(msg["text"])
-                    if "resize" in ctl:
-                        await agent.resize_tty(master, int(ctl["resize"][0]), int(ctl["resize"][1]))
-                    if "data" in ctl:
-                        os.write(master, str(ctl["data"]).encode())
-            touch()
-
-    out_task, in_task = asyncio.create_task(pump_out()), asyncio.create_task(pump_in())
-    tasks = [out_task, in_task]
-    try:
-        await asyncio.wait([out_task, in_task, exited], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
-        if exited.done():  # let the last output through
-            await asyncio.wait([out_task], timeout=0.5)
-    finally:
-        if not exited.done():
-            with contextlib.suppress(DsecError):
-                await agent.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True)
-        with contextlib.suppress(asyncio.TimeoutError, DsecError):
-            await asyncio.wait_for(asyncio.shield(exited), 2)
-        for t in tasks:
-            t.cancel()
-        with contextlib.suppress(Exception):
-            loop.remove_reader(master)
-        os.close(master)
-        with contextlib.suppress(Exception):
-            code = exit_code(exited.result()) if exited.done() and not exited.exception() else -1
-            await ws.send_text(json.dumps({"exit": code}))
-            await ws.close()
+        if msg.get("bytes"):
+            yield TtyInput(data=msg["bytes"])
+        elif msg.get("text"):
+            with contextlib.suppress(ValueError, KeyError, TypeError, ValidationError):
+                ctl = json.loads(msg["text"])
+                if "resize" in ctl:
+                    yield TtyInput(resize=(int(ctl["resize"][0]), int(ctl["resize"][1])))
+                if "data" in ctl:
+                    yield TtyInput(data=str(ctl["data"]).encode())

@@ -18,7 +18,7 @@ import json
 import secrets
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from dsec.e2b.accounts import load as load_accounts
 from dsec.e2b.envd import ENVD_VERSION
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.edge.api import EdgeAPI
+from dsec.edge.wire import ProcOutput, ProcSpec
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxError
 from dsec.layers.store import Layer, LayerStore
 from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
@@ -215,22 +216,33 @@ class E2BApi:
         assert template.start is not None
         edge = self.edge_for(sandbox_id)
         user = (await load_accounts(edge, sandbox_id)).user(None)
-        table = await edge.process_table(sandbox_id)
-        proc = await table.start(template.start[0], template.start[1:], user.env(), user.home, None, False,
-                                 "template-start", user.owner)
-        if template.ready_port is None:
-            return
-        deadline = time.monotonic() + TEMPLATE_READY_S
-        while time.monotonic() < deadline:
-            if proc.end is not None:
-                raise SandboxError(f"the template's start command ended ({proc.end.status}) before port "
-                                   f"{template.ready_port} answered")
-            with contextlib.suppress(SandboxError):
-                if (await edge.http(sandbox_id, template.ready_port, "GET", "/health", [], b"", 5)).status == 200:
-                    return
-            await asyncio.sleep(0.1)
-        raise SandboxError(f"the template's server did not answer on port {template.ready_port} "
-                           f"within {TEMPLATE_READY_S:g} s")
+        spec = ProcSpec(cmd=template.start[0], args=template.start[1:], envs=user.env(), cwd=user.home,
+                        tag="template-start", owner=user.owner)
+        stream = edge.proc_start(sandbox_id, spec)
+        try:
+            await anext(stream)  # started
+            if template.ready_port is None:
+                return
+            ended = asyncio.ensure_future(_end_of(stream))
+            deadline = time.monotonic() + TEMPLATE_READY_S
+            try:
+                while time.monotonic() < deadline:
+                    if ended.done():
+                        raise SandboxError(f"the template's start command ended ({ended.result()}) before port "
+                                           f"{template.ready_port} answered")
+                    with contextlib.suppress(SandboxError):
+                        if (await edge.http(sandbox_id, template.ready_port, "GET", "/health", [], b"",
+                                            5)).status == 200:
+                            return
+                    await asyncio.sleep(0.1)
+            finally:
+                ended.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await ended
+            raise SandboxError(f"the template's server did not answer on port {template.ready_port} "
+                               f"within {TEMPLATE_READY_S:g} s")
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]  # the process runs on; we stop listening
 
     async def _live(self, sandbox_id: str) -> tuple[EdgeAPI, SandboxInfo]:
         edge = self.edge_for(sandbox_id)
@@ -473,3 +485,11 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         ("/sandboxes/{sandbox_id}/metrics", metrics, "GET")]
     for path, fn, method in routes:
         app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)
+
+
+async def _end_of(stream: AsyncIterator[ProcOutput]) -> str:
+    """How a process's stream ends (its status), reading past its output."""
+    async for ev in stream:
+        if ev.kind == "end":
+            return ev.status
+    return "the sandbox ended"

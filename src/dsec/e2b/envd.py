@@ -8,7 +8,6 @@ process table (dsec-init underneath), files through the edge's file operations.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import datetime
@@ -16,7 +15,6 @@ import hashlib
 import hmac
 import posixpath
 import re
-import secrets
 import signal
 import stat as statmod
 import time
@@ -25,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from dsec.agent.procs import Proc, ProcessTable
-from dsec.agent.watch import DirWatch, WatchEvent
 from dsec.e2b.accounts import Account, Accounts, UnknownUser, basic_user
 from dsec.e2b.accounts import load as load_accounts
 from dsec.e2b.connect import (
@@ -41,6 +38,7 @@ from dsec.e2b.connect import (
     unary_error,
 )
 from dsec.edge.api import EdgeAPI
+from dsec.edge.wire import FsEvent, ProcOutput, ProcRef, ProcSpec
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
 from dsec.models import FileStat
 
@@ -106,14 +104,13 @@ class Ctx:
 
 @dataclass
 class Watching:
-    """A directory watch and what its events are reported with."""
+    """How a watch's events are reported: paths under ``root``, with entries if asked."""
 
     ctx: Ctx
     root: str
-    watch: DirWatch
     include_entry: bool
 
-    async def event(self, ev: WatchEvent) -> dict[str, Any]:
+    async def event(self, ev: FsEvent) -> dict[str, Any]:
         out: dict[str, Any] = {"name": ev.name, "type": EVENT_TYPES[ev.kind]}
         if self.include_entry and ev.kind != "remove":
             with contextlib.suppress(ConnectError):  # gone again already: no entry to give
@@ -151,16 +148,8 @@ def _metadata(headers: Any) -> dict[str, str]:
     return out
 
 
-def _selector(msg: dict[str, Any]) -> tuple[int | None, str | None]:
-    sel = msg.get("process") or {}
-    pid = sel.get("pid")
-    return (int(pid) if pid is not None else None), sel.get("tag")
-
-
 EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
                "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
-MAX_WATCHERS, MAX_WATCHERS_PER_SANDBOX = 8192, 256
-PRUNE_EVERY_S = 10.0
 MAX_ENTRIES = 100_000
 ACCOUNTS_TTL_S = 2.0
 
@@ -168,9 +157,7 @@ ACCOUNTS_TTL_S = 2.0
 class Envd:
     def __init__(self, edge_for: Callable[[str], EdgeAPI]) -> None:
         self.edge_for = edge_for
-        self.watchers: dict[str, Watching] = {}  # watcher id -> what it watches
         self.accounts: dict[str, tuple[float, Accounts]] = {}  # sandbox -> (read at, its users)
-        self.pruned_at = 0.0
 
     def _sandbox(self, request: Request) -> tuple[str, EdgeAPI]:
         sid = request.headers.get(SANDBOX_HEADER, "")
@@ -199,71 +186,74 @@ class Envd:
             raise ConnectError("invalid_argument", str(e)) from None
         return Ctx(sid, edge, user, accounts)
 
-    async def _table(self, request: Request) -> ProcessTable:
-        sid, edge = self._sandbox(request)
-        return await _call(edge.process_table(sid))
-
-    async def _proc(self, request: Request, msg: dict[str, Any]) -> tuple[ProcessTable, Proc]:
-        table = await self._table(request)
-        pid, tag = _selector(msg)
-        p = table.find(pid, tag)
-        if p is None:
-            raise ConnectError("not_found", f"process with {'pid ' + str(pid) if pid else 'tag ' + repr(tag)} "
-                               "not found")
-        return table, p
+    @staticmethod
+    def _ref(msg: dict[str, Any]) -> ProcRef:
+        sel = msg.get("process") or {}
+        if not isinstance(sel, dict):
+            raise ConnectError("invalid_argument", "process must be an object with pid or tag")
+        try:
+            return ProcRef(pid=sel.get("pid"), tag=sel.get("tag"))
+        except ValidationError:
+            raise ConnectError("invalid_argument", "process.pid must be a number") from None
 
     # ---- process service -----------------------------------------------------------
     async def start(self, request: Request) -> AsyncIterator[dict[str, Any]]:
         msg = await first_message(request)
         ctx = await self._ctx(request)
-        table = await _call(ctx.edge.process_table(ctx.sid))
         cfg = msg.get("process") or {}
         if not cfg.get("cmd"):
             raise ConnectError("invalid_argument", "process.cmd is required")
         size = ((msg.get("pty") or {}).get("size")) if "pty" in msg else None
-        pty = (int(size.get("cols", 80)), int(size.get("rows", 24))) if size is not None else None
         try:
-            p = await table.start(cfg["cmd"], list(cfg.get("args") or []),
-                                  {**ctx.user.env(), **dict(cfg.get("envs") or {})},
-                                  ctx.path(cfg["cwd"]) if cfg.get("cwd") else ctx.user.home,
-                                  pty, bool(msg.get("stdin", False)), msg.get("tag"), ctx.user.owner)
-        except ValueError as e:
-            raise ConnectError("resource_exhausted", str(e)) from None
-        except DsecError as e:
-            raise ConnectError(_code_of(e), e.message) from None
-        q = p.subscribe()
-        return self._events(p, q)
+            spec = ProcSpec(cmd=cfg["cmd"], args=list(cfg.get("args") or []),
+                            envs={**ctx.user.env(), **dict(cfg.get("envs") or {})},
+                            cwd=ctx.path(cfg["cwd"]) if cfg.get("cwd") else ctx.user.home,
+                            pty=(int(size.get("cols", 80)), int(size.get("rows", 24))) if size is not None else None,
+                            stdin=bool(msg.get("stdin", False)), tag=msg.get("tag"), owner=ctx.user.owner)
+        except (ValidationError, TypeError, ValueError, AttributeError) as e:
+            raise ConnectError("invalid_argument", f"bad process config: {e}") from None
+        return await self._events(ctx.edge.proc_start(ctx.sid, spec))
 
-    async def _events(self, p: Proc, q: asyncio.Queue[Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, stream: AsyncIterator[ProcOutput]) -> AsyncIterator[dict[str, Any]]:
+        """The process's stream as envd's events; its first item is awaited here, so a
+        process that cannot start (or is not there) fails the call, not the stream."""
         try:
-            yield {"event": {"start": {"pid": p.pid}}}
-            while True:
-                try:
-                    ev = await asyncio.wait_for(q.get(), KEEPALIVE_S)
-                except TimeoutError:
-                    yield {"event": {"keepalive": {}}}
-                    continue
-                p.consumed(q, ev)
-                if ev.kind == "data":
-                    yield {"event": {"data": {ev.stream: _b64(ev.data)}}}
-                elif ev.kind == "end":
-                    if ev.exit_code < 0:  # the sandbox went away under the process
-                        raise ConnectError("unavailable", "the connection to the sandbox ended before the "
-                                           "stream completed")
-                    yield {"event": {"end": {"exitCode": ev.exit_code, "exited": True, "status": ev.status}}}
-                    return
-        finally:
-            p.unsubscribe(q)
+            first = await _call(anext(stream))
+        except BaseException:
+            await stream.aclose()  # type: ignore[attr-defined]
+            raise
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            try:
+                ev: ProcOutput | None = first
+                while ev is not None:
+                    if ev.kind == "start":
+                        yield {"event": {"start": {"pid": ev.pid}}}
+                    elif ev.kind == "data":
+                        yield {"event": {"data": {ev.stream: _b64(ev.data)}}}
+                    elif ev.kind == "keepalive":
+                        yield {"event": {"keepalive": {}}}
+                    elif ev.kind == "end":
+                        if ev.exit_code < 0:  # the sandbox went away under the process
+                            raise ConnectError("unavailable", "the connection to the sandbox ended before the "
+                                               "stream completed")
+                        yield {"event": {"end": {"exitCode": ev.exit_code, "exited": True, "status": ev.status}}}
+                        return
+                    ev = await anext(stream, None)
+                raise ConnectError("unavailable", "the connection to the sandbox ended before the stream completed")
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+        return events()
 
     async def connect(self, request: Request) -> AsyncIterator[dict[str, Any]]:
         msg = await first_message(request)
-        _, p = await self._proc(request, msg)
-        return self._events(p, p.subscribe())
+        sid, edge = self._sandbox(request)
+        return await self._events(edge.proc_connect(sid, self._ref(msg)))
 
     async def list(self, request: Request) -> dict[str, Any]:
-        table = await self._table(request)
+        sid, edge = self._sandbox(request)
         out = []
-        for p in table.procs.values():
+        for p in await _call(edge.proc_list(sid)):
             info: dict[str, Any] = {"config": {"cmd": p.cmd, "args": p.args, "envs": p.envs, "cwd": p.cwd},
                                     "pid": p.pid}
             if p.tag is not None:
@@ -271,55 +261,67 @@ class Envd:
             out.append(info)
         return {"processes": out}
 
+    async def _exists(self, request: Request, ref: ProcRef) -> None:
+        sid, edge = self._sandbox(request)
+        if not any(p.pid == ref.pid or (ref.tag and p.tag == ref.tag) for p in await _call(edge.proc_list(sid))):
+            raise ConnectError("not_found", f"process with {ref} not found")
+
     async def send_input(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        table, p = await self._proc(request, msg)
-        await self._input(table, p, msg.get("input") or {})
+        await self._input(request, self._ref(msg), msg.get("input") or {})
         return {}
 
-    async def _input(self, table: ProcessTable, p: Proc, inp: dict[str, Any]) -> None:
-        data = base64.b64decode(inp.get("stdin") or inp.get("pty") or "")
+    async def _input(self, request: Request, ref: ProcRef, inp: dict[str, Any]) -> None:
+        sid, edge = self._sandbox(request)
+        if not isinstance(inp, dict):
+            raise ConnectError("invalid_argument", "input must be an object")
         try:
-            await table.write(p, data)
-        except (ValueError, OSError) as e:
-            raise ConnectError("failed_precondition", f"cannot write to process {p.pid}: {e}") from None
+            data = base64.b64decode(inp.get("stdin") or inp.get("pty") or "", validate=True)
+        except (ValueError, TypeError):
+            raise ConnectError("invalid_argument", "input must be base64") from None
+        await _call(edge.proc_input(sid, ref, data))
 
     async def stream_input(self, request: Request) -> dict[str, Any]:
-        table: ProcessTable | None = None
-        p: Proc | None = None
+        ref: ProcRef | None = None
         async for msg in read_envelopes(request):
             if "start" in msg:
-                table, p = await self._proc(request, msg["start"])
+                ref = self._ref(msg["start"])
+                await self._exists(request, ref)
             elif "data" in msg:
-                if table is None or p is None:
+                if ref is None:
                     raise ConnectError("failed_precondition", "input before the start message")
-                await self._input(table, p, (msg["data"] or {}).get("input") or {})
+                await self._input(request, ref, (msg["data"] or {}).get("input") or {})
         return {}
 
     async def send_signal(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        table, p = await self._proc(request, msg)
         sig = SIGNALS.get(msg.get("signal", ""))
         if sig is None:
             raise ConnectError("invalid_argument", f"unknown signal {msg.get('signal')!r}")
-        await table.signal(p, sig)
+        sid, edge = self._sandbox(request)
+        await _call(edge.proc_signal(sid, self._ref(msg), int(sig)))
         return {}
 
     async def close_stdin(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        table, p = await self._proc(request, msg)
-        table.close_stdin(p)
+        sid, edge = self._sandbox(request)
+        await _call(edge.proc_close_stdin(sid, self._ref(msg)))
         return {}
 
     async def update(self, request: Request) -> dict[str, Any]:
         msg = await unary_body(request)
-        table, p = await self._proc(request, msg)
-        size = (msg.get("pty") or {}).get("size")
+        ref = self._ref(msg)
+        pty = msg.get("pty") or {}
+        size = pty.get("size") if isinstance(pty, dict) else None
         if size:
             try:
-                await table.resize(p, int(size.get("cols", 80)), int(size.get("rows", 24)))
-            except ValueError as e:
-                raise ConnectError("failed_precondition", str(e)) from None
+                cols, rows = int(size.get("cols", 80)), int(size.get("rows", 24))
+            except (TypeError, ValueError, AttributeError):
+                raise ConnectError("invalid_argument", "pty.size must have numeric cols and rows") from None
+            sid, edge = self._sandbox(request)
+            await _call(edge.proc_resize(sid, ref, cols, rows))
+        else:
+            await self._exists(request, ref)
         return {}
 
     # ---- filesystem service -----------------------------------------------------------
@@ -370,79 +372,62 @@ class Envd:
                 raise
         return {}
 
-    async def _watch(self, request: Request, msg: dict[str, Any]) -> Watching:
+    async def _watching(self, request: Request, msg: dict[str, Any]) -> tuple[Watching, bool]:
         ctx = await self._ctx(request)
-        path = ctx.path(msg.get("path"))
-        w = await _call(ctx.edge.watch_dir(ctx.sid, path, bool(msg.get("recursive", False))))
         # allowNetworkMounts: nothing to allow, a sandbox's mounts are all local to its edge
-        return Watching(ctx, path, w, bool(msg.get("includeEntry", msg.get("include_entry", False))))
+        return (Watching(ctx, ctx.path(msg.get("path")), bool(msg.get("includeEntry", msg.get("include_entry"))),),
+                bool(msg.get("recursive", False)))
 
     async def watch_dir(self, request: Request) -> AsyncIterator[dict[str, Any]]:
-        watching = await self._watch(request, await first_message(request))
-        w = watching.watch
+        watching, recursive = await self._watching(request, await first_message(request))
+        ctx = watching.ctx
+        stream = ctx.edge.watch(ctx.sid, watching.root, recursive)
+        try:
+            await _call(anext(stream))  # the watch exists (or why not)
+        except BaseException:
+            await stream.aclose()  # type: ignore[attr-defined]
+            raise
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             try:
                 yield {"start": {}}
-                while not w.closed:
-                    try:
-                        await asyncio.wait_for(w.changed.wait(), KEEPALIVE_S)
-                    except TimeoutError:
+                async for batch in stream:
+                    if not batch:
                         yield {"keepalive": {}}
-                        continue
-                    for ev in w.drain():
+                    for ev in batch:
                         yield {"filesystem": await watching.event(ev)}
             finally:
-                w.close()
+                await stream.aclose()  # type: ignore[attr-defined]
         return events()
 
     async def create_watcher(self, request: Request) -> dict[str, Any]:
-        sid, _ = self._sandbox(request)
-        if time.monotonic() - self.pruned_at > PRUNE_EVERY_S:
-            await self._prune()
-        if sum(1 for w in self.watchers.values() if w.ctx.sid == sid) >= MAX_WATCHERS_PER_SANDBOX:
-            await self._prune()
-            if sum(1 for w in self.watchers.values() if w.ctx.sid == sid) >= MAX_WATCHERS_PER_SANDBOX:
-                raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS_PER_SANDBOX} watchers per sandbox")
-        if len(self.watchers) >= MAX_WATCHERS:
-            await self._prune()
-            if len(self.watchers) >= MAX_WATCHERS:
-                raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers on this server")
-        watching = await self._watch(request, await unary_body(request))
-        wid = secrets.token_hex(8)
-        self.watchers[wid] = watching
-        return {"watcherId": wid}
+        watching, recursive = await self._watching(request, await unary_body(request))
+        ctx = watching.ctx
+        wid = await _call(ctx.edge.watcher_create(ctx.sid, watching.root, recursive))
+        # the edge holds the watch; what its events are reported with travels in the id
+        tail = base64.urlsafe_b64encode(watching.root.encode()).decode().rstrip("=")
+        return {"watcherId": f"{wid}.{int(watching.include_entry)}.{tail}"}
 
-    async def _prune(self) -> None:
-        """Close the watchers of sandboxes that have ended (their owners never removed
-        them): a dead sandbox must not hold inotify fds or its share of the limit."""
-        self.pruned_at = time.monotonic()
-        live: dict[str, bool] = {}
-        for wid, w in list(self.watchers.items()):
-            if w.ctx.sid not in live:
-                try:
-                    live[w.ctx.sid] = (await w.ctx.edge.get(w.ctx.sid)).state in ("running", "paused")
-                except DsecError:
-                    live[w.ctx.sid] = False
-            if w.watch.closed or not live[w.ctx.sid]:
-                w.watch.close()
-                self.watchers.pop(wid, None)
-
-    def _watcher(self, request: Request, msg: dict[str, Any]) -> tuple[str, Watching]:
-        sid, _ = self._sandbox(request)
-        found = self.watchers.get(str(msg.get("watcherId", "")))
-        if found is None or found.ctx.sid != sid:
-            raise ConnectError("not_found", f"watcher {msg.get('watcherId')!r} not found")
-        return str(msg["watcherId"]), found
+    async def _watcher(self, request: Request, msg: dict[str, Any]) -> tuple[str, Watching]:
+        raw = str(msg.get("watcherId", ""))
+        wid, _, rest = raw.partition(".")
+        flag, _, tail = rest.partition(".")
+        try:
+            root = base64.urlsafe_b64decode(tail + "=" * (-len(tail) % 4)).decode()
+        except (ValueError, UnicodeDecodeError):
+            raise ConnectError("not_found", f"watcher {raw!r} not found") from None
+        if flag not in ("0", "1") or not root.startswith("/"):
+            raise ConnectError("not_found", f"watcher {raw!r} not found")
+        return wid, Watching(await self._ctx(request), root, flag == "1")
 
     async def get_watcher_events(self, request: Request) -> dict[str, Any]:
-        _, watching = self._watcher(request, await unary_body(request))
-        return {"events": [await watching.event(e) for e in watching.watch.drain()]}
+        wid, watching = await self._watcher(request, await unary_body(request))
+        ctx = watching.ctx
+        return {"events": [await watching.event(e) for e in await _call(ctx.edge.watcher_events(ctx.sid, wid))]}
 
     async def remove_watcher(self, request: Request) -> dict[str, Any]:
-        wid, watching = self._watcher(request, await unary_body(request))
-        watching.watch.close()
-        self.watchers.pop(wid, None)
+        wid, watching = await self._watcher(request, await unary_body(request))
+        await _call(watching.ctx.edge.watcher_remove(watching.ctx.sid, wid))
         return {}
 
     # ---- /files ---------------------------------------------------------------------------

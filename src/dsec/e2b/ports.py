@@ -9,13 +9,14 @@ query, method, headers (less E2B's own and hop-by-hop ones) and body go through 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dsec.edge.api import EdgeAPI
+from dsec.edge.wire import HttpPart
 from dsec.errors import DsecError, NotFound, SandboxError, SandboxNotRunning
 
 ENVD_PORT = 49983
@@ -58,8 +59,8 @@ class PortProxy:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         port = int(raw_port)
         try:
-            resp = await self.edge_for(sid).http_stream(sid, port, request.method, path, headers, body,
-                                                        READ_TIMEOUT_S)
+            stream = self.edge_for(sid).http_stream(sid, port, request.method, path, headers, body, READ_TIMEOUT_S)
+            head = await anext(stream)
         except (NotFound, SandboxNotRunning):
             return JSONResponse({"code": 502, "message": "The sandbox was not found", "sandboxId": sid},
                                 status_code=502)
@@ -68,8 +69,16 @@ class PortProxy:
                                  "sandboxId": sid, "port": port}, status_code=502)
         except DsecError as e:
             return _error(e.status, e.message)
-        return StreamingResponse(resp.body, status_code=resp.status,
-                                 headers={k: v for k, v in resp.headers if k.lower() not in HOP_BY_HOP})
+        return StreamingResponse(_body(stream), status_code=head.status or 502,
+                                 headers={k: v for k, v in head.headers if k.lower() not in HOP_BY_HOP})
+
+
+async def _body(stream: AsyncIterator[HttpPart]) -> AsyncIterator[bytes]:
+    try:
+        async for part in stream:
+            yield part.data
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -21,7 +21,7 @@ import socket
 import sqlite3
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -32,7 +32,6 @@ from dsec.agent.aether import (
     DEFAULT_PATH,
     Aether,
     AgentContext,
-    HttpStream,
     InitChannel,
     OnData,
     ProcRootFiles,
@@ -40,8 +39,6 @@ from dsec.agent.aether import (
 )
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.agent.native import ensure_init_binary
-from dsec.agent.procs import ProcessTable
-from dsec.agent.watch import DirWatch
 from dsec.agent.watch import ensure_instances as ensure_inotify_instances
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.backends.fncall.pool import FnCallService
@@ -51,6 +48,7 @@ from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.edge import linux, memory
 from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.cgroup import Cgroup
+from dsec.edge.interactive import InteractiveOps, Watchers, exec_events
 from dsec.edge.metrics import EdgeMetrics, cgroup_usage
 from dsec.edge.network import NetworkManager
 from dsec.edge.procwatch import ProcWatch
@@ -73,6 +71,7 @@ from dsec.models import (
     AuditRecord,
     Backend,
     ContainerArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileStat,
@@ -186,7 +185,7 @@ class Sandbox:
         return self.rec.info.sandbox_id
 
 
-class Edge:
+class Edge(InteractiveOps):
     def __init__(self, cfg: EdgeConfig, layers: LayerStore) -> None:
         self.cfg = cfg
         self.name = cfg.name
@@ -205,6 +204,7 @@ class Edge:
         self.runtime = CrunRuntime(os.path.join(self.run_dir, "crun"), cgroup_parent=f"dsec-{tag}")
         self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
+        self.watchers = Watchers()  # polled directory watchers clients hold here
         self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
         self.layer_mnt = self.node_layers.mnt_dir
@@ -888,6 +888,7 @@ class Edge:
         except TimeoutError:
             log.warning("sandbox %s: tearing down without its lock (held for %s s)", sb.id, STEP_TIMEOUT_S)
         try:
+            self.watchers.release(sb.id)
             if sb.agent:
                 await self._bounded(sb, "close the agent", sb.agent.close())
                 sb.agent = None
@@ -1010,7 +1011,13 @@ class Edge:
         return out
 
     # ---- requests into the sandbox -------------------------------------------
-    async def exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self._exec(sandbox_id, req, None)
+
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return exec_events(lambda on_data: self._exec(sandbox_id, req, on_data))
+
+    async def _exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
         sb, agent = await self._ready(sandbox_id)
         cmd = req.cmd if req.cmd is not None else " ".join(req.argv or [])
         self.audit.record(sb.id, "exec", f"[{req.session}] {cmd}" if req.session else cmd)
@@ -1065,17 +1072,6 @@ class Edge:
         await agent.files.move(source, destination)
         return await agent.files.stat(destination)
 
-    async def watch_dir(self, sandbox_id: str, path: str, recursive: bool) -> DirWatch:
-        """inotify on a directory of a container sandbox; the caller closes it."""
-        _, agent = await self._ready(sandbox_id)
-        return agent.files.watch(path, recursive)
-
-    async def process_table(self, sandbox_id: str) -> ProcessTable:
-        """The sandbox's long-lived processes (started and attached to by clients)."""
-        _, agent = await self._ready(sandbox_id)
-        self.touch(sandbox_id)
-        return agent.procs
-
     async def set_deadline(self, sandbox_id: str, seconds: int) -> SandboxInfo:
         """End the sandbox ``seconds`` from now (its maximum lifetime, moved)."""
         sb = self._get_live(sandbox_id)
@@ -1106,18 +1102,6 @@ class Edge:
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
         return await agent.http_request(port, method, path, headers, body, timeout)
-
-    async def http_stream(self, sandbox_id: str, port: int, method: str, path: str,
-                          headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpStream:
-        sb, agent = await self._ready(sandbox_id)
-        self.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
-        return await agent.http_stream(port, method, path, headers, body, timeout)
-
-    async def open_tty(self, sandbox_id: str, cols: int, rows: int) -> tuple[int, int, asyncio.Future[int], Aether]:
-        sb, agent = await self._ready(sandbox_id)
-        self.audit.record(sb.id, "tty", f"interactive shell {cols}x{rows}")
-        master, pid, exited = await agent.open_tty(cols, rows)
-        return master, pid, exited, agent
 
     # ---- FnCall -------------------------------------------------------------
     async def fncall(self, args: FnCallArgs) -> FnCallResult:
@@ -1234,10 +1218,13 @@ class Edge:
         """Unmount layer images no sandbox on this edge uses any more."""
         await self.node_layers.release(await self.layers_in_use())
 
-    def metrics_text(self) -> bytes:
-        return generate_latest(self.metrics.registry)
+    async def metrics_text(self) -> bytes:
+        return await asyncio.to_thread(generate_latest, self.metrics.registry)
 
-    def touch(self, sandbox_id: str) -> None:
+    def _audit(self, sandbox_id: str, kind: str, detail: str) -> None:
+        self.audit.record(sandbox_id, kind, detail)
+
+    async def touch(self, sandbox_id: str) -> None:
         sb = self.sandboxes.get(sandbox_id)
         if sb:
             sb.rec.info.last_active_at = time.time()
