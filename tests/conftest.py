@@ -34,6 +34,10 @@ def _seed_layers(data_dir: str) -> None:
     if not os.path.exists(os.path.join(src, "catalog.db")):
         pytest.fail(f"no base layers in {src}: run scripts/setup.sh first")
     assert LayerStore(os.path.join(data_dir, "layers")).link_from(src) >= 2
+    _seed_vm(data_dir)
+
+
+def _seed_vm(data_dir: str) -> None:
     # the VM guest (kernel, initramfs, accelerator verdict) that setup prepared
     guest = os.path.join(SRC_DATA, "vm")
     if os.path.isdir(os.path.join(guest, "guest")):
@@ -43,36 +47,38 @@ def _seed_layers(data_dir: str) -> None:
             subprocess.run(["cp", os.path.join(guest, "accel.json"), os.path.join(data_dir, "vm")], check=True)
 
 
-class Platform:
-    """One embedded dsec process under test."""
+class Service:
+    """One dsec process under test (``dsec serve``, ``dsec edge serve``, ``dsec apiserver``),
+    ready when its /healthz answers."""
 
-    def __init__(self, data_dir: str, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.extra_args = extra_args or []
+    def __init__(self, argv: list[str], log_path: str, env: dict[str, str] | None = None,
+                 health_headers: dict[str, str] | None = None) -> None:
+        self.argv = argv
         self.env = env or {}  # added to this process's environment (the fault tests' failpoints)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.health_headers = health_headers or {}
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = open(os.path.join(data_dir, "serve.log"), "ab")  # noqa: SIM115
+        self.log = open(log_path, "ab")  # noqa: SIM115
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "dsec.cli.main", *self.argv,
+                "--log-level", os.environ.get("DSEC_TEST_LOG_LEVEL", "warning")]
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(self.port), "--data-dir",
-             self.data_dir, "--token", TOKEN, "--log-level", os.environ.get("DSEC_TEST_LOG_LEVEL", "warning"),
-             *self.extra_args],
-            stdout=self.log, stderr=self.log, start_new_session=True, env={**os.environ, **self.env})
+        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=self.log, start_new_session=True,
+                                     env={**os.environ, **self.env})
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dsec serve exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}; see {self.log.name}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=1, headers=self.health_headers).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError("dsec serve did not become ready")
+        raise RuntimeError(f"{self.argv[0]} did not become ready; see {self.log.name}")
 
     def stop(self, crash: bool = False) -> None:
         if self.proc is None:
@@ -84,6 +90,87 @@ class Platform:
     def restart(self, crash: bool = False) -> None:
         self.stop(crash=crash)
         self.start()
+
+
+class Platform(Service):
+    """One embedded dsec process under test (``dsec serve``)."""
+
+    def __init__(self, data_dir: str, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.extra_args = extra_args or []
+        super().__init__([], os.path.join(data_dir, "serve.log"), env)
+
+    def command(self) -> list[str]:
+        self.argv = ["serve", "--port", str(self.port), "--data-dir", self.data_dir, "--token", TOKEN,
+                     *self.extra_args]
+        return super().command()
+
+
+SECRET = "cluster-secret-0123456789abcdef"
+
+
+class Cluster:
+    """Edge daemons (``dsec edge serve``) and an apiserver (``dsec apiserver``) in front of
+    them, on this machine, each edge with its own data dir. One edge may share its data
+    dir (and so its layer store) with the apiserver; several share ``store``, a MooseFS
+    mount (as nodes do). Offers what tests use of a :class:`Platform`."""
+
+    def __init__(self, root: str, names: tuple[str, ...] = ("n1",), store: str | None = None,
+                 edge_args: list[str] | None = None) -> None:
+        assert store is not None or len(names) == 1, "edges of one cluster share a store"
+        self.root, self.store = root, store
+        self.secret_file = os.path.join(root, "cluster.key")
+        with open(self.secret_file, "w") as f:
+            f.write(SECRET + "\n")
+        self.edges: dict[str, Service] = {}
+        for name in names:
+            d = os.path.join(root, name)
+            os.makedirs(d, exist_ok=True)
+            (_seed_vm if store else _seed_layers)(d)
+            e = Service([], os.path.join(d, "edge.log"), health_headers={"Authorization": f"Bearer {SECRET}"})
+            e.argv = ["edge", "serve", "--name", name, "--listen", f"127.0.0.1:{e.port}", "--secret-file",
+                      self.secret_file, "--data-dir", d, *(["--store", store] if store else []), *(edge_args or [])]
+            self.edges[name] = e
+        if store:
+            LayerStore(store, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS)
+        self.data_dir = os.path.join(root, "apiserver") if store else os.path.join(root, names[0])
+        os.makedirs(self.data_dir, exist_ok=True)
+        edges = ",".join(f"{n}={e.url}" for n, e in self.edges.items())
+        self.api = Service(["apiserver", "--edges", edges, "--secret-file", self.secret_file, "--data-dir",
+                            self.data_dir, *(["--store", store] if store else []), "--token", TOKEN],
+                           os.path.join(self.data_dir, "apiserver.log"))
+        self.api.argv += ["--port", str(self.api.port)]
+        self.url = self.api.url
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.api.proc
+
+    def start(self) -> None:
+        for e in self.edges.values():
+            e.start()
+        self.api.start()
+
+    def stop(self, crash: bool = False) -> None:
+        self.api.stop(crash)
+        for e in self.edges.values():
+            e.stop(crash)
+
+
+SHARED_LAYERS = {"base/busybox:latest", "base/debian:12"}  # what a cluster on MooseFS gets (all: too slow)
+
+
+def own_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, names: tuple[str, ...] = ("n1",),
+                store: str | None = None, edge_args: list[str] | None = None) -> Iterator[Cluster]:
+    """A cluster on fresh dirs, for a fixture to yield from; its sandboxes are stopped
+    when the fixture ends."""
+    c = Cluster(str(tmp_path_factory.mktemp(name)), names, store, edge_args)
+    try:
+        c.start()
+        yield c
+    finally:
+        stop_all(c)
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +190,7 @@ def own_platform(tmp_path_factory: pytest.TempPathFactory, name: str, extra_args
     stop_all(p)
 
 
-def stop_all(p: Platform) -> None:
+def stop_all(p: Platform | Cluster) -> None:
     """Release whatever a failing test left, through the API, then stop the edge
     (sandboxes outlive an edge's stop, so a fixture that only stops it leaks them)."""
     try:

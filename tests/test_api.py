@@ -4,6 +4,7 @@ streaming, files, HTTP, TTY, reconnect from another process, and bad input."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -115,6 +116,13 @@ async def test_files(busybox: dsec.AsyncSandbox) -> None:
     await busybox.remove("/root/d", recursive=True)
     with pytest.raises(dsec.NotFound):
         await busybox.read_file("/root/d/e/f.txt")
+
+
+async def test_big_file_round_trip(busybox: dsec.AsyncSandbox) -> None:
+    data = os.urandom(64 << 20)
+    await busybox.write_file("/root/big.bin", data)
+    assert (await busybox.exec("md5sum /root/big.bin")).stdout.split()[0] == hashlib.md5(data).hexdigest()
+    assert await busybox.read_file("/root/big.bin") == data
 
 
 async def test_file_api_does_not_follow_symlinks_out_of_the_sandbox(busybox: dsec.AsyncSandbox) -> None:

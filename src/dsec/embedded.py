@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -58,32 +58,67 @@ def load_or_create_token(data_dir: str, token: str | None = None) -> str:
     return tok
 
 
-def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "edge0",
-                   edge_cfg: dict[str, Any] | None = None, store: str | None = None) -> tuple[FastAPI, Edge]:
-    data_dir = os.path.abspath(data_dir)
-    tok = load_or_create_token(data_dir, token)
+def build_edge(data_dir: str, edge_name: str = "edge0", edge_cfg: dict[str, Any] | None = None,
+               store: str | None = None) -> Edge:
+    """This node's edge (not started): cgroups prepared, its layer store opened."""
     prepare_cgroups()
     layer_store = open_store(data_dir, store)
     build_busybox(layer_store)  # cheap and always available; base/debian:12 comes from `dsec setup`
-    edge = Edge(EdgeConfig(name=edge_name, data_dir=data_dir, **(edge_cfg or {})), layer_store)
-    edges: dict[str, EdgeAPI] = {edge.name: edge}
+    return Edge(EdgeConfig(name=edge_name, data_dir=os.path.abspath(data_dir), **(edge_cfg or {})), layer_store)
+
+
+def build_platform(edges: dict[str, EdgeAPI], data_dir: str, token: str | None, layer_store: LayerStore,
+                   start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]],
+                   max_file_bytes: int = EdgeConfig.model_fields["max_file_bytes"].default) -> FastAPI:
+    """The apiserver (with placement and the watcher) in front of ``edges``, in-process or
+    remote alike; ``start``/``stop`` bring what it fronts up and down with it."""
+    tok = load_or_create_token(data_dir, token)
     watcher = Watcher(edges)
     placement = Placement(lambda: watcher.view)
     tokens = TokenStore(os.path.join(data_dir, "iam.db"), tok)
-    api = Apiserver(edges, watcher, placement, tokens, layer_store, max_file_bytes=edge.cfg.max_file_bytes)
+    api = Apiserver(edges, watcher, placement, tokens, layer_store, max_file_bytes=max_file_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await edge.start()
+        await start()
         await watcher.refresh()
         watcher.start()
-        log.info("dsec ready: edge %s, data dir %s", edge.name, data_dir)
+        log.info("dsec ready: edges %s, data dir %s", ", ".join(sorted(edges)), data_dir)
         try:
             yield
         finally:
             await watcher.close()
-            await edge.close()
+            await stop()
 
     app = build_app(api)
     app.router.lifespan_context = lifespan
+    return app
+
+
+def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "edge0",
+                   edge_cfg: dict[str, Any] | None = None, store: str | None = None) -> tuple[FastAPI, Edge]:
+    """``dsec serve``: the apiserver and one in-process edge."""
+    data_dir = os.path.abspath(data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    edge = build_edge(data_dir, edge_name, edge_cfg, store)
+    app = build_platform({edge.name: edge}, data_dir, token, edge.layers, edge.start, edge.close,
+                         edge.cfg.max_file_bytes)
     return app, edge
+
+
+def build_apiserver(edges: dict[str, str], secret: str, data_dir: str, token: str | None = None,
+                    store: str | None = None) -> FastAPI:
+    """``dsec apiserver``: the apiserver in front of edge daemons (name -> URL)."""
+    from dsec.edge.remote.client import remote_edge
+
+    data_dir = os.path.abspath(data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    remote = {name: remote_edge(name, url, secret) for name, url in edges.items()}
+
+    async def nothing() -> None:
+        return None
+
+    async def close() -> None:
+        for e in remote.values():
+            await e.close()
+    return build_platform(dict(remote), data_dir, token, open_store(data_dir, store), nothing, close)

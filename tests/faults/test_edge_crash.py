@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import dsec
-from dsec.cli.main import SHUTDOWN_GRACE_S
+from dsec.cli.servers import SHUTDOWN_GRACE_S
 from dsec.faults import POINTS
 from tests.conftest import TOKEN, Platform, leftovers, own_platform, wait_for
 from tests.faults.conftest import Probe, stop_within_bound

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import shutil
 import signal
@@ -17,9 +16,9 @@ from typing import Annotated
 
 import rich.markup
 import typer
-from rich.console import Console
 from rich.table import Column, Table
 
+from dsec.cli.common import StoreOpt, TokenOpt, UrlOpt, _errors, console, err
 from dsec.sdk import Client
 
 app = typer.Typer(help="dsec: elastic sandboxes for agentic RL", no_args_is_help=True,
@@ -32,96 +31,10 @@ node_app = typer.Typer(help="This cluster's nodes (edges)", no_args_is_help=True
 app.add_typer(node_app, name="node")
 token_app = typer.Typer(help="API tokens: one project and one role each (admin only)", no_args_is_help=True)
 app.add_typer(token_app, name="token")
-console = Console()
-err = Console(stderr=True)
-SHUTDOWN_GRACE_S = 10
-
-StoreOpt = Annotated[str | None, typer.Option(
-    "--store", help="shared layer store: a distributed filesystem path mounted on every node (default $DSEC_STORE, "
-    "else the local data dir)")]
-UrlOpt = Annotated[str | None, typer.Option("--url", help="apiserver URL (default $DSEC_URL or local)")]
-TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (default $DSEC_TOKEN or local file)")]
-
-
-@contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """A platform error becomes one red line and exit code 2, not a traceback."""
-    from dsec.errors import DsecError
-
-    try:
-        yield
-    except DsecError as e:
-        err.print(f"[red]error[/red] ({e.code}): {e.message}")
-        raise typer.Exit(2) from None
-
-
 @contextlib.contextmanager
 def _api(url: str | None, token: str | None) -> Iterator[Client]:
     with _errors(), Client(url=url, token=token) as c:
         yield c
-
-
-@app.command()
-def serve(host: str = "127.0.0.1", port: int = 7777,
-          data_dir: Annotated[str | None, typer.Option(help="state and layers (default /var/lib/dsec)")] = None,
-          token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")] = None,
-          edge_name: str = "edge0", log_level: str = "info", store: StoreOpt = None,
-          fetch_mode: Annotated[str, typer.Option(help="shared store: ondemand (lazy, chunked) or eager")] = "ondemand",
-          chunk_cache_mb: Annotated[int, typer.Option(help="bound of the node's chunk cache")] = 10240,
-          fetch_timeout: Annotated[float, typer.Option(help="seconds before a stalled chunk read fails")] = 20.0,
-          pause_below_mb: Annotated[int, typer.Option(
-              help="pause idle best-effort sandboxes while the node has less memory available (MiB)")] = 1024,
-          admit_max_psi: Annotated[float, typer.Option(
-              help="refuse new sandboxes while memory pressure (PSI full avg10, %) is above this")] = 20.0,
-          cpu_overcommit: Annotated[float, typer.Option(help="admit CPU limits up to this many times the cores")] = 8.0,
-          memory_overcommit: Annotated[float, typer.Option(help="admit memory limits up to this many times RAM")] = 1.5,
-          egress_service: Annotated[list[str] | None, typer.Option(
-              help="an egress service beyond pypi/npm/debian, NAME=HOST[,*.SUFFIX] (repeatable)")] = None,
-          sandbox_subnet: Annotated[str | None, typer.Option(
-              help="IPv4 subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)")] = None,
-          sandbox_volume_gb: Annotated[int | None, typer.Option(
-              help="size of the btrfs volume holding writable layers with per-sandbox quotas "
-                   "(default: half the free space, 4-256 GiB; 0: plain directories, no quotas)")] = None,
-          ) -> None:
-    """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
-    import uvicorn
-
-    from dsec.embedded import build_embedded, data_dir_default
-
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import faulthandler
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to stderr
-    if fetch_mode not in ("ondemand", "eager"):
-        err.print("[red]error[/red]: --fetch-mode must be ondemand or eager")
-        raise typer.Exit(2)
-    import resource
-
-    # a sandbox holds a few fds in the edge (init socket, session pipes): thousands need more than 1024
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    cfg = {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
-           "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi, "cpu_overcommit": cpu_overcommit,
-           "memory_overcommit": memory_overcommit, "egress_services": egress_service or [],
-           "sandbox_subnet": sandbox_subnet, "sandbox_volume_gb": sandbox_volume_gb}
-    with _errors():
-        try:
-            fastapi_app, _ = build_embedded(data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
-                                            edge_name=edge_name, edge_cfg=cfg, store=store)
-        except ValueError as e:
-            err.print(f"[red]error[/red]: {e}")
-            raise typer.Exit(2) from None
-    # keep-alive longer than clients keep idle connections (the SDK: 30 s), so a client never
-    # sends on a connection the server is closing
-    # the standard asyncio loop, not uvloop: uvloop and a Python socket object can both
-    # believe they own one fd (a transport handed a socket, then closed on error or by the
-    # garbage collector), and the second close lands on whatever file got that number next
-    # (seen here: sandbox sockets and client connections closed under their owners)
-    # a shutdown waits this long for requests in flight (a 300 s exec, an open TTY), then
-    # cancels them: the sandboxes keep running and are re-adopted by the next start
-    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65,
-                loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
 @app.command()
@@ -459,6 +372,11 @@ def fncall_run(language: str, source: Annotated[str, typer.Argument(help="source
 def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     app()
+
+
+from dsec.cli import servers  # noqa: E402  (registers serve, edge serve and apiserver on app)
+
+servers.register(app)
 
 
 if __name__ == "__main__":

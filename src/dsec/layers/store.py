@@ -183,13 +183,13 @@ class LayerStore:
     def list(self) -> list[Layer]:
         return [self._row(r) for r in self._db.execute(f"SELECT {self._COLS} FROM layers ORDER BY ref")]
 
-    def link_from(self, other_root: str) -> int:
-        """Publish every layer of the store at ``other_root`` here, hard-linking blobs
-        (copying across filesystems). Returns how many layers were added."""
+    def link_from(self, other_root: str, refs: set[str] | None = None) -> int:
+        """Publish every layer (or those of ``refs``) of the store at ``other_root`` here,
+        hard-linking blobs (copying across filesystems). Returns how many layers were added."""
         other = LayerStore(other_root)
         added = 0
         for layer in other.list():
-            if self.has(layer.ref):
+            if self.has(layer.ref) or (refs is not None and layer.ref not in refs):
                 continue
             for blob in layer.all_blobs:
                 names = [f"{blob}.erofs"]

@@ -1,0 +1,208 @@
+"""The commands that run dsec's services: ``dsec serve`` (apiserver and one edge in one
+process), ``dsec edge serve`` (one node's edge daemon) and ``dsec apiserver`` (the
+apiserver in front of edge daemons). The edge's options are declared once and shared by
+the two commands that run an edge."""
+
+from __future__ import annotations
+
+import faulthandler
+import inspect
+import logging
+import os
+import resource
+import signal
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from dsec.cli.common import StoreOpt, _errors, err
+
+SHUTDOWN_GRACE_S = 10  # requests in flight get this long at a stop, then are cancelled (sandboxes run on)
+DEFAULT_EDGE_PORT = 7801
+
+edge_app = typer.Typer(help="This node's edge daemon (cluster mode)", no_args_is_help=True)
+
+
+def _edge_options(
+        data_dir: Annotated[str | None, typer.Option(help="state and layers (default /var/lib/dsec)")] = None,
+        store: StoreOpt = None,
+        log_level: str = "info",
+        fetch_mode: Annotated[str, typer.Option(help="shared store: ondemand (lazy, chunked) or eager")] = "ondemand",
+        chunk_cache_mb: Annotated[int, typer.Option(help="bound of the node's chunk cache")] = 10240,
+        fetch_timeout: Annotated[float, typer.Option(help="seconds before a stalled chunk read fails")] = 20.0,
+        pause_below_mb: Annotated[int, typer.Option(
+            help="pause idle best-effort sandboxes while the node has less memory available (MiB)")] = 1024,
+        admit_max_psi: Annotated[float, typer.Option(
+            help="refuse new sandboxes while memory pressure (PSI full avg10, %) is above this")] = 20.0,
+        cpu_overcommit: Annotated[float, typer.Option(help="admit CPU limits up to this many times the cores")] = 8.0,
+        memory_overcommit: Annotated[float, typer.Option(help="admit memory limits up to this many times RAM")] = 1.5,
+        egress_service: Annotated[list[str] | None, typer.Option(
+            help="an egress service beyond pypi/npm/debian, NAME=HOST[,*.SUFFIX] (repeatable)")] = None,
+        sandbox_subnet: Annotated[str | None, typer.Option(
+            help="IPv4 subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)")] = None,
+        sandbox_volume_gb: Annotated[int | None, typer.Option(
+            help="size of the btrfs volume holding writable layers with per-sandbox quotas "
+                 "(default: half the free space, 4-256 GiB; 0: plain directories, no quotas)")] = None,
+) -> dict[str, Any]:
+    """The edge's settings from its options (EdgeConfig fields)."""
+    if fetch_mode not in ("ondemand", "eager"):
+        err.print("[red]error[/red]: --fetch-mode must be ondemand or eager")
+        raise typer.Exit(2)
+    return {"fetch_mode": fetch_mode, "chunk_cache_bytes": chunk_cache_mb << 20, "fetch_timeout_s": fetch_timeout,
+            "pause_below_mb": pause_below_mb, "admit_max_psi": admit_max_psi, "cpu_overcommit": cpu_overcommit,
+            "memory_overcommit": memory_overcommit, "egress_services": egress_service or [],
+            "sandbox_subnet": sandbox_subnet, "sandbox_volume_gb": sandbox_volume_gb}
+
+
+def _with_edge_options(fn: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the edge's options too (typer reads the merged signature); the
+    command gets them in ``**edge``."""
+    own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
+           if p.kind != inspect.Parameter.VAR_KEYWORD]
+    shared = inspect.signature(_edge_options, eval_str=True).parameters.values()
+    fn.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+    return fn
+
+
+def _edge_settings(edge: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
+    """(data dir, store, EdgeConfig fields) of a command's edge options."""
+    from dsec.embedded import data_dir_default
+
+    cfg = _edge_options(**edge)
+    _prepare_process(edge["log_level"])
+    return edge["data_dir"] or data_dir_default(), edge["store"], cfg
+
+
+def _prepare_process(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to stderr
+    # a sandbox holds a few fds in the edge (init socket, session pipes): thousands need more than 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _read_secret(path: str) -> str:
+    try:
+        with open(path) as f:
+            secret = f.read().strip()
+    except OSError as e:
+        err.print(f"[red]error[/red]: --secret-file {path}: {e.strerror}")
+        raise typer.Exit(2) from None
+    if len(secret) < 16:
+        err.print(f"[red]error[/red]: --secret-file {path}: the cluster secret must be at least 16 characters "
+                  "(e.g. `head -c 32 /dev/urandom | base64`)")
+        raise typer.Exit(2)
+    return secret
+
+
+def _run_uvicorn(fastapi_app: Any, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    # keep-alive longer than clients keep idle connections (the SDK: 30 s), so a client never
+    # sends on a connection the server is closing
+    # the standard asyncio loop, not uvloop: uvloop and a Python socket object can both
+    # believe they own one fd (a transport handed a socket, then closed on error or by the
+    # garbage collector), and the second close lands on whatever file got that number next
+    # (seen here: sandbox sockets and client connections closed under their owners)
+    # a shutdown waits SHUTDOWN_GRACE_S for requests in flight (a 300 s exec, an open TTY),
+    # then cancels them: the sandboxes keep running and are re-adopted by the next start
+    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65,
+                loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+
+
+@_with_edge_options
+def serve(host: str = "127.0.0.1", port: int = 7777,
+          token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")] = None,
+          edge_name: str = "edge0", **edge: Any) -> None:
+    """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
+    from dsec.embedded import build_embedded
+
+    data_dir, store, cfg = _edge_settings(edge)
+    with _errors():
+        try:
+            fastapi_app, _ = build_embedded(data_dir, token or os.environ.get("DSEC_TOKEN"),
+                                            edge_name=edge_name, edge_cfg=cfg, store=store)
+        except ValueError as e:
+            err.print(f"[red]error[/red]: {e}")
+            raise typer.Exit(2) from None
+    _run_uvicorn(fastapi_app, host, port, edge["log_level"])
+
+
+@_with_edge_options
+def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the cluster (unique)")],
+               secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
+               listen: Annotated[str, typer.Option(help="HOST:PORT the daemon listens on")]
+               = f"127.0.0.1:{DEFAULT_EDGE_PORT}",
+               **edge: Any) -> None:
+    """Run this node's edge daemon until SIGTERM: the edge contract over HTTP and
+    WebSocket, for apiservers holding the cluster secret."""
+    from aiohttp import web
+
+    from dsec.edge.remote.server import build_app
+    from dsec.embedded import build_edge
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        err.print(f"[red]error[/red]: --listen must be HOST:PORT, not {listen!r}")
+        raise typer.Exit(2)
+    secret = _read_secret(secret_file)
+    data_dir, store, cfg = _edge_settings(edge)
+    with _errors():
+        try:
+            node = build_edge(data_dir, name, cfg, store)
+        except ValueError as e:
+            err.print(f"[red]error[/red]: {e}")
+            raise typer.Exit(2) from None
+    app = build_app(node, secret, node.cfg.max_file_bytes)
+
+    async def start(_: web.Application) -> None:
+        await node.start()
+        logging.getLogger("dsec").info("edge %s serving on %s, data dir %s", name, listen, data_dir)
+
+    async def stop(_: web.Application) -> None:
+        await node.close()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    # keep-alive longer than a RemoteEdge keeps idle connections (30 s)
+    web.run_app(app, host=host.strip("[]"), port=int(port), shutdown_timeout=SHUTDOWN_GRACE_S,
+                keepalive_timeout=75, print=None, access_log=None)
+
+
+def apiserver(edges: Annotated[str, typer.Option(help="the cluster's edges: NAME=URL[,NAME=URL...]")],
+              secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
+              host: str = "127.0.0.1", port: int = 7777,
+              data_dir: Annotated[str | None, typer.Option(help="tokens and IAM (default /var/lib/dsec)")] = None,
+              token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")]
+              = None,
+              store: StoreOpt = None, log_level: str = "info") -> None:
+    """Run the apiserver (with placement and the watcher) in front of edge daemons."""
+    from dsec.embedded import build_apiserver, data_dir_default
+
+    pairs: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in edges.split(","))):
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            err.print(f"[red]error[/red]: --edges: {item!r} is not NAME=http://HOST:PORT")
+            raise typer.Exit(2)
+        if name in pairs:
+            err.print(f"[red]error[/red]: --edges: edge {name!r} is named twice")
+            raise typer.Exit(2)
+        pairs[name] = url
+    if not pairs:
+        err.print("[red]error[/red]: --edges names no edge")
+        raise typer.Exit(2)
+    secret = _read_secret(secret_file)
+    _prepare_process(log_level)
+    fastapi_app = build_apiserver(pairs, secret, data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
+                                  store)
+    _run_uvicorn(fastapi_app, host, port, log_level)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(apiserver)
+    edge_app.command("serve")(edge_serve)
+    app.add_typer(edge_app, name="edge")

@@ -1,0 +1,156 @@
+"""RemoteEdge: the edge contract, reached over the network from an edge daemon.
+
+It has every method of :class:`~dsec.edge.api.EdgeAPI` (made from the Protocol's
+operations, see :mod:`dsec.edge.remote.ops`), so the apiserver, the E2B face and FnCall
+routing hold a ``RemoteEdge`` exactly as they hold the in-process edge. One aiohttp
+session per edge keeps its connections alive; an edge that cannot be reached is
+:class:`~dsec.errors.EdgeUnavailable`, and errors the edge raised arrive as the same
+typed exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from dsec.edge import api
+from dsec.edge.remote.ops import ARGS_HEADER, END, ERROR, ITEM, Op, error_from, ops
+from dsec.errors import EdgeUnavailable
+
+CONNECT_TIMEOUT_S = 5.0
+CALL_BOUND_S = 1800.0  # no unary call outlives this (a VM create, a big pack_diff take minutes at most)
+EXEC_MARGIN_S = 60.0  # an exec may run its own timeout plus this
+HEARTBEAT_S = 20.0
+
+
+class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.NodeOps, api.LayerOps,
+                 api.FnCallOps):
+    """An edge daemon at ``url`` (``http://host:port``), known to the cluster as ``name``."""
+
+    def __init__(self, name: str, url: str, secret: str, max_connections: int = 256) -> None:
+        self.name, self.url = name, url.rstrip("/")
+        self._auth = {"Authorization": f"Bearer {secret}"}
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # idle connections are dropped before the daemon's keep-alive would (75 s), so
+            # a request never goes out on a connection the daemon is closing
+            conn = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(
+                connector=conn, headers=self._auth,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _unreachable(self, op: str, e: BaseException) -> EdgeUnavailable:
+        return EdgeUnavailable(f"edge {self.name} ({self.url}) did not answer {op}: {type(e).__name__}: {e}"
+                               .rstrip(": "), operation=op)
+
+    async def _call(self, op: Op, arguments: dict[str, Any]) -> Any:
+        data = op.encode_args(arguments)
+        headers: dict[str, str] = {}
+        if op.body is not None:
+            headers[ARGS_HEADER] = base64.urlsafe_b64encode(data).decode()
+            data = arguments[op.body]
+        else:
+            headers["Content-Type"] = "application/json"
+        bound = CALL_BOUND_S
+        if op.name == "exec":
+            bound = arguments["req"].timeout_s + EXEC_MARGIN_S
+        try:
+            async with asyncio.timeout(bound):
+                async with self._http().post(f"{self.url}/v1/call/{op.name}", data=data, headers=headers) as resp:
+                    body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise self._unreachable(op.name, e) from None
+        if resp.status >= 400:
+            try:
+                err = json.loads(body)
+            except ValueError:
+                err = {"error": "edge_unavailable" if resp.status >= 500 else "internal",
+                       "message": body[:200].decode(errors="replace")}
+            raise error_from(err, f"edge {self.name}: {op.name} failed with HTTP {resp.status}")
+        if op.raw_result:
+            return body
+        if op.result is None:
+            return None
+        return op.result.validate_json(body)
+
+    async def _stream(self, op: Op, arguments: dict[str, Any]) -> AsyncIterator[Any]:
+        assert op.item is not None
+        try:
+            ws = await self._http().ws_connect(f"{self.url}/v1/stream/{op.name}", heartbeat=HEARTBEAT_S,
+                                               max_msg_size=0)
+        except aiohttp.WSServerHandshakeError as e:
+            raise error_from({"error": {401: "unauthorized", 404: "not_found"}.get(e.status, "edge_unavailable"),
+                              "message": f"edge {self.name}: {op.name}: HTTP {e.status} {e.message}"}, "") from None
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise self._unreachable(op.name, e) from None
+        sender: asyncio.Task[None] | None = None
+        try:
+            await ws.send_str(op.encode_args(arguments).decode())
+            if op.input is not None:
+                sender = asyncio.create_task(self._send_inputs(ws, op, arguments[op.input]))
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                kind = msg.data[:1]
+                if kind == ITEM:
+                    yield op.item.validate_json(msg.data[1:])
+                elif kind == END:
+                    return
+                elif kind == ERROR:
+                    raise error_from(json.loads(msg.data[1:]), f"edge {self.name}: {op.name} failed")
+            raise EdgeUnavailable(f"edge {self.name} ({self.url}) ended {op.name} before its end"
+                                  + (f" (close code {ws.close_code})" if ws.close_code else ""), operation=op.name)
+        except (aiohttp.ClientError, OSError) as e:
+            raise self._unreachable(op.name, e) from None
+        finally:
+            if sender is not None:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await sender
+            await ws.close()
+
+    @staticmethod
+    async def _send_inputs(ws: aiohttp.ClientWebSocketResponse, op: Op, items: AsyncIterator[Any]) -> None:
+        assert op.input_item is not None
+        with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
+            async for item in items:
+                await ws.send_str(ITEM + op.input_item.dump_json(item).decode())
+            await ws.send_str(END)
+
+
+def _method(op: Op) -> Any:
+    if op.stream:
+        def stream(self: RemoteEdge, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            return self._stream(op, op.bind(args, kwargs))
+        fn: Any = stream
+    else:
+        async def call(self: RemoteEdge, *args: Any, **kwargs: Any) -> Any:
+            return await self._call(op, op.bind(args, kwargs))
+        fn = call
+    fn.__name__ = fn.__qualname__ = op.name
+    fn.__doc__ = f"The edge contract's {op.name}, over the wire."
+    return fn
+
+
+for _name, _op in ops().items():
+    setattr(RemoteEdge, _name, _method(_op))
+
+
+def remote_edge(name: str, url: str, secret: str) -> RemoteEdge:
+    """A client of the edge daemon at ``url``. (mypy sees the contract's methods as the
+    Protocol's empty ones; the loop above gives the class every one of them.)"""
+    return RemoteEdge(name, url, secret)  # type: ignore[abstract]
