@@ -100,6 +100,7 @@ class Platform(Service):
         self.data_dir = data_dir
         self.extra_args = extra_args or []
         super().__init__([], os.path.join(data_dir, "serve.log"), env)
+        self.edge_dirs = [data_dir]
 
     def command(self) -> list[str]:
         self.argv = ["serve", "--port", str(self.port), "--data-dir", self.data_dir, "--token", TOKEN,
@@ -117,7 +118,7 @@ class Cluster:
     mount (as nodes do). Offers what tests use of a :class:`Platform`."""
 
     def __init__(self, root: str, names: tuple[str, ...] = ("n1",), store: str | None = None,
-                 edge_args: list[str] | None = None) -> None:
+                 edge_args: dict[str, list[str]] | None = None) -> None:
         assert store is not None or len(names) == 1, "edges of one cluster share a store"
         self.root, self.store = root, store
         self.secret_file = os.path.join(root, "cluster.key")
@@ -130,7 +131,8 @@ class Cluster:
             (_seed_vm if store else _seed_layers)(d)
             e = Service([], os.path.join(d, "edge.log"), health_headers={"Authorization": f"Bearer {SECRET}"})
             e.argv = ["edge", "serve", "--name", name, "--listen", f"127.0.0.1:{e.port}", "--secret-file",
-                      self.secret_file, "--data-dir", d, *(["--store", store] if store else []), *(edge_args or [])]
+                      self.secret_file, "--data-dir", d, *(["--store", store] if store else []),
+                      *(edge_args or {}).get(name, [])]
             self.edges[name] = e
         if store:
             LayerStore(store, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS)
@@ -147,6 +149,10 @@ class Cluster:
     def proc(self) -> subprocess.Popen[bytes] | None:
         return self.api.proc
 
+    @property
+    def edge_dirs(self) -> list[str]:
+        return [os.path.join(self.root, name) for name in self.edges]
+
     def start(self) -> None:
         for e in self.edges.values():
             e.start()
@@ -162,7 +168,7 @@ SHARED_LAYERS = {"base/busybox:latest", "base/debian:12"}  # what a cluster on M
 
 
 def own_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, names: tuple[str, ...] = ("n1",),
-                store: str | None = None, edge_args: list[str] | None = None) -> Iterator[Cluster]:
+                store: str | None = None, edge_args: dict[str, list[str]] | None = None) -> Iterator[Cluster]:
     """A cluster on fresh dirs, for a fixture to yield from; its sandboxes are stopped
     when the fixture ends."""
     c = Cluster(str(tmp_path_factory.mktemp(name)), names, store, edge_args)
@@ -253,7 +259,8 @@ def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
         except (OSError, IndexError):
             pass
     for where in (("sandboxes",), ("volume", "sandboxes")):
-        found += [f"file {p}" for p in glob.glob(os.path.join(platform.data_dir, "edges", "*", *where, sandbox_id))]
+        for d in platform.edge_dirs:
+            found += [f"file {p}" for p in glob.glob(os.path.join(d, "edges", "*", *where, sandbox_id))]
     found += [f"runtime {p}" for p in glob.glob(f"/run/dsec/*/s/{sandbox_id}")]
     found += [f"crun {p}" for p in glob.glob(f"/run/dsec/*/crun/{sandbox_id}")]
     found += [f"netns {p}" for p in glob.glob(f"/run/netns/*{sandbox_id}*")]

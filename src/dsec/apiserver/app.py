@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dsec.e2b import api as e2b_api
 from dsec.e2b import envd
@@ -31,6 +32,7 @@ from dsec.edge.wire import TtyInput
 from dsec.errors import (
     AdmissionRejected,
     DsecError,
+    EdgeUnavailable,
     Forbidden,
     InvalidRequest,
     NotFound,
@@ -183,12 +185,39 @@ class Apiserver:
         return set().union(*parts)
 
     async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]:
+        """What every reachable edge holds (the caller's project only). The edges that did
+        not answer are in ``self.unreachable`` for the request (a list goes on without a
+        node that is down; a job operation reports it)."""
         principal = current_principal.get()
         if not principal.all_projects:
             labels = {**labels, PROJECT_LABEL: principal.project}
-        parts = await asyncio.gather(*(e.list_sandboxes(job=job, labels=labels, usage=usage)
-                                       for e in self.edges.values()))
-        return sorted((i for p in parts for i in p), key=lambda i: i.created_at)
+        names = list(self.edges)
+        parts = await asyncio.gather(*(self.edges[n].list_sandboxes(job=job, labels=labels, usage=usage)
+                                       for n in names), return_exceptions=True)
+        items: list[SandboxInfo] = []
+        missing: list[str] = []
+        for name, part in zip(names, parts, strict=True):
+            if isinstance(part, EdgeUnavailable):
+                missing.append(name)
+            elif isinstance(part, BaseException):
+                raise part
+            else:
+                items += part
+        unreachable.set(tuple(missing))
+        return sorted(items, key=lambda i: i.created_at)
+
+
+UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"
+# the edges that did not answer this request's list (a context variable: one per request)
+unreachable: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("unreachable", default=())
+
+
+def _all_edges_answered(done: str) -> None:
+    """A job operation reached every sandbox it lists, or says which edges it could not."""
+    missing = unreachable.get()
+    if missing:
+        raise EdgeUnavailable(f"edge(s) {', '.join(missing)} did not answer: their sandboxes of this job were not "
+                              f"{done} (the others were); try again when they are back")
 
 
 def _error(e: DsecError) -> JSONResponse:
@@ -365,11 +394,17 @@ def build_app(api: Apiserver) -> FastAPI:
     async def create(req: CreateRequest) -> SandboxInfo:
         return await api.create(req)
 
-    @app.get("/v1/sandboxes")
+    @app.get("/v1/sandboxes", response_model=list[SandboxInfo])
     async def list_sandboxes(job: str | None = None, label: list[str] = Query(default=[]),
-                             usage: bool = False) -> list[SandboxInfo]:
-        """``usage=true`` adds each sandbox's CPU, memory (anon, file, swap), pids, disk and OOM kills."""
-        return await api.list(job, _parse_labels(label), usage)
+                             usage: bool = False) -> Response:
+        """``usage=true`` adds each sandbox's CPU, memory (anon, file, swap), pids, disk and OOM kills.
+        Edges that did not answer are named in the ``X-Dsec-Unreachable-Edges`` header (their
+        sandboxes are missing from the list)."""
+        items = await api.list(job, _parse_labels(label), usage)
+        body = TypeAdapter(list[SandboxInfo]).dump_json(items)
+        missing = unreachable.get()
+        return Response(body, media_type="application/json",
+                        headers={UNREACHABLE_HEADER: ",".join(missing)} if missing else None)
 
     @app.get("/v1/sandboxes/{sandbox_id}/usage")
     async def usage(sandbox_id: str) -> SandboxUsage:
@@ -383,7 +418,9 @@ def build_app(api: Apiserver) -> FastAPI:
             raise InvalidRequest("give a job or at least one label; stopping everything is not offered",
                                  field="job")
         targets = [i for i in await api.list(job, labels) if i.state in ("running", "paused")]
-        return list(await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)))
+        done = list(await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)))
+        _all_edges_answered("stopped")
+        return done
 
     @app.post("/v1/sandboxes/pause")
     async def pause_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
@@ -408,7 +445,9 @@ def build_app(api: Apiserver) -> FastAPI:
                 return await op(api.edge_for(i.sandbox_id), i.sandbox_id)
             except SandboxBusy:
                 return i
-        return list(await asyncio.gather(*(one(i) for i in targets)))
+        done = list(await asyncio.gather(*(one(i) for i in targets)))
+        _all_edges_answered(what + "d")
+        return done
 
     @app.get("/v1/sandboxes/{sandbox_id}")
     async def get(sandbox_id: str) -> SandboxInfo:
