@@ -1,0 +1,208 @@
+"""What the network hop to an edge daemon costs: the same client work against the
+embedded platform (``dsec serve``, the edge in-process) and against ``dsec apiserver`` in
+front of ``dsec edge serve`` on loopback, in one run, alternating rounds between the two.
+
+Measured: an exec round trip, create to first exec, a 64 MiB file written and read back,
+and a streamed command's output rate. Targets (issue 16): the hop adds <= 1 ms to an exec
+round trip and <= 5 ms to a create.
+
+    .venv/bin/python bench/remote_edge.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from container import pct, private_server, report  # noqa: E402
+
+import dsec  # noqa: E402
+
+MiB = 1 << 20
+SECRET = "bench-" + os.urandom(16).hex()
+STREAM_BYTES = 15 * MiB  # under an exec's output cap (16 MiB), which bounds a stream too
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, headers: dict[str, str], proc: subprocess.Popen[bytes]) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/healthz", timeout=1, headers=headers).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def private_remote(node_data_dir: str) -> tuple[list[subprocess.Popen[bytes]], str, str, str]:
+    """An edge daemon and an apiserver in front of it on loopback, sharing a private data
+    dir whose layers are hard-linked from the node's. Returns (processes, url, token, dir)."""
+    from dsec.layers.store import LayerStore
+
+    data_dir = tempfile.mkdtemp(prefix="dsec-bench-remote-")
+    LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(node_data_dir, "layers"))
+    key = os.path.join(data_dir, "cluster.key")
+    with open(key, "w") as f:
+        f.write(SECRET)
+    token = "bench-" + os.urandom(8).hex()
+    edge_port, api_port = _port(), _port()
+    cli = [sys.executable, "-m", "dsec.cli.main"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    edge = subprocess.Popen([*cli, "edge", "serve", "--name", "r1", "--listen", f"127.0.0.1:{edge_port}",
+                             "--secret-file", key, "--data-dir", data_dir, "--log-level", "warning"], **quiet)
+    _wait(f"http://127.0.0.1:{edge_port}", {"Authorization": f"Bearer {SECRET}"}, edge)
+    api = subprocess.Popen([*cli, "apiserver", "--edges", f"r1=http://127.0.0.1:{edge_port}", "--secret-file", key,
+                            "--data-dir", data_dir, "--token", token, "--port", str(api_port),
+                            "--log-level", "warning"], **quiet)
+    url = f"http://127.0.0.1:{api_port}"
+    _wait(url, {}, api)
+    return [api, edge], url, token, data_dir
+
+
+async def _exec_rtts(sb: dsec.AsyncSandbox, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await sb.exec("true")
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+async def _create_first_exec(c: dsec.AsyncClient, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = await c.run_container(dsec.ContainerArgs(image="base/busybox"))
+        await sb.exec("true")
+        out.append((time.perf_counter() - t0) * 1000)
+        await sb.stop()
+    return out
+
+
+async def _file_rates(sb: dsec.AsyncSandbox, data: bytes) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    await sb.write_file("/root/big", data)
+    t1 = time.perf_counter()
+    back = await sb.read_file("/root/big")
+    t2 = time.perf_counter()
+    assert back == data
+    return len(data) / MiB / (t1 - t0), len(data) / MiB / (t2 - t1)
+
+
+async def _stream_rate(sb: dsec.AsyncSandbox, size: int) -> float:
+    t0 = time.perf_counter()
+    got = 0
+    async for ev in sb.exec_stream(f"head -c {size} /dev/zero | tr '\\0' x"):
+        if ev.type == "stdout" and ev.data:
+            got += len(ev.data)
+    assert got >= size, got
+    return got / MiB / (time.perf_counter() - t0)
+
+
+Results = dict[str, dict[str, list[float]]]  # setup -> measure -> samples
+
+
+async def run(urls: dict[str, tuple[str, str]], rounds: int, execs: int, creates: int) -> Results:
+    res: Results = {k: {"exec": [], "create": [], "write": [], "read": [], "stream": []} for k in urls}
+    data = os.urandom(64 * MiB)
+    clients = {k: dsec.AsyncClient(url=u, token=t) for k, (u, t) in urls.items()}
+    sbs = {k: await c.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=256))
+           for k, c in clients.items()}
+    try:
+        for k, sb in sbs.items():  # warm both paths (connections, page cache)
+            await _exec_rtts(sb, 20)
+            await _create_first_exec(clients[k], 2)
+        for _ in range(rounds):
+            for k in urls:  # alternate, so drift in the machine's load hits both alike
+                res[k]["exec"] += await _exec_rtts(sbs[k], execs)
+                res[k]["create"] += await _create_first_exec(clients[k], creates)
+                w, r = await _file_rates(sbs[k], data)
+                res[k]["write"].append(w)
+                res[k]["read"].append(r)
+                res[k]["stream"].append(await _stream_rate(sbs[k], STREAM_BYTES))
+    finally:
+        for k, sb in sbs.items():
+            await sb.stop()
+            await clients[k].close()
+    return res
+
+
+def render(res: Results, rounds: int, execs: int, creates: int) -> str:
+    e, r = res["embedded"], res["remote"]
+    med = statistics.median
+
+    def row(name: str, key: str, unit: str) -> str:
+        a, b = med(e[key]), med(r[key])
+        delta = b - a
+        ratio = b / a if a else float("nan")
+        sign = "+" if delta >= 0 else ""
+        return f"| {name} | {a:.2f} {unit} | {b:.2f} {unit} | {sign}{delta:.2f} {unit} | {ratio:.2f}x |"
+
+    lines = [
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}; busybox sandboxes; "
+        f"{rounds} rounds alternating the two setups, each round {execs} execs, {creates} creates, one 64 MiB "
+        "write + read, one 15 MiB streamed command. Medians.",
+        "",
+        "| | embedded (`dsec serve`) | remote edge (`dsec apiserver` + `dsec edge serve`, loopback) | hop | ratio |",
+        "|---|---|---|---|---|",
+        row("exec round trip (`true`)", "exec", "ms"),
+        row("create to first exec", "create", "ms"),
+        row("write 64 MiB file", "write", "MiB/s"),
+        row("read 64 MiB file", "read", "MiB/s"),
+        row("streamed output (exec_stream)", "stream", "MiB/s"),
+        "",
+        f"exec p90: embedded {pct(e['exec'], 90):.2f} ms, remote {pct(r['exec'], 90):.2f} ms. "
+        f"Targets: hop <= 1 ms per exec (measured {med(r['exec']) - med(e['exec']):+.2f} ms), <= 5 ms per create "
+        f"(measured {med(r['create']) - med(e['create']):+.2f} ms).",
+    ]
+    return "\n".join(lines)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--execs", type=int, default=200)
+    ap.add_argument("--creates", type=int, default=10)
+    ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
+    a = ap.parse_args()
+    emb_proc, emb_url, emb_token, emb_dir = private_server(a.data_dir)
+    procs, rem_url, rem_token, rem_dir = private_remote(a.data_dir)
+    try:
+        res = await run({"embedded": (emb_url, emb_token), "remote": (rem_url, rem_token)},
+                        a.rounds, a.execs, a.creates)
+    finally:
+        for p in [emb_proc, *procs]:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=60)
+        for d in (emb_dir, rem_dir):
+            shutil.rmtree(d, ignore_errors=True)
+    report(render(res, a.rounds, a.execs, a.creates), a.write, "remote_edge.py", "remote_edge",
+           "Remote edge: the hop to `dsec edge serve` (`bench/remote_edge.py`)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
