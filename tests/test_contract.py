@@ -167,3 +167,34 @@ def test_sandbox_ids_name_the_remote_edge(remote: Cluster) -> None:
             sb.stop()
     assert json.loads(httpx.get(f"{_edge(remote)}/healthz",
                                 headers={"Authorization": f"Bearer {SECRET}"}).text)["edge"] == "n1"
+
+
+async def test_a_call_given_up_on_is_cancelled_at_the_edge(remote: Cluster) -> None:
+    """Calls share one connection; a caller that gives up on one (its request was
+    dropped) ends the work at the edge, and the connection serves on."""
+    import asyncio
+
+    from dsec.edge.remote.client import remote_edge
+    from dsec.models import ExecRequest
+
+    edge = remote_edge("n1", _edge(remote), SECRET)
+    try:
+        sb = await edge.create(dsec.ContainerArgs(image="base/busybox"))
+        try:
+            call = asyncio.ensure_future(edge.exec(sb.sandbox_id, ExecRequest(cmd="sleep 60; echo done")))
+            await asyncio.sleep(0.5)
+            running = await edge.exec(sb.sandbox_id, ExecRequest(cmd="ps -o args | grep -c '^sleep 60'"))
+            assert running.stdout.strip() == "1"
+            call.cancel()
+            for _ in range(50):
+                left = await edge.exec(sb.sandbox_id, ExecRequest(cmd="ps -o args | grep -c '^sleep 60'"))
+                if left.stdout.strip() == "0":
+                    break
+                await asyncio.sleep(0.1)
+            assert left.stdout.strip() == "0"
+            many = await asyncio.gather(*(edge.exec(sb.sandbox_id, ExecRequest(cmd=f"echo {i}")) for i in range(50)))
+            assert [r.stdout for r in many] == [f"{i}\n" for i in range(50)]  # matched by id, out of order or not
+        finally:
+            await edge.stop(sb.sandbox_id)
+    finally:
+        await edge.close()

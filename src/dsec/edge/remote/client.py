@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from dsec.edge import api
-from dsec.edge.remote.ops import ARGS_HEADER, END, ERROR, ITEM, Op, error_from, ops
+from dsec.edge.remote.ops import ARGS_HEADER, CANCEL, END, ERROR, ITEM, OK, Op, error_from, ops
 from dsec.errors import EdgeUnavailable
 
 CONNECT_TIMEOUT_S = 5.0
@@ -38,6 +39,7 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
         self._auth = {"Authorization": f"Bearer {secret}"}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._calls = _Calls(self)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -50,6 +52,7 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
         return self._session
 
     async def close(self) -> None:
+        await self._calls.close()
         if self._session is not None:
             await self._session.close()
 
@@ -59,15 +62,17 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
 
     async def _call(self, op: Op, arguments: dict[str, Any]) -> Any:
         data = op.encode_args(arguments)
+        bound = CALL_BOUND_S
+        if op.name == "exec":
+            bound = arguments["req"].timeout_s + EXEC_MARGIN_S
+        if op.multiplexed:
+            return op.decode_result(await self._calls.call(op.name, data.decode(), bound))
         headers: dict[str, str] = {}
         if op.body is not None:
             headers[ARGS_HEADER] = base64.urlsafe_b64encode(data).decode()
             data = arguments[op.body]
         else:
             headers["Content-Type"] = "application/json"
-        bound = CALL_BOUND_S
-        if op.name == "exec":
-            bound = arguments["req"].timeout_s + EXEC_MARGIN_S
         try:
             async with asyncio.timeout(bound):
                 async with self._http().post(f"{self.url}/v1/call/{op.name}", data=data, headers=headers) as resp:
@@ -130,6 +135,89 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
             async for item in items:
                 await ws.send_str(ITEM + op.input_item.dump_json(item).decode())
             await ws.send_str(END)
+
+
+class _Calls:
+    """One WebSocket to the edge carrying every small unary call, matched by id; lost
+    with the connection (pending calls fail as EdgeUnavailable), made again by the next
+    call. A call given up on (cancelled, or past its bound) is cancelled at the edge."""
+
+    def __init__(self, edge: RemoteEdge) -> None:
+        self.edge = edge
+        self.ws: aiohttp.ClientWebSocketResponse | None = None
+        self.reader: asyncio.Task[None] | None = None
+        self.pending: dict[str, asyncio.Future[tuple[bool, str]]] = {}
+        self.ids = itertools.count(1)
+        self.connecting = asyncio.Lock()
+
+    async def _ws(self, op: str) -> aiohttp.ClientWebSocketResponse:
+        if self.ws is not None and not self.ws.closed:
+            return self.ws
+        async with self.connecting:
+            if self.ws is None or self.ws.closed:
+                try:
+                    self.ws = await self.edge._http().ws_connect(f"{self.edge.url}/v1/calls", heartbeat=HEARTBEAT_S,
+                                                                 max_msg_size=0)
+                except aiohttp.WSServerHandshakeError as e:
+                    raise error_from({"error": "unauthorized" if e.status == 401 else "edge_unavailable",
+                                      "message": f"edge {self.edge.name}: {op}: HTTP {e.status} {e.message}"},
+                                     "") from None
+                except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                    raise self.edge._unreachable(op, e) from None
+                self.reader = asyncio.create_task(self._read(self.ws))
+            return self.ws
+
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        try:
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                cid, _, rest = msg.data.partition(" ")
+                fut = self.pending.get(cid)
+                if fut is not None and not fut.done():
+                    fut.set_result((rest[:1] == OK, rest[1:]))
+        finally:
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(EdgeUnavailable(f"edge {self.edge.name} ({self.edge.url}): the connection "
+                                                      f"closed (code {ws.close_code}) before the answer"))
+
+    async def call(self, op: str, args: str, bound: float) -> str:
+        ws = await self._ws(op)
+        cid = str(next(self.ids))
+        fut: asyncio.Future[tuple[bool, str]] = asyncio.get_running_loop().create_future()
+        self.pending[cid] = fut
+        try:
+            try:
+                await ws.send_str(f"{cid} {op} {args}")
+                async with asyncio.timeout(bound):
+                    ok, body = await fut
+            except (aiohttp.ClientError, OSError) as e:
+                raise self.edge._unreachable(op, e) from None
+            except EdgeUnavailable as e:
+                e.operation = op
+                raise
+            except BaseException:  # cancelled, or past its bound: the edge stops working on it
+                if not ws.closed:
+                    asyncio.ensure_future(self._cancel(ws, cid))
+                raise
+        finally:
+            self.pending.pop(cid, None)
+        if not ok:
+            raise error_from(json.loads(body), f"edge {self.edge.name}: {op} failed")
+        return body
+
+    @staticmethod
+    async def _cancel(ws: aiohttp.ClientWebSocketResponse, cid: str) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
+            await ws.send_str(f"{cid} {CANCEL}")
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+        if self.reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.reader
 
 
 def _method(op: Op) -> Any:

@@ -9,6 +9,11 @@ Each method of the Protocol is one operation with a pydantic model of its argume
   ``/v1/stream/{name}``: the client sends the arguments, the server sends items; an
   ``AsyncIterator`` parameter (the TTY's input) makes the client send items too.
 
+Unary operations without a raw body or result also travel multiplexed over one
+WebSocket per caller (``/v1/calls``), which saves HTTP's per-request cost on the hot path
+(exec): a request frame is ``<id> <name> <arguments JSON>``, a cancel ``<id> !``, and the
+answer ``<id> +<result JSON>`` or ``<id> -<error JSON>``.
+
 Stream frames are text: ``i`` + an item's JSON, ``.`` for the end, ``e`` + an error's JSON.
 Errors carry their dsec type (``error`` code), message, field, sandbox and operation, so a
 caller of a remote edge catches the same exceptions as one of the in-process edge.
@@ -30,6 +35,7 @@ from dsec.errors import ERRORS_BY_CODE, DsecError
 
 ARGS_HEADER = "X-Dsec-Args"
 ITEM, END, ERROR = "i", ".", "e"
+OK, FAILED, CANCEL = "+", "-", "!"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,17 @@ class Op:
     @property
     def stream(self) -> bool:
         return self.item is not None
+
+    @property
+    def multiplexed(self) -> bool:
+        """Small enough to share a connection: JSON in, JSON (or nothing) out."""
+        return self.item is None and self.body is None and not self.raw_result
+
+    def encode_result(self, result: Any) -> bytes:
+        return b"" if self.result is None else self.result.dump_json(result)
+
+    def decode_result(self, body: bytes | str) -> Any:
+        return None if self.result is None else self.result.validate_json(body)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """A call's arguments by name, defaults filled in."""

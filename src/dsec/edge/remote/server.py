@@ -21,7 +21,7 @@ from aiohttp import WSMsgType, web
 from pydantic import ValidationError
 
 from dsec.edge.api import EdgeAPI
-from dsec.edge.remote.ops import ARGS_HEADER, END, ERROR, ITEM, Op, error_json, ops
+from dsec.edge.remote.ops import ARGS_HEADER, CANCEL, END, ERROR, FAILED, ITEM, OK, Op, error_json, ops
 from dsec.errors import DsecError, InvalidRequest, NotFound, Unauthorized
 
 log = logging.getLogger("dsec.edge.remote")
@@ -83,19 +83,25 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
             except (binascii.Error, ValueError):
                 raise InvalidRequest(f"{op.name}: the {ARGS_HEADER} header is not base64url JSON",
                                      field=ARGS_HEADER) from None
-            try:
-                result = await getattr(edge, op.name)(**kwargs)
-            except DsecError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported to the caller, logged here
-                raise _internal(op.name, e) from None
+            result = await _invoke(edge, op, kwargs)
         except DsecError as e:
             return _error(e)
         if op.raw_result:
             return web.Response(body=result, content_type="application/octet-stream")
         if op.result is None:
             return web.Response(status=204)
-        return web.Response(body=op.result.dump_json(result), content_type="application/json")
+        return web.Response(body=op.encode_result(result), content_type="application/json")
+
+    async def calls(request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=max_body + (1 << 20))
+        await ws.prepare(request)
+        open_streams.add(ws)
+        try:
+            await _serve_calls(edge, ws)
+        finally:
+            open_streams.discard(ws)
+            await ws.close()
+        return ws
 
     async def stream(request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=max_body + (1 << 20))
@@ -117,9 +123,58 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
 
     app.router.add_post("/v1/call/{op}", call)
     app.router.add_get("/v1/stream/{op}", stream)
+    app.router.add_get("/v1/calls", calls)
     app.router.add_get("/healthz", healthz)
     app.on_shutdown.append(close_streams)
     return app
+
+
+async def _invoke(edge: EdgeAPI, op: Op, kwargs: dict[str, Any]) -> Any:
+    try:
+        return await getattr(edge, op.name)(**kwargs)
+    except DsecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to the caller, logged here
+        raise _internal(op.name, e) from None
+
+
+async def _serve_calls(edge: EdgeAPI, ws: web.WebSocketResponse) -> None:
+    """Unary calls multiplexed on one connection, each in a task of its own; a caller
+    that goes away (or cancels one) cancels what it asked for."""
+    tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(cid: str, name: str, raw: str) -> None:
+        try:
+            op = ops().get(name)
+            if op is None or not op.multiplexed:
+                raise NotFound(f"no multiplexed operation {name!r}", field="op")
+            try:
+                kwargs = op.decode_args(raw)
+            except ValidationError as e:
+                raise _bad_args(op, e) from None
+            frame = f"{cid} {OK}" + op.encode_result(await _invoke(edge, op, kwargs)).decode()
+        except DsecError as e:
+            frame = f"{cid} {FAILED}" + json.dumps(error_json(e))
+        finally:
+            tasks.pop(cid, None)
+        if not ws.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_str(frame)
+
+    try:
+        async for msg in ws:
+            if msg.type != WSMsgType.TEXT:
+                continue
+            cid, _, rest = msg.data.partition(" ")
+            name, _, raw = rest.partition(" ")
+            if name == CANCEL:
+                if (t := tasks.get(cid)) is not None:
+                    t.cancel()
+            elif cid not in tasks:
+                tasks[cid] = asyncio.create_task(run(cid, name, raw))
+    finally:
+        for t in list(tasks.values()):  # the caller is gone: nobody waits for these
+            t.cancel()
 
 
 async def _serve_stream(edge: EdgeAPI, ws: web.WebSocketResponse, request: web.Request) -> None:
