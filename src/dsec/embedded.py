@@ -14,8 +14,8 @@ from fastapi import FastAPI
 
 from dsec.apiserver.app import Apiserver, build_app
 from dsec.edge.api import EdgeAPI
-from dsec.edge.hostprep import prepare_cgroups
 from dsec.edge.service import Edge, EdgeConfig
+from dsec.host.prep import prepare_cgroups
 from dsec.iam import TokenStore
 from dsec.layers.base import build_busybox
 from dsec.layers.store import LayerStore

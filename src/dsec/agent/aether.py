@@ -35,8 +35,8 @@ from dsec.agent.fdio import FdWait, write_all
 from dsec.agent.initclient import SETSID, ChannelLost, SpawnFailed, boottime_ticks, channel, exit_code
 from dsec.agent.procs import ProcessTable
 from dsec.agent.watch import DirWatch
-from dsec.edge import linux
 from dsec.errors import InvalidRequest, NotFound, SandboxError
+from dsec.host import linux
 from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse, Owner
 
 OnData = Callable[[str, bytes], None]

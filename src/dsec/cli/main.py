@@ -42,8 +42,8 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOp
     """Prepare this node: cgroups, dsec-init, and the built-in base layers (cached)."""
     from dsec.agent.native import ensure_init_binary
     from dsec.e2b.template import ensure_interpreter_layer, ensure_user_layer
-    from dsec.edge.hostprep import prepare_cgroups
     from dsec.embedded import data_dir_default, load_or_create_token
+    from dsec.host.prep import prepare_cgroups
     from dsec.layers.base import ensure_base_layers
 
     d = os.path.abspath(data_dir or data_dir_default())

@@ -20,8 +20,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from dsec.edge import linux
 from dsec.errors import DsecError
+from dsec.host import linux
 from dsec.layers.store import Layer, LayerStore
 
 BASE_IMAGE = "base/debian:12"

@@ -13,7 +13,7 @@ import logging
 import os
 import subprocess
 
-from dsec.edge.cgroup import WORKLOAD, Cgroup
+from dsec.host.cgroup import WORKLOAD, Cgroup
 
 log = logging.getLogger("dsec.edge.memory")
 CGROUP_ROOT = "/sys/fs/cgroup"

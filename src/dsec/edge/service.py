@@ -45,9 +45,8 @@ from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.vm.channel import GuestChannel, GuestFiles
 from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
-from dsec.edge import linux, memory
+from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
-from dsec.edge.cgroup import Cgroup
 from dsec.edge.interactive import InteractiveOps, Watchers, exec_events
 from dsec.edge.metrics import EdgeMetrics, cgroup_usage
 from dsec.edge.network import NetworkManager
@@ -66,6 +65,8 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.faults import failpoint
+from dsec.host import linux
+from dsec.host.cgroup import Cgroup
 from dsec.layers.store import ImportOptions, Layer, LayerStore, layer_kind
 from dsec.models import (
     AuditRecord,

@@ -22,7 +22,7 @@ import shutil
 import struct
 import subprocess
 
-from dsec.edge import linux
+from dsec.host import linux
 
 log = logging.getLogger("dsec.edge")
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
-from dsec.edge import linux
 from dsec.errors import SandboxError
+from dsec.host import linux
 from dsec.layers.store import LayerStore, check_erofs, sha256_file
 from dsec.storage.chunks import ChunkIndex
 from dsec.storage.lazyfs import LazyClient

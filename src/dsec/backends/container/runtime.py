@@ -17,8 +17,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from dsec.edge.cgroup import MEMORY_RESERVE_MB, PIDS_RESERVE
 from dsec.errors import DeadlineExceeded, SandboxError
+from dsec.host.cgroup import MEMORY_RESERVE_MB, PIDS_RESERVE
 
 # every crun call has a deadline: crun talks to the kernel only, so a miss means the
 # kernel is stuck on this sandbox (say, a freezer that cannot settle); the caller moves on
@@ -104,7 +104,7 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
 
     The limits here are the sandbox cgroup's, which holds dsec-init: the workload's own plus
     a reserve, and no CPU quota. The workload's exact limits go on its child cgroup
-    (:meth:`dsec.edge.cgroup.Cgroup.split_workload`), so it can never starve init."""
+    (:meth:`dsec.host.cgroup.Cgroup.split_workload`), so it can never starve init."""
     outer_mb = limits.memory_mb + MEMORY_RESERVE_MB
     extra = [{"destination": path, "type": "tmpfs", "source": "tmpfs",
               "options": ["nosuid", "nodev", "mode=1777", f"size={mb}m"]} for path, mb in sorted((tmpfs or {}).items())]

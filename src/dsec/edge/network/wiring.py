@@ -14,7 +14,7 @@ import contextlib
 import ipaddress
 import os
 
-from dsec.edge import linux
+from dsec.host import linux
 
 
 def ifname_for(sandbox_ip: str) -> str:

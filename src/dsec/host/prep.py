@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dsec.edge import linux
+from dsec.host import linux
 
 log = logging.getLogger("dsec.edge")
 
