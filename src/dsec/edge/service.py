@@ -94,6 +94,7 @@ from dsec.models import (
     VMInfo,
     parse_sandbox_id,
 )
+from dsec.placement.admission import Room, refusal
 from dsec.storage.node import FetchMode, NodeLayers
 
 log = logging.getLogger("dsec.edge")
@@ -459,18 +460,10 @@ class Edge(InteractiveOps):
                                     f"fully stalled on memory, limit {self.cfg.admit_max_psi:g}%; {avail:.0f} MiB "
                                     "available)")
         cpu, mem, n = self._reserved()
-        if n + 1 > self.cfg.max_sandboxes:
-            raise AdmissionRejected(f"edge {self.name} is at its sandbox limit ({self.cfg.max_sandboxes})")
-        cpu_cap = self.cpus * self.cfg.cpu_overcommit
-        if cpu + args.cpu_admitted > cpu_cap:
-            raise AdmissionRejected(
-                f"edge {self.name} has {cpu_cap - cpu:.2f} of {cpu_cap:.0f} schedulable cores left, "
-                f"asked {args.cpu_admitted:g}", field="cpu_request")
-        mem_cap = int(self.memory_mb * self.cfg.memory_overcommit)
-        if mem + args.memory_admitted_mb > mem_cap:
-            raise AdmissionRejected(
-                f"edge {self.name} has {mem_cap - mem} of {mem_cap} MiB admissible memory left, "
-                f"asked {args.memory_admitted_mb}", field="memory_request_mb")
+        room = Room(self.cpus, self.cfg.cpu_overcommit, self.memory_mb, self.cfg.memory_overcommit,
+                    self.cfg.max_sandboxes, cpu, mem, n)
+        if (why := refusal(room, args)) is not None:
+            raise AdmissionRejected(f"edge {self.name} {why.message}", field=why.field)
 
     async def stats(self) -> NodeStats:
         cpu, mem, n = self._reserved()

@@ -9,26 +9,10 @@ import contextlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 from dsec.errors import AdmissionRejected
 from dsec.models import NodeStats
-
-
-class Demand(Protocol):
-    """What placement needs to know of a sandbox request (any backend's args)."""
-
-    @property
-    def backend(self) -> str: ...
-    @property
-    def cpu_cores_limit(self) -> float: ...
-    @property
-    def memory_limit_mb(self) -> int: ...
-    @property
-    def cpu_admitted(self) -> float:
-        """What a node reserves for it (its request), at most its limit."""
-    @property
-    def memory_admitted_mb(self) -> int: ...
+from dsec.placement.admission import Demand, Room, refusal
 
 
 @dataclass
@@ -61,28 +45,14 @@ class Placement:
         b = self._recent.get(edge, _InFlight())
         return _InFlight(a.cpu + b.cpu, a.memory_mb + b.memory_mb, a.count + b.count)
 
-    def _load(self, st: NodeStats) -> tuple[float, float, int]:
-        """(cpu fraction, memory fraction, count) after overlaying in-flight work."""
+    def _room(self, st: NodeStats) -> Room:
         inf = self._overlay(st.edge)
-        cpu_cap = st.cpus * st.cpu_overcommit
-        mem_cap = st.memory_mb * st.memory_overcommit
-        return ((st.cpu_reserved + inf.cpu) / cpu_cap, (st.memory_reserved_mb + inf.memory_mb) / mem_cap,
-                st.sandboxes + inf.count)
+        return Room.of(st, inf.cpu, inf.memory_mb, inf.count)
 
     def eligible(self, args: Demand, exclude: set[str]) -> list[NodeStats]:
-        out = []
-        for st in self._snapshot().values():
-            if not st.healthy or st.edge in exclude or args.backend not in [b.value for b in st.backends]:
-                continue
-            inf = self._overlay(st.edge)
-            if st.sandboxes + inf.count + 1 > st.max_sandboxes:
-                continue
-            if st.cpu_reserved + inf.cpu + args.cpu_admitted > st.cpus * st.cpu_overcommit:
-                continue
-            if st.memory_reserved_mb + inf.memory_mb + args.memory_admitted_mb > st.memory_mb * st.memory_overcommit:
-                continue
-            out.append(st)
-        return out
+        return [st for st in self._snapshot().values()
+                if st.healthy and st.edge not in exclude and args.backend in [b.value for b in st.backends]
+                and refusal(self._room(st), args) is None]
 
     def choose(self, args: Demand, exclude: set[str] | None = None) -> str:
         cands = self.eligible(args, exclude or set())
@@ -90,7 +60,7 @@ class Placement:
             raise AdmissionRejected("no healthy edge has room for this sandbox "
                                     f"(asks {args.cpu_admitted:g} cores, {args.memory_admitted_mb} MiB)")
         sample = self.rng.sample(cands, min(self.k, len(cands)))
-        return min(sample, key=lambda st: max(self._load(st)[:2])).edge
+        return min(sample, key=lambda st: self._room(st).load()).edge
 
     @contextlib.contextmanager
     def reserve(self, edge: str, args: Demand) -> Iterator[None]:
