@@ -27,8 +27,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import dsec, pytest, ruff" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.dsec-installed ]; then
-  echo "== pip: installing dsec and its dev tools into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  echo "== pip: installing dsec (with its services) and its dev tools into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[server,dev]" 2>&1 | grep -v "^WARNING: Location" || true
   touch .venv/.dsec-installed
 fi
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import dsec
-from dsec.models import FnCallArgs, TestCase
+from dsec.wire.models import FnCallArgs, TestCase
 from tests.conftest import TOKEN, Platform
 
 CPP_SUM = """

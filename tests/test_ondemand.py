@@ -22,8 +22,8 @@ import pytest
 
 import dsec
 from dsec.layers.store import LayerStore
-from dsec.models import LayerFetchStats
 from dsec.storage.lazyfs import LazyClient
+from dsec.wire.models import LayerFetchStats
 from tests.conftest import TOKEN, Platform
 from tests.moosefs import MooseFS
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 import dsec
-from dsec.models import Backend, NodeStats
 from dsec.placement.engine import Placement
+from dsec.wire.models import Backend, NodeStats
 
 
 def node(name: str, cpu_reserved: float = 0, healthy: bool = True, mem_reserved: int = 0) -> NodeStats:

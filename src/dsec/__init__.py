@@ -16,8 +16,9 @@ from dsec.errors import (
     SandboxNotRunning,
     Unauthorized,
 )
-from dsec.layers.store import Layer
-from dsec.models import (
+from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
+from dsec.wire.layers import Layer
+from dsec.wire.models import (
     ContainerArgs,
     ExecEvent,
     ExecResult,
@@ -33,7 +34,6 @@ from dsec.models import (
     VMArgs,
     VMInfo,
 )
-from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DeadlineExceeded", "DsecError",

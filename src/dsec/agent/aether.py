@@ -37,7 +37,7 @@ from dsec.agent.procs import ProcessTable
 from dsec.agent.watch import DirWatch
 from dsec.errors import InvalidRequest, NotFound, SandboxError
 from dsec.host import linux
-from dsec.models import ExecRequest, ExecResult, FileStat, HttpResponse, Owner
+from dsec.wire.models import ExecRequest, ExecResult, FileStat, HttpResponse, Owner
 
 OnData = Callable[[str, bytes], None]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

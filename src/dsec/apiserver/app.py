@@ -28,7 +28,6 @@ from dsec.e2b import envd
 from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
 from dsec.e2b.ports import PortProxy
 from dsec.edge.api import EdgeAPI
-from dsec.edge.wire import TtyInput
 from dsec.errors import (
     AdmissionRejected,
     DsecError,
@@ -42,9 +41,12 @@ from dsec.errors import (
     Unauthorized,
 )
 from dsec.iam import PROJECT_LABEL, TokenStore, current_principal, permission_for
-from dsec.iam.tokens import TokenInfo, TokenSpec
 from dsec.layers.store import Layer, LayerStore
-from dsec.models import (
+from dsec.placement.engine import Placement
+from dsec.watcher.watcher import Watcher
+from dsec.wire.edge import TtyInput
+from dsec.wire.iam import TokenInfo, TokenSpec
+from dsec.wire.models import (
     BACKEND_TAGS,
     AuditRecord,
     ClickRequest,
@@ -69,8 +71,6 @@ from dsec.models import (
     normalize_layer_ref,
     parse_sandbox_id,
 )
-from dsec.placement.engine import Placement
-from dsec.watcher.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
 M = TypeVar("M", bound=BaseModel)

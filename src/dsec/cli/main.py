@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import rich.markup
 import typer
@@ -99,17 +99,16 @@ def create(image: str = "base/debian:12", memory_mb: int = 512, cpus: float = 1.
            template: Annotated[bool, typer.Option(help="VM: clone a snapshotted template")] = True,
            url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Create a sandbox and print its id."""
-    from dsec.models import ContainerArgs, MicroVMArgs, VMArgs
+    from dsec.wire.models import ContainerArgs, MicroVMArgs, VMArgs
 
     with _errors(), _api(url, token) as c:
         if backend == "container":
             sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
                                                ttl_running_stop=ttl, job=job))
         elif backend in ("microvm", "vm"):
-            kind = MicroVMArgs if backend == "microvm" else VMArgs
-            vm_args = kind(image=image, memory_mb=memory_mb, vcpus=max(1, round(cpus)), disk_mb=disk_mb,
-                           template=template, ttl_running_stop=ttl, job=job)
-            sb = c.run_microvm(vm_args) if backend == "microvm" else c.run_vm(vm_args)
+            vm: dict[str, Any] = {"image": image, "memory_mb": memory_mb, "vcpus": max(1, round(cpus)),
+                                  "disk_mb": disk_mb, "template": template, "ttl_running_stop": ttl, "job": job}
+            sb = c.run_microvm(MicroVMArgs(**vm)) if backend == "microvm" else c.run_vm(VMArgs(**vm))
         else:
             raise typer.BadParameter("--backend must be container, microvm or vm")
         print(sb.sandbox_id)
@@ -355,7 +354,7 @@ def fncall_run(language: str, source: Annotated[str, typer.Argument(help="source
                time_limit: float = 5.0, memory_mb: int = 256, image: str = "base/fncall:12",
                url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Run a source file once; prints its output, exits with its exit code (3 on a limit)."""
-    from dsec.models import FnCallArgs
+    from dsec.wire.models import FnCallArgs
 
     code = sys.stdin.read() if source == "-" else open(source).read()
     stdin = open(stdin_file).read() if stdin_file else ""

@@ -29,10 +29,10 @@ from dsec.e2b.accounts import load as load_accounts
 from dsec.e2b.envd import ENVD_VERSION
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.edge.api import EdgeAPI
-from dsec.edge.wire import ProcOutput, ProcSpec
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxError
 from dsec.layers.store import Layer, LayerStore
-from dsec.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
+from dsec.wire.edge import ProcOutput, ProcSpec
+from dsec.wire.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600

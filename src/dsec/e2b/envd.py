@@ -38,9 +38,9 @@ from dsec.e2b.connect import (
     unary_error,
 )
 from dsec.edge.api import EdgeAPI
-from dsec.edge.wire import FsEvent, ProcOutput, ProcRef, ProcSpec
 from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
-from dsec.models import FileStat
+from dsec.wire.edge import FsEvent, ProcOutput, ProcRef, ProcSpec
+from dsec.wire.models import FileStat
 
 ENVD_VERSION = "0.6.4"
 METADATA_HEADER, METADATA_XATTR = "x-metadata-", "user.e2b."

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dsec.edge.api import EdgeAPI
-from dsec.edge.wire import HttpPart
 from dsec.errors import DsecError, NotFound, SandboxError, SandboxNotRunning
+from dsec.wire.edge import HttpPart
 
 ENVD_PORT = 49983
 MAX_BODY = 64 << 20

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from dsec.edge.wire import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
 from dsec.layers.store import Layer
-from dsec.models import (
+from dsec.wire.edge import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
+from dsec.wire.models import (
     AuditRecord,
     ContainerArgs,
     ExecEvent,

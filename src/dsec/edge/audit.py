@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsec.models import AuditRecord
+from dsec.wire.models import AuditRecord
 
 PER_SANDBOX = 20_000
 MAX_DETAIL = 4096

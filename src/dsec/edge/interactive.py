@@ -20,9 +20,9 @@ from dsec.agent.aether import Aether, OnData
 from dsec.agent.initclient import exit_code
 from dsec.agent.procs import Proc, ProcessTable
 from dsec.agent.watch import DirWatch
-from dsec.edge.wire import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
 from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, SandboxBusy
-from dsec.models import ExecEvent, ExecResult
+from dsec.wire.edge import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
+from dsec.wire.models import ExecEvent, ExecResult
 
 KEEPALIVE_S = 30.0  # a quiet stream says it is alive this often (proxies and clients time out idle ones)
 MAX_WATCHERS, MAX_WATCHERS_PER_SANDBOX = 8192, 256

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dsec.models import SandboxUsage, StorageStats
+from dsec.wire.models import SandboxUsage, StorageStats
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 

@@ -68,7 +68,9 @@ from dsec.faults import failpoint
 from dsec.host import linux
 from dsec.host.cgroup import Cgroup
 from dsec.layers.store import ImportOptions, Layer, LayerStore, layer_kind
-from dsec.models import (
+from dsec.placement.admission import Room, refusal
+from dsec.storage.node import FetchMode, NodeLayers
+from dsec.wire.models import (
     AuditRecord,
     Backend,
     ContainerArgs,
@@ -94,8 +96,6 @@ from dsec.models import (
     VMInfo,
     parse_sandbox_id,
 )
-from dsec.placement.admission import Room, refusal
-from dsec.storage.node import FetchMode, NodeLayers
 
 log = logging.getLogger("dsec.edge")
 T = TypeVar("T")

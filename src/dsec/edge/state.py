@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from dsec.models import AnySandboxArgs, ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
+from dsec.wire.models import AnySandboxArgs, ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
 
 TOMBSTONE_TTL_S = 3600.0
 _ARGS: TypeAdapter[ContainerArgs | MicroVMArgs | VMArgs] = TypeAdapter(AnySandboxArgs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
-import re
 import secrets
 import sqlite3
 import threading
@@ -14,11 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from dsec.wire.iam import TokenInfo, TokenSpec
 
 Role = Literal["admin", "builder", "runner"]
 PROJECT_LABEL = "dsec.project"
-_PROJECT = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 # what each role may do; "read" is cluster information (nodes, layers, storage)
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
@@ -44,28 +42,6 @@ class Principal:
 
 ADMIN = Principal("admin", "*", "admin")
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("dsec_principal", default=ADMIN)
-
-
-class TokenSpec(BaseModel):
-    project: str = Field(description="the project the token acts in")
-    role: Literal["builder", "runner"] = Field(description="builder publishes environments; runner only runs them")
-    name: str = Field(default="", max_length=128)
-
-    @field_validator("project")
-    @classmethod
-    def _project(cls, v: str) -> str:
-        if not _PROJECT.match(v):
-            raise ValueError("project: lowercase letters, digits, '.', '_' and '-', at most 63")
-        return v
-
-
-class TokenInfo(BaseModel):
-    id: str
-    project: str
-    role: str
-    name: str
-    created_at: float
-    token: str | None = Field(default=None, description="the secret, shown once, when the token is created")
 
 
 def permission_for(method: str, path: str) -> str:

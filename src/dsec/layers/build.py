@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.layers.store import Layer
-from dsec.models import ContainerArgs
+from dsec.wire.models import ContainerArgs
 
 
 class BuildSpec(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from dsec.models import NodeStats
+from dsec.wire.models import NodeStats
 
 
 class Demand(Protocol):

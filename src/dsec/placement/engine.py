@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dsec.errors import AdmissionRejected
-from dsec.models import NodeStats
 from dsec.placement.admission import Demand, Room, refusal
+from dsec.wire.models import NodeStats
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Any, Literal
 import aiohttp
 
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable
-from dsec.iam.tokens import TokenInfo
-from dsec.layers.store import Layer
-from dsec.models import (
+from dsec.wire.iam import TokenInfo
+from dsec.wire.layers import Layer
+from dsec.wire.models import (
     AuditRecord,
     ClickRequest,
     ContainerArgs,

@@ -1,18 +1,23 @@
 """The sync SDK: the async core driven from a private event-loop thread, so both faces
-share one implementation (every coroutine method becomes a blocking call, every async
-iterator a plain iterator)."""
+share one implementation. Each blocking method is declared from its async twin
+(``exec = _blocking(AsyncSandbox.exec)``): a type checker sees the same parameters and
+the awaited result, an async iterator becomes an iterator, and an ``AsyncSandbox``
+coming back becomes a :class:`Sandbox`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from dsec.sdk.client import AsyncClient, AsyncSandbox
+from dsec.wire.models import SandboxInfo
 
 T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 
 class _Portal:
@@ -25,11 +30,18 @@ class _Portal:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
-        while True:
-            try:
-                yield self.call(agen.__anext__())  # type: ignore[arg-type]
-            except StopAsyncIteration:
-                return
+        async def step() -> T:
+            return await anext(agen)
+        try:
+            while True:
+                try:
+                    yield self.call(step())
+                except StopAsyncIteration:
+                    return
+        finally:  # a caller that stops early closes the stream (and ends the command)
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None and not self.loop.is_closed():
+                self.call(aclose())
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -37,19 +49,69 @@ class _Portal:
         self.loop.close()
 
 
-def _blocking(portal: _Portal, attr: Any, wrap: Callable[[Any], Any]) -> Any:
-    if inspect.iscoroutinefunction(attr):
+class _Face:
+    """A blocking face over an async object: its portal and the object."""
+
+    _portal: _Portal
+    _inner: Any
+
+    def _wrap(self, x: Any) -> Any:
+        return x
+
+
+class _Blocking(Generic[P, R]):
+    """A blocking method made from an async one (``wrap`` turns its result into the
+    sync face's, e.g. an AsyncSandbox into a Sandbox)."""
+
+    def __init__(self, fn: Callable[..., Any], kind: str) -> None:
+        self.fn, self.kind = fn, kind
+        self.__doc__ = fn.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Blocking[P, R]: ...
+    @overload
+    def __get__(self, obj: _Face, owner: type) -> Callable[P, R]: ...
+
+    def __get__(self, obj: _Face | None, owner: type) -> Any:
+        if obj is None:
+            return self
+        fn, portal, inner = self.fn, obj._portal, obj._inner
+        if self.kind == "iter":
+            def iterate(*a: Any, **kw: Any) -> Any:
+                return portal.iterate(fn(inner, *a, **kw))
+            return iterate
+        if self.kind == "plain":
+            def plain(*a: Any, **kw: Any) -> Any:
+                return fn(inner, *a, **kw)
+            return plain
+
         def call(*a: Any, **kw: Any) -> Any:
-            return wrap(portal.call(attr(*a, **kw)))
+            return obj._wrap(portal.call(fn(inner, *a, **kw)))
         return call
-    if inspect.isasyncgenfunction(attr):
-        def gen(*a: Any, **kw: Any) -> Iterator[Any]:
-            return portal.iterate(attr(*a, **kw))
-        return gen
-    return attr
 
 
-class Sandbox:
+def _blocking(fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]) -> _Blocking[P, T]:
+    return _Blocking(fn, "call")
+
+
+def _to_sandbox(fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, AsyncSandbox]]) -> _Blocking[P, Sandbox]:
+    return _Blocking(fn, "call")
+
+
+def _to_sandboxes(fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, list[AsyncSandbox]]]
+                  ) -> _Blocking[P, list[Sandbox]]:
+    return _Blocking(fn, "call")
+
+
+def _iterating(fn: Callable[Concatenate[Any, P], AsyncIterator[T]]) -> _Blocking[P, Iterator[T]]:
+    return _Blocking(fn, "iter")
+
+
+def _plain(fn: Callable[Concatenate[Any, P], T]) -> _Blocking[P, T]:
+    return _Blocking(fn, "plain")
+
+
+class Sandbox(_Face):
     """Blocking handle to one sandbox; the same methods as :class:`AsyncSandbox`."""
 
     def __init__(self, portal: _Portal, inner: AsyncSandbox) -> None:
@@ -58,20 +120,42 @@ class Sandbox:
 
     @property
     def sandbox_id(self) -> str:
-        return self._inner.sandbox_id
+        return str(self._inner.sandbox_id)
 
     @property
-    def info(self) -> Any:
-        return self._inner.info
+    def info(self) -> SandboxInfo:
+        return self._inner.info  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.sandbox_id} {self.info.state.value}>"
 
-    def __getattr__(self, name: str) -> Any:
-        return _blocking(self._portal, getattr(self._inner, name), lambda x: x)
+    refresh = _blocking(AsyncSandbox.refresh)
+    exec = _blocking(AsyncSandbox.exec)
+    run_shell = _blocking(AsyncSandbox.run_shell)
+    exec_stream = _iterating(AsyncSandbox.exec_stream)
+    write_file = _blocking(AsyncSandbox.write_file)
+    read_file = _blocking(AsyncSandbox.read_file)
+    list_dir = _blocking(AsyncSandbox.list_dir)
+    stat = _blocking(AsyncSandbox.stat)
+    remove = _blocking(AsyncSandbox.remove)
+    http = _blocking(AsyncSandbox.http)
+    tty_url = _plain(AsyncSandbox.tty_url)
+    pack_diff = _blocking(AsyncSandbox.pack_diff)
+    events = _blocking(AsyncSandbox.events)
+    save_access_list = _blocking(AsyncSandbox.save_access_list)
+    audit = _blocking(AsyncSandbox.audit)
+    protect = _blocking(AsyncSandbox.protect)
+    set_network_rules = _blocking(AsyncSandbox.set_network_rules)
+    pause = _blocking(AsyncSandbox.pause)
+    resume = _blocking(AsyncSandbox.resume)
+    screenshot = _blocking(AsyncSandbox.screenshot)
+    send_keys = _blocking(AsyncSandbox.send_keys)
+    click = _blocking(AsyncSandbox.click)
+    usage = _blocking(AsyncSandbox.usage)
+    stop = _blocking(AsyncSandbox.stop)
 
 
-class Client:
+class Client(_Face):
     """Blocking client; the same methods as :class:`AsyncClient`."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0) -> None:
@@ -81,6 +165,14 @@ class Client:
     @staticmethod
     async def _make(url: str | None, token: str | None, timeout: float) -> AsyncClient:
         return AsyncClient(url=url, token=token, timeout=timeout)
+
+    @property
+    def url(self) -> str:
+        return self._inner.url
+
+    @property
+    def token(self) -> str | None:
+        return self._inner.token
 
     def __enter__(self) -> Client:
         return self
@@ -97,5 +189,25 @@ class Client:
             return [self._wrap(i) for i in x]
         return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
 
-    def __getattr__(self, name: str) -> Any:
-        return _blocking(self._portal, getattr(self._inner, name), self._wrap)
+    _request = _blocking(AsyncClient._request)
+    run_container = _to_sandbox(AsyncClient.run_container)
+    run_microvm = _to_sandbox(AsyncClient.run_microvm)
+    run_vm = _to_sandbox(AsyncClient.run_vm)
+    connect = _to_sandbox(AsyncClient.connect)
+    list = _blocking(AsyncClient.list)
+    fork = _to_sandboxes(AsyncClient.fork)
+    layers = _blocking(AsyncClient.layers)
+    layer = _blocking(AsyncClient.layer)
+    remove_layer = _blocking(AsyncClient.remove_layer)
+    gc_layers = _blocking(AsyncClient.gc_layers)
+    pause_many = _blocking(AsyncClient.pause_many)
+    resume_many = _blocking(AsyncClient.resume_many)
+    stop_many = _blocking(AsyncClient.stop_many)
+    fncall = _blocking(AsyncClient.fncall)
+    fncall_many = _blocking(AsyncClient.fncall_many)
+    fncall_languages = _blocking(AsyncClient.fncall_languages)
+    storage_stats = _blocking(AsyncClient.storage_stats)
+    create_token = _blocking(AsyncClient.create_token)
+    tokens = _blocking(AsyncClient.tokens)
+    revoke_token = _blocking(AsyncClient.revoke_token)
+    nodes = _blocking(AsyncClient.nodes)

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Mapping
 
 from dsec.edge.api import EdgeAPI
-from dsec.models import NodeStats
+from dsec.wire.models import NodeStats
 
 log = logging.getLogger("dsec.watcher")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dsec.errors import InvalidRequest, SandboxError
-from dsec.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun, SandboxInfo, TestResult
+from dsec.wire.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun, SandboxInfo, TestResult
 
 log = logging.getLogger("dsec.fncall")
 WORKER_SRC = os.path.join(os.path.dirname(__file__), "worker.py")

@@ -33,7 +33,7 @@ from dsec.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks
 from dsec.agent.watch import DirWatch
 from dsec.backends.vm.qemu import connect_unix
 from dsec.errors import DeadlineExceeded, InvalidRequest, NotFound, SandboxError
-from dsec.models import FileStat, Owner
+from dsec.wire.models import FileStat, Owner
 
 # a request to the guest's agent (dsec-vmux) that gets no answer in this long fails; longer
 # than a container's init (10 s): these guests may run under TCG

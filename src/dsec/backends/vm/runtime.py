@@ -31,7 +31,7 @@ from dsec.backends.vm.channel import GuestChannel
 from dsec.backends.vm.guest import KERNEL_CMDLINE, GuestImage, ensure_guest
 from dsec.backends.vm.qemu import QMP, Disk, QMPError, VMSpec, probe_accel, qemu_version
 from dsec.errors import SandboxError
-from dsec.models import VM_OVERHEAD_MB
+from dsec.wire.models import VM_OVERHEAD_MB
 
 log = logging.getLogger("dsec.vm")
 CGROUP_ROOT = "/sys/fs/cgroup"

@@ -24,7 +24,7 @@ from dsec.edge.network.dns import Resolver
 from dsec.edge.network.gate import Gate
 from dsec.edge.network.nft import NftTable, RawRule
 from dsec.errors import InvalidRequest
-from dsec.models import NetworkInfo
+from dsec.wire.models import NetworkInfo
 
 log = logging.getLogger("dsec.network")
 

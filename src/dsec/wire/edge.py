@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.models import Owner
+from dsec.wire.models import Owner
 
 _BYTES = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
 
