@@ -1,0 +1,110 @@
+"""Authentication and authorization, in one place: every request but the open ones
+carries a bearer token (or, for E2B's envd and signed file URLs, the sandbox's own
+credential); the token's role must allow the route, and a project token sees only its
+project's sandboxes."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import re
+import urllib.parse
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from dsec.apiserver.core import Apiserver, error_response
+from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
+from dsec.errors import (
+    DsecError,
+    Forbidden,
+    NotFound,
+    Unauthorized,
+)
+from dsec.iam import PROJECT_LABEL, current_principal, permission_for
+from dsec.wire.models import (
+    SandboxState,
+)
+
+_SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([^/]+-[^/]+)(?:/|$)")
+
+
+class BearerAuth:
+    """ASGI middleware: every route but the open ones needs ``Bearer <token>``.
+
+    A middleware rather than a per-route dependency keeps it off FastAPI's dependency
+    solver on the hot exec path, and covers websockets the same way (a refused
+    websocket is accepted, then closed with code 4401 so the client learns why)."""
+
+    OPEN = frozenset({"/healthz", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
+
+    def __init__(self, app: Any, api: Apiserver) -> None:
+        self.app = app
+        self.api = api
+
+    async def _refusal(self, scope: dict[str, Any]) -> DsecError | None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
+            return None
+        headers = dict(scope["headers"])
+        if scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
+            return await self._signed_file(scope, headers)
+        if scope["path"].startswith(ENVD_PREFIXES) or scope["path"] in ENVD_PATHS:  # E2B's envd: per-sandbox token
+            sid = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
+            given = headers.get(b"x-access-token", b"").decode(errors="replace")
+            if not sid or not hmac.compare_digest(given, self.api.tokens.derive("envd", sid)):
+                return Unauthorized("missing or wrong X-Access-Token for this sandbox", field="x-access-token")
+            return None
+        header = headers.get(b"authorization", b"")
+        if not header and b"x-api-key" in headers:  # E2B's SDKs send their key this way
+            header = b"Bearer " + headers[b"x-api-key"]
+        scheme, _, cred = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not cred.strip():
+            return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
+                                field="authorization")
+        principal = self.api.tokens.verify(cred.strip())
+        if principal is None:
+            return Unauthorized("invalid token", field="authorization")
+        method = scope.get("method", "GET")
+        need = permission_for(method, scope["path"])
+        if not principal.may(need):
+            return Forbidden(f"a {principal.role} token may not {method} {scope['path']} (needs {need!r})",
+                             field="authorization")
+        current_principal.set(principal)
+        if not principal.all_projects and (m := _SANDBOX_PATH.match(scope["path"])):
+            with contextlib.suppress(DsecError):  # a bad or unknown id is the route's to report
+                info = await self.api.edge_for(m.group(1)).get(m.group(1))
+                if info.labels.get(PROJECT_LABEL, "default") != principal.project:
+                    return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}",
+                                    field="sandbox_id")
+        return None
+
+    async def _signed_file(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> DsecError | None:
+        """An E2B signed file URL: the signature is the credential, and names the sandbox."""
+        query = dict(urllib.parse.parse_qsl(scope["query_string"].decode(errors="replace")))
+        named = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
+        if named:
+            candidates = [named]
+        else:
+            candidates = [i.sandbox_id for i in await self.api.list(None, {}) if i.state == SandboxState.running]
+        try:
+            sid = signed_file_sandbox(query, scope.get("method", "GET"), candidates,
+                                      lambda s: self.api.tokens.derive("envd", s))
+        except ValueError as e:
+            return Unauthorized(str(e), field="signature")
+        scope["headers"] = [h for h in scope["headers"] if h[0] != b"e2b-sandbox-id"] + \
+            [(b"e2b-sandbox-id", sid.encode())]
+        return None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        err = await self._refusal(scope)
+        if err is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http" and (scope["path"] in ENVD_PATHS or scope["path"].startswith(ENVD_PREFIXES)):
+            await JSONResponse({"code": err.status, "message": err.message}, status_code=err.status)(
+                scope, receive, send)  # envd's own error shape
+        elif scope["type"] == "http":
+            await error_response(err)(scope, receive, send)
+        else:
+            await receive()  # websocket.connect
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 4401, "reason": err.message[:120]})

@@ -1,0 +1,220 @@
+"""The apiserver's core: the Apiserver (routing a sandbox id to its edge, placement
+with re-placement on refusal, lists across edges, fork) and the helpers every route
+module shares (bodies, errors, label filters). Stateless: everything per sandbox is on
+its edge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Mapping
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from dsec.edge.api import EdgeAPI
+from dsec.errors import (
+    AdmissionRejected,
+    DsecError,
+    EdgeUnavailable,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    SandboxError,
+)
+from dsec.iam import PROJECT_LABEL, TokenStore, current_principal
+from dsec.layers.store import LayerStore
+from dsec.placement.engine import Placement
+from dsec.watcher.watcher import Watcher
+from dsec.wire.models import (
+    ContainerArgs,
+    CreateRequest,
+    ForkRequest,
+    SandboxInfo,
+    normalize_layer_ref,
+    parse_sandbox_id,
+)
+
+log = logging.getLogger("dsec.apiserver")
+M = TypeVar("M", bound=BaseModel)
+MAX_CREATE_ATTEMPTS = 3
+MAX_EXEC_BODY = 64 * 1024 * 1024  # a command with its stdin
+
+
+async def read_body(request: Request, limit: int, field: str) -> bytes:
+    """The request body, refused with 413 past ``limit`` without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit", field=field)
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit", field=field)
+    return bytes(buf)
+
+
+
+class Apiserver:
+    def __init__(self, edges: Mapping[str, EdgeAPI], watcher: Watcher, placement: Placement,
+                 tokens: TokenStore, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024) -> None:
+        self.edges = edges
+        self.tokens = tokens
+        self.layers = layers
+        self.watcher = watcher
+        self.placement = placement
+        self.max_file_bytes = max_file_bytes
+
+    def edge_for(self, sandbox_id: str) -> EdgeAPI:
+        try:
+            name = parse_sandbox_id(sandbox_id)
+        except ValueError as e:
+            raise InvalidRequest(str(e), field="sandbox_id") from None
+        edge = self.edges.get(name)
+        if edge is None:
+            raise NotFound(f"no sandbox {sandbox_id!r}: edge {name!r} is not part of this cluster",
+                           field="sandbox_id")
+        return edge
+
+    async def create(self, req: CreateRequest) -> SandboxInfo:
+        """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere.
+        When no edge is left, the caller gets the last edge's own reason."""
+        principal = current_principal.get()
+        if not principal.all_projects:  # a project's token makes sandboxes of that project only
+            req = req.model_copy(update={"args": req.args.model_copy(
+                update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
+        tried: set[str] = set()
+        last: AdmissionRejected | None = None
+        refreshed = False
+        for _ in range(MAX_CREATE_ATTEMPTS):
+            if not self.watcher.view:
+                await self.watcher.refresh()
+            try:
+                name = self.placement.choose(req.args, exclude=tried)
+            except AdmissionRejected:
+                if last is not None:
+                    raise last from None
+                if not refreshed:  # the view may predate sandboxes that have ended since: look again once
+                    refreshed = True
+                    await self.watcher.refresh()
+                    continue
+                raise
+            try:
+                with self.placement.reserve(name, req.args):
+                    return await self.edges[name].create(req.args)
+            except AdmissionRejected as e:
+                tried.add(name)
+                last = e
+        assert last is not None
+        raise last
+
+    def fncall_edge(self, image: str) -> EdgeAPI:
+        """The edge for a FnCall: placed like a small sandbox; its pool does the rest."""
+        try:
+            known = self.layers.has(image)
+        except ValueError:
+            known = False
+        if not known:
+            raise NotFound(f"unknown FnCall image {image!r}", field="image")
+        if not self.watcher.view:
+            return next(iter(self.edges.values()))
+        name = self.placement.choose(ContainerArgs(image=image, memory_limit_mb=64, cpu_cores_limit=0.1), exclude=set())
+        return self.edges[name]
+
+    async def fork(self, req: ForkRequest) -> list[SandboxInfo]:
+        """n sandboxes stacked exactly as the snapshot was taken, created concurrently;
+        all or nothing: if one cannot be made the others are stopped."""
+        try:
+            snap = self.layers.get(req.snapshot)
+        except (NotFound, ValueError) as e:
+            raise NotFound(f"unknown snapshot {req.snapshot!r}", field="snapshot") from e
+        image, layers = snap.stack()
+        base = req.args or ContainerArgs()
+        args = base.model_copy(update={"image": image, "layers": layers})
+        results = await asyncio.gather(*(self.create(CreateRequest(args=args)) for _ in range(req.n)),
+                                       return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(self.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in made),
+                                 return_exceptions=True)
+            err = failed[0]
+            raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
+        return made
+
+    async def layers_in_use(self) -> set[str]:
+        parts = await asyncio.gather(*(e.layers_in_use() for e in self.edges.values()))
+        return set().union(*parts)
+
+    async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]:
+        """What every reachable edge holds (the caller's project only). The edges that did
+        not answer are in ``self.unreachable`` for the request (a list goes on without a
+        node that is down; a job operation reports it)."""
+        principal = current_principal.get()
+        if not principal.all_projects:
+            labels = {**labels, PROJECT_LABEL: principal.project}
+        names = list(self.edges)
+        parts = await asyncio.gather(*(self.edges[n].list_sandboxes(job=job, labels=labels, usage=usage)
+                                       for n in names), return_exceptions=True)
+        items: list[SandboxInfo] = []
+        missing: list[str] = []
+        for name, part in zip(names, parts, strict=True):
+            if isinstance(part, EdgeUnavailable):
+                missing.append(name)
+            elif isinstance(part, BaseException):
+                raise part
+            else:
+                items += part
+        unreachable.set(tuple(missing))
+        return sorted(items, key=lambda i: i.created_at)
+
+
+UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"
+# the edges that did not answer this request's list (a context variable: one per request)
+unreachable: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("unreachable", default=())
+
+
+def all_edges_answered(done: str) -> None:
+    """A job operation reached every sandbox it lists, or says which edges it could not."""
+    missing = unreachable.get()
+    if missing:
+        raise EdgeUnavailable(f"edge(s) {', '.join(missing)} did not answer: their sandboxes of this job were not "
+                              f"{done} (the others were); try again when they are back")
+
+
+def error_response(e: DsecError) -> JSONResponse:
+    # "code" (the HTTP status) is what E2B's SDKs read; dsec's own read "error"
+    return JSONResponse({"error": e.code, "message": e.message, "field": e.field, "code": e.status},
+                        status_code=e.status)
+
+
+def layer_ref(ref: str) -> str:
+    try:
+        return normalize_layer_ref(ref)
+    except ValueError as e:
+        raise InvalidRequest(str(e), field="ref") from None
+
+
+def parse_labels(label: list[str]) -> dict[str, str]:
+    out = {}
+    for item in label:
+        if "=" not in item:
+            raise InvalidRequest(f"label filter {item!r} must be key=value", field="label")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    """The hot paths parse their bodies with pydantic-core directly (FastAPI's body
+    machinery costs ~0.5 ms a call here), reporting errors the same way."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ("body", *err.get("loc", ()))} for err in e.errors()]) from None

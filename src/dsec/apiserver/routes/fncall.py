@@ -1,0 +1,30 @@
+"""FnCall: short stateless tasks in pooled warm containers."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from dsec.apiserver.core import MAX_EXEC_BODY, Apiserver, parse_body, read_body
+from dsec.wire.models import (
+    FnCallArgs,
+    FnCallResult,
+)
+
+
+def routes(api: Apiserver) -> APIRouter:
+    router = APIRouter()
+    fncall_body = {"content": {"application/json": {"schema": FnCallArgs.model_json_schema()}}, "required": True}
+
+    @router.post("/v1/fncall", response_model=None, openapi_extra={"requestBody": fncall_body},
+                 responses={200: {"model": FnCallResult, "description": "FnCallResult"}})
+    async def fncall(request: Request) -> Response:
+        """Run a short stateless task in a pooled warm container (compile once, run each test)."""
+        args = parse_body(FnCallArgs, await read_body(request, MAX_EXEC_BODY, "body"))
+        res = await api.fncall_edge(args.image).fncall(args)
+        return Response(res.model_dump_json(), media_type="application/json")
+
+    @router.get("/v1/fncall/languages")
+    async def fncall_languages(image: str = "base/fncall:12") -> list[str]:
+        return await api.fncall_edge(image).fncall_languages(image)
+    return router

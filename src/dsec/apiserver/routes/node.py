@@ -1,0 +1,37 @@
+"""The node-level routes: health, Prometheus metrics, the edges' stats and storage."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from dsec.apiserver.core import Apiserver
+from dsec.wire.models import (
+    NodeStats,
+    StorageStats,
+)
+
+
+def routes(api: Apiserver) -> APIRouter:
+    router = APIRouter()
+    @router.get("/healthz")
+    async def healthz() -> dict[str, object]:
+        return {"ok": True, "edges": sorted(api.edges)}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format: the edge's counters and per-sandbox cgroup usage (embedded mode has one
+        edge; in cluster mode each edge is scraped on its own)."""
+        # a scrape reads every sandbox's cgroup (and now and then walks its writable layer): not on the loop
+        body = b"".join([await e.metrics_text() for e in api.edges.values()])
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @router.get("/v1/nodes")
+    async def nodes() -> list[NodeStats]:
+        return list((await api.watcher.refresh()).values())
+
+    @router.get("/v1/storage")
+    async def storage() -> list[StorageStats]:
+        """Per edge: the layer store it reads, its chunk cache, and what it fetched per data blob."""
+        return [await e.storage_stats() for e in api.edges.values()]
+    return router
