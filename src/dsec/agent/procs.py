@@ -19,13 +19,10 @@ import struct
 import termios
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from dsec.agent.fdio import write_all
 from dsec.agent.initclient import CTTY, SETSID, ChannelLost, channel, exit_code
-
-if TYPE_CHECKING:
-    from dsec.agent.aether import InitChannel
+from dsec.agent.interfaces import InitChannel
 
 MAX_PROCS = 256
 QUEUE_BYTES = 16 << 20
