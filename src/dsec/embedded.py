@@ -14,7 +14,8 @@ from fastapi import FastAPI
 
 from dsec.apiserver.app import Apiserver, build_app
 from dsec.edge.api import EdgeAPI
-from dsec.edge.service import Edge, EdgeConfig
+from dsec.edge.config import EdgeConfig
+from dsec.edge.service import Edge
 from dsec.host.prep import prepare_cgroups
 from dsec.iam import TokenStore
 from dsec.layers.base import build_busybox

@@ -1,0 +1,144 @@
+"""What the edge holds and admits: reservations, final admission, its stats for the
+watcher, usage per sandbox, storage and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from prometheus_client import generate_latest
+
+from dsec.edge import memory
+from dsec.edge.core import EdgeCore
+from dsec.edge.metrics import cgroup_usage
+from dsec.edge.sandbox import Sandbox
+from dsec.errors import (
+    AdmissionRejected,
+    SandboxNotRunning,
+)
+from dsec.placement.admission import Room, refusal
+from dsec.wire.models import (
+    Backend,
+    ContainerArgs,
+    LayerFetchStats,
+    MicroVMArgs,
+    NodeStats,
+    SandboxState,
+    SandboxUsage,
+    StorageStats,
+    VMArgs,
+)
+
+
+class Capacity(EdgeCore):
+    """Admission, stats, usage."""
+
+    def _reserved(self) -> tuple[float, int, int]:
+        """CPU and memory reserved by the sandboxes here: each one's request (by default a
+        share of its limit for best-effort work, the limit for latency-sensitive work and
+        VMs), or the memory it holds now if that is more. A paused one reserves no CPU and
+        only what it still holds (its memory is in swap, or a VM's in a file): that is what
+        lets idle sandboxes be packed far beyond the running ones. Resuming many at once is
+        what the pressure policy and swap are for."""
+        cpu, mem, n = 0.0, 0, 0
+        for sb in self.sandboxes.values():
+            if sb.stopping:
+                continue
+            n += 1
+            info = sb.rec.info
+            if info.state == SandboxState.paused and info.pause is not None:
+                mem += max(1, info.pause.memory_after_bytes >> 20)
+                continue
+            cpu += sb.rec.args.cpu_admitted
+            mem += max(sb.rec.args.memory_admitted_mb, sb.memory_held_mb)
+        return cpu, int(mem), n
+
+    def _admit(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> None:
+        # node-wide memory stalls refuse new work only while the node is also short of
+        # memory: one sandbox thrashing inside its own limit stalls itself, not the node
+        mem_state = memory.pressure()
+        psi, avail = mem_state.get("full", 0.0), mem_state.get("available_mb", float("inf"))
+        if psi > self.cfg.admit_max_psi and avail < 2 * self.cfg.pause_below_mb:
+            raise AdmissionRejected(f"edge {self.name} is under memory pressure ({psi:.1f}% of the last 10 s "
+                                    f"fully stalled on memory, limit {self.cfg.admit_max_psi:g}%; {avail:.0f} MiB "
+                                    "available)")
+        cpu, mem, n = self._reserved()
+        room = Room(self.cpus, self.cfg.cpu_overcommit, self.memory_mb, self.cfg.memory_overcommit,
+                    self.cfg.max_sandboxes, cpu, mem, n)
+        if (why := refusal(room, args)) is not None:
+            raise AdmissionRejected(f"edge {self.name} {why.message}", field=why.field)
+
+    async def stats(self) -> NodeStats:
+        cpu, mem, n = self._reserved()
+        per_job: dict[str, int] = {}
+        for sb in self.sandboxes.values():
+            if sb.rec.info.job and not sb.stopping:
+                per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
+        return NodeStats(
+            edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), network=self.network_status,
+            density={**self.density, "pressure": memory.pressure(), "pause_below_mb": self.cfg.pause_below_mb,
+                     "admit_max_psi": self.cfg.admit_max_psi},
+            backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
+            memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
+            memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
+            memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job)
+
+    async def usage(self, sandbox_id: str) -> SandboxUsage:
+        self._get_live(sandbox_id)
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            self._tombstone(sandbox_id)
+            raise SandboxNotRunning(f"sandbox {sandbox_id} has ended: it uses nothing")
+        return await asyncio.to_thread(self._usage, sb, 0.0)
+
+    def _usage(self, sb: Sandbox, disk_max_age: float = 30.0) -> SandboxUsage:
+        cg = self._cgroup(sb)
+        use = cgroup_usage(cg)
+        mem = memory.cgroup_memory(cg)
+        when, disk = sb.disk
+        if sb.qgroup is not None and disk_max_age > 0:  # the qgroup: cheap, at most 5 s old (scrapes)
+            disk = self.volume.referenced(sb.qgroup, sb.qgroup).get(sb.qgroup, disk)
+        elif time.monotonic() - when > disk_max_age:  # asked for now: walk the tree
+            target = sb.vm.spec.disks[0].path if sb.vm else os.path.join(sb.dir, "upper")
+            disk = memory.disk_usage(target)
+            sb.disk = (time.monotonic(), disk)
+        return SandboxUsage(cpu_s=use.get("cpu_ns", 0) / 1e9, memory_bytes=mem.get("total", 0),
+                            anon_bytes=mem.get("anon", 0), file_bytes=mem.get("file", 0),
+                            swap_bytes=mem.get("swap", 0), pids=use.get("pids", 0), disk_bytes=disk,
+                            oom_kills=memory.oom_kills(cg))
+
+    async def storage_stats(self) -> StorageStats:
+        return self._storage_stats()
+
+    def _storage_stats(self) -> StorageStats:
+        snap = self.node_layers.snapshot
+        cache = snap.get("cache", {})
+        refs: dict[str, list[str]] = {}
+        for layer in self.layers.list():
+            for d in layer.data.values():
+                refs.setdefault(d, []).append(layer.ref)
+        blobs = []
+        for data, st in sorted(snap.get("blobs", {}).items()):
+            fetches = sum(st["latency_buckets"])
+            blobs.append(LayerFetchStats(
+                data=data, layers=refs.get(data, []), remote_bytes=st["remote_bytes"],
+                remote_chunks=st["remote_chunks"], hits=st["hits"], misses=st["misses"],
+                prefetched=st["prefetched"], errors=st["errors"],
+                chunk_latency_s=st["latency_sum"] / fetches if fetches else 0.0))
+        return StorageStats(
+            edge=self.name, backend=self.layers.backend.kind, mode=self.cfg.fetch_mode,
+            cache_bytes=cache.get("bytes", 0), cache_max_bytes=cache.get("max_bytes", 0),
+            cache_entries=cache.get("entries", 0), cache_evictions=cache.get("evictions", 0),
+            cache_corrupt=cache.get("corrupt", 0), cache_written_bytes=cache.get("written_bytes", 0),
+            copied_bytes=self.node_layers.copied_bytes, blobs=blobs)
+
+    async def layers_in_use(self) -> set[str]:
+        return {d for sb in self.sandboxes.values() if not sb.stopping for d in sb.rec.digests}
+
+    async def release_layers(self) -> None:
+        """Unmount layer images no sandbox on this edge uses any more."""
+        await self.node_layers.release(await self.layers_in_use())
+
+    async def metrics_text(self) -> bytes:
+        return await asyncio.to_thread(generate_latest, self.metrics.registry)

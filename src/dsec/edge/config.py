@@ -1,0 +1,31 @@
+"""An edge's settings (``dsec serve`` / ``dsec edge serve`` options)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from dsec.storage.node import FetchMode
+
+
+class EdgeConfig(BaseModel):
+    name: str = "edge0"
+    data_dir: str
+    cpu_overcommit: float = 8.0
+    memory_overcommit: float = 1.5
+    max_sandboxes: int = 4096
+    max_file_bytes: int = 256 * 1024 * 1024
+    ttl_check_interval_s: float = 1.0
+    # how a shared layer store reaches this node: see dsec.storage.node
+    fetch_mode: FetchMode = "ondemand"
+    chunk_cache_bytes: int = 10 << 30
+    fetch_timeout_s: float = 20.0
+    # memory pressure: below this much available memory, idle best-effort sandboxes are
+    # paused (longest idle first); above this PSI "full" share, creations are refused
+    pause_below_mb: int = 1024
+    admit_max_psi: float = 20.0
+    # sandbox networking: services beyond the built-in ones (name=host,*.suffix), and the
+    # subnet for sandbox addresses (default: a free /19 of 10.211.0.0/16)
+    egress_services: list[str] = []
+    sandbox_subnet: str | None = None
+    # writable layers with quotas live on a btrfs volume (None: sized from free space; 0: off)
+    sandbox_volume_gb: int | None = None

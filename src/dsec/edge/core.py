@@ -1,0 +1,213 @@
+"""The edge's shared state and lookups (see EdgeCore)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+
+from dsec.agent.aether import Aether
+from dsec.agent.interfaces import InitChannel, SandboxFiles
+from dsec.agent.native import ensure_init_binary
+from dsec.backends.container.runtime import CrunRuntime
+from dsec.backends.fncall.pool import FnCallService
+from dsec.backends.vm.runtime import VMRuntime
+from dsec.edge import memory
+from dsec.edge.audit import AuditLog, Detectors
+from dsec.edge.config import EdgeConfig
+from dsec.edge.interactive import InteractiveOps, Watchers
+from dsec.edge.metrics import EdgeMetrics
+from dsec.edge.network import NetworkManager
+from dsec.edge.procwatch import ProcWatch
+from dsec.edge.sandbox import (
+    Sandbox,
+    mem_total_mb,
+)
+from dsec.edge.state import EdgeState
+from dsec.edge.volume import SandboxVolume
+from dsec.errors import (
+    InvalidRequest,
+    NotFound,
+    SandboxNotRunning,
+)
+from dsec.layers.store import LayerStore
+from dsec.storage.node import NodeLayers
+from dsec.wire.models import (
+    ContainerArgs,
+    MicroVMArgs,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxState,
+    SandboxUsage,
+    StorageStats,
+    VMArgs,
+    parse_sandbox_id,
+)
+
+log = logging.getLogger("dsec.edge")
+
+
+ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+# events that also go to the audit log (the rest are lifecycle noise there)
+AUDITED_EVENTS = frozenset({"egress_denied", "oom_killed", "disk_quota", "network", "created", "stopped", "failed",
+                            "paused", "resumed"})
+
+
+
+class EdgeCore(InteractiveOps):
+    """The edge's state (its sandboxes, records, runtimes, network, audit) and the
+    lookups every part of it uses; the parts (capacity, teardown, recovery, sweepers,
+    snapshots, auditing) are mixins over it, and :class:`~dsec.edge.service.Edge` is
+    their facade."""
+
+    def __init__(self, cfg: EdgeConfig, layers: LayerStore) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.layers = layers
+        root = os.path.join(cfg.data_dir, "edges", cfg.name)
+        os.makedirs(root, exist_ok=True)
+        self.volume = SandboxVolume(root, cfg.sandbox_volume_gb)
+        self.volume.setup()
+        self.sandbox_root = os.path.join(self.volume.mnt if self.volume.available else root, "sandboxes")
+        os.makedirs(self.sandbox_root, exist_ok=True)
+        # sockets and crun state are per boot: on tmpfs, with a path short enough for AF_UNIX
+        tag = hashlib.sha1(os.path.abspath(cfg.data_dir).encode()).hexdigest()[:8]
+        self.run_dir = f"/run/dsec/{tag}-{cfg.name}"
+        os.makedirs(os.path.join(self.run_dir, "s"), exist_ok=True)
+        self.state = EdgeState(os.path.join(root, "state.db"))
+        self.runtime = CrunRuntime(os.path.join(self.run_dir, "crun"), cgroup_parent=f"dsec-{tag}")
+        self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.watchers = Watchers()  # polled directory watchers clients hold here
+        self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
+                                      cfg.fetch_timeout_s, on_error=self._storage_error)
+        self.layer_mnt = self.node_layers.mnt_dir
+        self.fncall_service = FnCallService(self, os.cpu_count() or 1)
+        self.vms = VMRuntime(cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        self.audit = AuditLog(os.path.join(root, "audit.db"))
+        self.detectors = Detectors(self._flag)
+        self.procwatch = ProcWatch(f"dsec-{tag}", self._on_exec)
+        self.network = NetworkManager(root, self.run_dir, cfg.egress_services, cfg.sandbox_subnet, self.on_event)
+        self.network_status = "not started"
+        core = memory.has_core_scheduling()
+        self.density: dict[str, object] = {
+            "disk_quota": self.volume.status,
+            "swap": "not set up yet", "sched_idle": True, "core_scheduling": core,
+            "qos": "best_effort: SCHED_IDLE + minimal CPU shares; latency_sensitive: normal" + (
+                ", core-scheduled" if core else "; no core scheduling in this kernel (CONFIG_SCHED_CORE), "
+                "so latency-sensitive sandboxes are not isolated from sibling hyperthreads")}
+        self._ttl_task: asyncio.Task[None] | None = None
+        self._quota_checked = 0.0
+        self._audit_swept = 0.0
+        self._teardowns: set[asyncio.Task[None]] = set()
+        self.cpus = os.cpu_count() or 1
+        self.memory_mb = mem_total_mb()
+        self.metrics = EdgeMetrics(self.name, lambda: [
+            (sb.id, sb.rec.info.state.value, sb.rec.info.job, self._usage(sb))
+            for sb in list(self.sandboxes.values()) if not sb.stopping], self._storage_stats)
+
+    def on_event(self, sandbox_id: str, kind: str, message: str) -> None:
+        """Something a sandbox's owner should know: kept with the sandbox (``GET .../events``) and logged."""
+        log.info("%s %s: %s", sandbox_id, kind, message)
+        if sb := self.sandboxes.get(sandbox_id):
+            sb.events.append(SandboxEvent(t=time.time(), kind=kind, message=message))
+        if kind in AUDITED_EVENTS:
+            self.audit.record(sandbox_id, kind, message)
+        if kind == "egress_denied":
+            self.detectors.denial(sandbox_id)
+
+    def _flag(self, sandbox_id: str, detector: str, message: str) -> None:
+        self.audit.record(sandbox_id, "flag", message, flag=detector)
+        self.on_event(sandbox_id, "flagged", f"{detector}: {message}")
+
+    def _on_exec(self, sandbox_id: str, pid: int, cmdline: str) -> None:
+        if sandbox_id in self.sandboxes:
+            self.audit.record(sandbox_id, "process", f"[{pid}] {cmdline}" if pid else cmdline)
+            self.detectors.command(sandbox_id, cmdline)
+
+    def _storage_error(self, data: str, message: str) -> None:
+        for sb in list(self.sandboxes.values()):
+            if any(self.layers.data_of(d) == data for d in sb.rec.digests):
+                self.on_event(sb.id, "storage_error", message)
+
+    def _sock_path(self, sid: str) -> str:
+        return os.path.join(self.run_dir, "s", sid)
+
+    def _cgroup(self, sb: Sandbox) -> str:
+        return (self.vms if sb.vm else self.runtime).cgroup_path(sb.id)
+
+    def _tombstone(self, sandbox_id: str) -> SandboxInfo:
+        rec = self.state.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"no sandbox {sandbox_id!r} on edge {self.name}", field="sandbox_id")
+        return rec.info
+
+    def _get_live(self, sandbox_id: str) -> Sandbox | None:
+        try:
+            if parse_sandbox_id(sandbox_id) != self.name:
+                raise NotFound(f"sandbox {sandbox_id!r} does not live on edge {self.name}", field="sandbox_id")
+        except ValueError as e:
+            raise InvalidRequest(str(e), field="sandbox_id") from None
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.stopping:
+            return None
+        return sb
+
+    def _running(self, sandbox_id: str) -> tuple[Sandbox, Aether]:
+        sb = self._get_live(sandbox_id)
+        if sb is None or sb.agent is None:
+            current = self.sandboxes.get(sandbox_id)
+            info = current.rec.info if current else self._tombstone(sandbox_id)
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is {info.state.value}"
+                                    + (f" ({info.error})" if info.error else ""))
+        sb.rec.info.last_active_at = time.time()
+        sb.dirty = True
+        return sb, sb.agent
+
+    def _audit(self, sandbox_id: str, kind: str, detail: str) -> None:
+        self.audit.record(sandbox_id, kind, detail)
+
+    async def touch(self, sandbox_id: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb:
+            sb.rec.info.last_active_at = time.time()
+            sb.dirty = True
+
+    # ---- provided by the parts; the facade's MRO finds the real ones -----------------
+    async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None) -> SandboxInfo:
+        raise NotImplementedError
+
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        raise NotImplementedError
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        raise NotImplementedError
+
+    async def spawn_worker(self, sandbox_id: str, argv: list[str], files: dict[str, bytes]
+                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        raise NotImplementedError
+
+    async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
+        raise NotImplementedError
+
+    async def _attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
+        raise NotImplementedError
+
+    async def _bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
+        raise NotImplementedError
+
+    async def _save_access_lists(self, sb: Sandbox, forget: bool = False) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def _run_detectors(self, sb: Sandbox) -> None:
+        raise NotImplementedError
+
+    def _usage(self, sb: Sandbox, disk_max_age: float = 30.0) -> SandboxUsage:
+        raise NotImplementedError
+
+    def _storage_stats(self) -> StorageStats:
+        raise NotImplementedError

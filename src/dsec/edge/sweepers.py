@@ -1,0 +1,158 @@
+"""The edge's periodic work: TTLs and lifetimes, memory pressure, disk quotas, limit
+events, and the audit sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+
+from dsec.edge import memory
+from dsec.edge.core import EdgeCore
+from dsec.edge.sandbox import Sandbox
+from dsec.errors import (
+    SandboxBusy,
+    SandboxError,
+)
+from dsec.wire.models import (
+    ContainerArgs,
+    SandboxState,
+)
+
+log = logging.getLogger("dsec.edge")
+
+
+class Sweepers(EdgeCore):
+    """One loop, every ttl_check_interval_s."""
+
+    def _flush_activity(self) -> None:
+        for sb in self.sandboxes.values():
+            if sb.dirty and not sb.stopping:
+                sb.dirty = False
+                self.state.touch(sb.id, sb.rec.info.last_active_at)
+
+    async def _relieve_pressure(self) -> None:
+        """Below ``pause_below_mb`` available, pause the longest-idle best-effort container
+        (idle: no request for 5 s) before the kernel's OOM killer has to pick something.
+        Latency-sensitive sandboxes, busy ones and VMs are left alone. One per tick."""
+        avail = memory.pressure().get("available_mb", float("inf"))
+        if avail >= self.cfg.pause_below_mb:
+            return
+        now = time.time()
+        idle = sorted((sb for sb in self.sandboxes.values()
+                       if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.qos == "best_effort"
+                       and sb.rec.info.state == SandboxState.running and not sb.stopping and sb.agent
+                       and not sb.ops and now - sb.rec.info.last_active_at > 5
+                       and sb.rec.args.labels.get("dsec-role") != "fncall"),
+                      key=lambda sb: sb.rec.info.last_active_at)
+        if idle:
+            sb = idle[0]
+            with contextlib.suppress(SandboxBusy, SandboxError):
+                await self.pause(sb.id)
+                self.on_event(sb.id, "pressure", f"paused: the node had {avail:.0f} MiB available, "
+                              f"below {self.cfg.pause_below_mb} MiB")
+
+    def _limit_events(self, sb: Sandbox) -> None:
+        """Events for a sandbox running into its own limits (memory, pids, CPU quota)."""
+        cg, args = self._cgroup(sb), sb.rec.args
+        sb.memory_held_mb = memory.cgroup_memory(cg).get("total", 0) >> 20
+        # pressure inside its own limit is its own business: an event, never a node-wide refusal
+        fails = memory.memory_failures(cg)
+        if fails > sb.memfail_seen and time.monotonic() - sb.memfail_reported > 60 and sb.memfail_seen:
+            self.on_event(sb.id, "memory_pressure", f"at its {args.memory_limit_mb} MiB limit: the kernel "
+                          f"reclaimed its memory {fails - sb.memfail_seen} time(s) since the last look")
+            sb.memfail_reported = time.monotonic()
+        sb.memfail_seen = fails
+        kills = memory.oom_kills(cg)
+        if kills > sb.oom_seen:
+            self.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
+                          f"{args.memory_limit_mb} MiB limit (OOM inside the sandbox only)")
+            sb.oom_seen = kills
+        refused = memory.pids_limit_hits(cg)
+        if refused > sb.pids_seen:
+            if isinstance(args, ContainerArgs) and time.monotonic() - sb.pids_reported > 10:
+                self.on_event(sb.id, "pids_limit", f"{refused - sb.pids_seen} fork(s) refused at the "
+                              f"{args.pids_limit}-process limit")
+                sb.pids_reported = time.monotonic()
+            sb.pids_seen = refused
+        now, throttled = time.monotonic(), memory.cpu_throttled_s(cg)
+        then, before = sb.cpu_seen
+        if now - then >= 10:
+            if then and throttled - before > 0.3 * (now - then) and now - sb.cpu_reported > 60:
+                self.on_event(sb.id, "cpu_throttled", f"held at its {args.cpu_cores_limit} CPU limit "
+                              f"{100 * (throttled - before) / (now - then):.0f}% of the last {now - then:.0f} s")
+                sb.cpu_reported = now
+            sb.cpu_seen = (now, throttled)
+
+    async def _audit_sweep(self) -> None:
+        """Every 10 s: write buffered audit records, run the file detectors."""
+        since, now = self._audit_swept - 1, time.time()
+        if now - self._audit_swept < 10:
+            return
+        self._audit_swept = now
+        await asyncio.to_thread(self.audit.flush)
+        # only sandboxes that served requests since the last sweep: an idle fleet costs
+        # nothing here (an audit query runs the detectors of its sandbox in any case)
+        for sb in list(self.sandboxes.values()):
+            info = sb.rec.info
+            if info.state == SandboxState.running and not sb.stopping and (sb.ops or info.last_active_at >= since):
+                await self._run_detectors(sb)
+        if random.random() < 0.01:
+            await asyncio.to_thread(self.audit.prune)
+
+    async def _check_disk_quotas(self) -> None:
+        """Report a sandbox whose writable layer reached its quota (once per filling)."""
+        quota = [sb for sb in self.sandboxes.values() if sb.qgroup is not None and not sb.stopping]
+        if not quota or time.monotonic() - self._quota_checked < 5:
+            return
+        self._quota_checked = time.monotonic()
+        used = await asyncio.to_thread(self.volume.referenced)
+        for sb in quota:
+            limit = sb.rec.args.disk_limit_mb << 20 if isinstance(sb.rec.args, ContainerArgs) else 0
+            n = used.get(sb.qgroup or 0, 0)
+            if not sb.quota_full and limit and n >= limit * 0.95:
+                sb.quota_full = True
+                self.on_event(sb.id, "disk_quota", f"writable layer full: {n >> 20} of {limit >> 20} MiB "
+                              "(writes fail with EDQUOT)")
+            elif sb.quota_full and n < limit * 0.8:
+                sb.quota_full = False
+
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.ttl_check_interval_s)
+            try:
+                self._flush_activity()
+                await self._relieve_pressure()
+                await self._check_disk_quotas()
+                await self._audit_sweep()
+                now = time.time()
+                for sb in list(self.sandboxes.values()):
+                    args, info = sb.rec.args, sb.rec.info
+                    if sb.stopping or (sb.agent is None and info.state != SandboxState.paused):
+                        continue
+                    if info.state == SandboxState.running:
+                        self._limit_events(sb)
+                    if info.state == SandboxState.paused:  # idle by definition: lifetime and paused TTL only
+                        if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s \
+                                and args.on_expiry == "stop":
+                            await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                        elif args.ttl_paused_stop and now - (info.paused_at or now) > args.ttl_paused_stop:
+                            await self._teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
+                        continue
+                    if sb.ops:
+                        info.last_active_at = now
+                    if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
+                        if args.on_expiry == "pause":
+                            with contextlib.suppress(SandboxBusy, SandboxError):
+                                await self.pause(sb.id)
+                        else:
+                            await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                    elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
+                        await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
+                    elif args.ttl_running_pause and now - info.last_active_at > args.ttl_running_pause:
+                        with contextlib.suppress(SandboxBusy, SandboxError):
+                            await self.pause(sb.id)
+            except Exception:
+                log.exception("TTL sweep failed")

@@ -1,0 +1,132 @@
+"""Stopping a sandbox: kill through the cgroup (or QEMU's pid) asking nothing inside it,
+then release each resource as a bounded step of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from dsec.edge.core import EdgeCore
+from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all, wait_gone
+from dsec.faults import failpoint
+from dsec.host.cgroup import Cgroup
+from dsec.wire.models import (
+    ContainerArgs,
+    SandboxInfo,
+    SandboxState,
+)
+
+log = logging.getLogger("dsec.edge")
+T = TypeVar("T")
+
+
+class Teardown(EdgeCore):
+    """stop, and the one teardown every end of a sandbox goes through."""
+
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        self._get_live(sandbox_id)  # validates the id and its edge
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            return self._tombstone(sandbox_id)
+        # a teardown already under way (TTL, init exit) is waited for, not raced
+        await self._teardown(sb, SandboxState.stopped, "stopped")
+        return sb.rec.info
+
+    async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
+        """Release everything of a sandbox, once. The work runs in its own task, shielded:
+        a caller that is cancelled (an edge shutdown, a dropped request) cannot leave it
+        half done, and :meth:`close` waits for it."""
+        if sb.teardown is None:
+            sb.teardown = asyncio.create_task(self._release(sb, final, reason, record))
+            self._teardowns.add(sb.teardown)
+            sb.teardown.add_done_callback(self._teardowns.discard)
+        await asyncio.shield(sb.teardown)
+
+    async def _release(self, sb: Sandbox, final: SandboxState, reason: str, record: bool) -> None:
+        """Kill first, through the cgroup (or QEMU's pid), asking nothing inside the sandbox;
+        then let whatever held the sandbox (a pause, a pack_diff, a create) fall through;
+        then release each resource, every step bounded and on its own: one that fails or
+        hangs is reported and the rest still happen."""
+        if sb.stopping and sb.rec.info.state in (SandboxState.stopped, SandboxState.failed):
+            return
+        t0 = time.monotonic()
+        sb.stopping = True
+        sb.rec.info.state = SandboxState.stopping
+        if record:
+            await self._bounded(sb, "record", asyncio.to_thread(self.state.put, sb.rec))
+            await failpoint("stop.recorded")
+        if sb.watch and sb.watch is not asyncio.current_task():
+            sb.watch.cancel()
+        if sb.vm:
+            await self._bounded(sb, "kill QEMU", self.vms.destroy(sb.vm), KILL_TIMEOUT_S + 5)
+        else:
+            cg = Cgroup(self.runtime.cgroup_path(sb.id))
+            if not await self._bounded(sb, "kill", asyncio.to_thread(cg.kill, KILL_TIMEOUT_S), KILL_TIMEOUT_S + 5):
+                self.on_event(sb.id, "teardown_error", f"processes left in its cgroup after {KILL_TIMEOUT_S} s "
+                              f"of SIGKILL: {sorted(cg.procs())[:10]}")
+        await failpoint("stop.killed")
+        if sb.creator is not None and sb.creator is not asyncio.current_task():
+            sb.creator.cancel()  # a create under way stops where it is; what it built is released below
+            await asyncio.wait([sb.creator], timeout=STEP_TIMEOUT_S)
+        locked = False
+        try:
+            async with asyncio.timeout(STEP_TIMEOUT_S):  # the holder's init is dead: it ends soon
+                await sb.lock.acquire()
+                locked = True
+        except TimeoutError:
+            log.warning("sandbox %s: tearing down without its lock (held for %s s)", sb.id, STEP_TIMEOUT_S)
+        try:
+            self.watchers.release(sb.id)
+            if sb.agent:
+                await self._bounded(sb, "close the agent", sb.agent.close())
+                sb.agent = None
+            await self._bounded(sb, "detach the network", self.network.detach(sb.id))
+            if not sb.vm:
+                cg = Cgroup(self.runtime.cgroup_path(sb.id))
+                await asyncio.to_thread(cg.remove, True)  # crun removes the cgroup it made, not ours below it
+                await self._bounded(sb, "crun delete", self.runtime.delete(sb.id))
+                await failpoint("stop.deleted")
+                if sb.rec.init_pid:
+                    await wait_gone(sb.rec.init_pid)
+                left = await asyncio.to_thread(cg.remove)
+                if left:
+                    self.on_event(sb.id, "teardown_error", f"cgroups not removed: {left}")
+            if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.record_access:
+                await self._bounded(sb, "save access lists", self._save_access_lists(sb, forget=True))
+            await self._bounded(sb, "unmount", asyncio.to_thread(unmount_all, sb.dir))
+            await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._sock_path(sb.id))
+            self.detectors.forget(sb.id)
+            self.procwatch.forget(sb.id)
+            sb.rec.info.state = final
+            sb.rec.info.error = None if final == SandboxState.stopped else reason
+            if record:
+                await self._bounded(sb, "record", asyncio.to_thread(self.state.put, sb.rec))
+            self.sandboxes.pop(sb.id, None)
+        finally:
+            if locked:
+                sb.lock.release()
+        if record:
+            self.metrics.stopped.labels(self.name, final.value).inc()
+        self.on_event(sb.id, final.value, f"{reason} (released in {time.monotonic() - t0:.2f} s)")
+
+    async def _bounded(self, sb: Sandbox, step: str, aw: Awaitable[T], timeout: float = STEP_TIMEOUT_S) -> T | None:
+        """One teardown step with a deadline; a failure is the sandbox's event, not the caller's."""
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                return await aw
+        except TimeoutError:
+            self.on_event(sb.id, "teardown_error", f"{step}: no answer within {timeout:g} s")
+        except Exception as e:  # noqa: BLE001 - reported; the other steps still run
+            self.on_event(sb.id, "teardown_error", f"{step}: {explain(e)}")
+        finally:
+            if time.monotonic() - t0 > 0.5:
+                log.info("sandbox %s: teardown step %r took %.2f s", sb.id, step, time.monotonic() - t0)
+        return None
