@@ -11,9 +11,10 @@ import time
 from dsec.agent.aether import Aether
 from dsec.agent.interfaces import InitChannel, SandboxFiles
 from dsec.agent.native import ensure_init_binary
-from dsec.backends.container.runtime import CrunRuntime
+from dsec.backends.api import SandboxRuntime
+from dsec.backends.container.sandboxes import ContainerSandboxes
 from dsec.backends.fncall.pool import FnCallService
-from dsec.backends.vm.runtime import VMRuntime
+from dsec.backends.vm.sandboxes import VMSandboxes
 from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.config import EdgeConfig
@@ -37,6 +38,7 @@ from dsec.storage.node import NodeLayers
 from dsec.wire.models import (
     ContainerArgs,
     MicroVMArgs,
+    NetworkInfo,
     SandboxEvent,
     SandboxInfo,
     SandboxState,
@@ -79,7 +81,6 @@ class EdgeCore(InteractiveOps):
         self.run_dir = f"/run/dsec/{tag}-{cfg.name}"
         os.makedirs(os.path.join(self.run_dir, "s"), exist_ok=True)
         self.state = EdgeState(os.path.join(root, "state.db"))
-        self.runtime = CrunRuntime(os.path.join(self.run_dir, "crun"), cgroup_parent=f"dsec-{tag}")
         self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
         self.watchers = Watchers()  # polled directory watchers clients hold here
@@ -87,7 +88,10 @@ class EdgeCore(InteractiveOps):
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
         self.layer_mnt = self.node_layers.mnt_dir
         self.fncall_service = FnCallService(self, os.cpu_count() or 1)
-        self.vms = VMRuntime(cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        # the backends: how a container or a VM exists on this node (backends/api.py)
+        self.containers = ContainerSandboxes(self, self.volume, self.run_dir, f"dsec-{tag}", self.init_binary)
+        self.vm_sandboxes = VMSandboxes(self, cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        self.runtime, self.vms = self.containers.runtime, self.vm_sandboxes.vms  # node-level questions
         self.audit = AuditLog(os.path.join(root, "audit.db"))
         self.detectors = Detectors(self._flag)
         self.procwatch = ProcWatch(f"dsec-{tag}", self._on_exec)
@@ -134,11 +138,14 @@ class EdgeCore(InteractiveOps):
             if any(self.layers.data_of(d) == data for d in sb.rec.digests):
                 self.on_event(sb.id, "storage_error", message)
 
-    def _sock_path(self, sid: str) -> str:
-        return os.path.join(self.run_dir, "s", sid)
-
     def _cgroup(self, sb: Sandbox) -> str:
-        return (self.vms if sb.vm else self.runtime).cgroup_path(sb.id)
+        return self.backend_of(sb).cgroup_path(sb.id)
+
+    def backend_of(self, sb: Sandbox) -> SandboxRuntime:
+        return self.containers if sb.rec.args.backend == "container" else self.vm_sandboxes
+
+    def record(self, sb: Sandbox) -> None:
+        self.state.put(sb.rec)
 
     def _tombstone(self, sandbox_id: str) -> SandboxInfo:
         rec = self.state.get(sandbox_id)
@@ -194,10 +201,10 @@ class EdgeCore(InteractiveOps):
     async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
         raise NotImplementedError
 
-    async def _attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
+    async def bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
         raise NotImplementedError
 
-    async def _bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
+    async def wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:
         raise NotImplementedError
 
     async def _save_access_lists(self, sb: Sandbox, forget: bool = False) -> dict[str, int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -27,12 +26,11 @@ from dsec.agent.aether import (
     ProcRootFiles,
     SandboxFiles,
 )
-from dsec.agent.initclient import ChannelLost, InitClient
+from dsec.agent.initclient import ChannelLost
 from dsec.agent.watch import ensure_instances as ensure_inotify_instances
-from dsec.backends.container.runtime import Limits, oci_config
-from dsec.backends.vm.channel import GuestFiles
+from dsec.backends.api import SandboxLost
 from dsec.backends.vm.display import click, screenshot, send_keys
-from dsec.backends.vm.runtime import SnapshotError, VMInstance
+from dsec.backends.vm.runtime import VMInstance
 from dsec.edge import memory
 from dsec.edge.auditing import Auditing
 from dsec.edge.capacity import Capacity
@@ -60,7 +58,6 @@ from dsec.errors import (
 )
 from dsec.faults import failpoint
 from dsec.host import linux
-from dsec.host.cgroup import Cgroup
 from dsec.layers.store import layer_kind
 from dsec.wire.models import (
     Backend,
@@ -79,7 +76,6 @@ from dsec.wire.models import (
     SandboxInfo,
     SandboxState,
     VMArgs,
-    VMInfo,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -124,8 +120,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
             if sb.agent:
                 sb.agent.detach()
         self._flush_activity()
-        if not self.sandboxes:
-            self.runtime.remove_cgroup_parent()
+        self.containers.close(sandboxes_left=bool(self.sandboxes))
         await self.network.close(keep=bool(self.sandboxes))
         self.procwatch.close()
         self.audit.close()
@@ -185,10 +180,9 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
             # restart and tears down what was built (it ends failed, with the reason)
             self.state.put(sb.rec)
             await failpoint("create.recorded")
-            if not isinstance(args, ContainerArgs):
-                await self._create_vm(sb, args, digests)
-            else:
-                await self._create_container(sb, args, digests)
+            backend = self.backend_of(sb)
+            await backend.prepare(sb, digests)
+            await backend.start(sb, digests)
             await failpoint("create.attached")
             self._still_wanted(sb)
             info.state = SandboxState.running
@@ -219,54 +213,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
         if sb.stopping:
             raise SandboxNotRunning(f"sandbox {sb.id} was stopped while it was being created")
 
-    async def _create_container(self, sb: Sandbox, args: ContainerArgs, digests: list[str]) -> None:
-        sid = sb.id
-        if args.record_access and not self.node_layers.on_demand:
-            raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
-        if self.volume.available:
-            self.volume.create(sb.dir, args.disk_limit_mb)
-            sb.qgroup = self.volume.subvolume_id(sb.dir)
-        if queued := await self.node_layers.prefetch(digests):
-            self.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
-        if args.record_access:
-            lowers = [await self.node_layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
-                      for i, d in reversed(list(enumerate(digests)))]
-        else:
-            lowers = [await self.node_layers.mount(d) for d in reversed(digests)]
-        for sub in ("upper", "work", "rootfs"):
-            os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
-        rootfs = os.path.join(sb.dir, "rootfs")
-        linux.mount("overlay", rootfs, "overlay", 0,
-                    f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
-        await failpoint("create.mounted")
-        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit,
-                        cpu_shares=2 if args.qos == "best_effort" else 1024)
-        with open(os.path.join(sb.dir, "config.json"), "w") as f:
-            json.dump(oci_config(sid, rootfs, limits, self.runtime.cgroup_path(sid), args.tmpfs), f)
-        sock_path = self._sock_path(sid)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(sock_path)
-        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            lsock.bind(sock_path)
-            os.chmod(sock_path, 0o600)
-            lsock.listen(64)
-            sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
-        finally:
-            lsock.close()
-            os.close(init_fd)
-        self.state.put(sb.rec)  # its init pid: a restart finds the container to kill
-        await failpoint("create.started")
-        idle = args.qos == "best_effort"
-        # the workload's limits on its own child cgroup; init keeps a reserve beside it
-        procs = await asyncio.to_thread(Cgroup(self.runtime.cgroup_path(sid)).split_workload, args.memory_limit_mb,
-                                        args.cpu_cores_limit, args.pids_limit, limits.cpu_shares, idle)
-        if args.network_rules is not None:
-            await self._wire_network(sb, args.network_rules)
-        await self._attach(sb, (procs, idle))
-
-    async def _wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:
+    async def wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:
         """Give a container its link; its resolver is the edge's, and it trusts the CAs
         the node's package managers trust (an egress proxy's among them)."""
         info = sb.rec.info.network = await self.network.attach(sb.id, sb.rec.init_pid, rules)
@@ -287,28 +234,12 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
                 info = sb.rec.info.network = await self.network.update(sb.id, changes)
             else:
                 self.network.validate(changes)
-                info = await self._wire_network(sb, changes)
+                info = await self.wire_network(sb, changes)
             self.state.put(sb.rec)
         self.on_event(sb.id, "network", "allowed: " + (", ".join(sorted(info.rules)) or "nothing"))
         return info
 
-    async def _attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
-        """Connect to the container's init (``workload``: at create, the cgroup.procs fds
-        its children join, and whether they run SCHED_IDLE)."""
-        init = InitClient(self._sock_path(sb.id))
-        try:
-            await init.connect()
-            if workload is not None:
-                await init.configure(*workload)
-            await self._bind_agent(sb, init, None)
-        except BaseException:
-            init.close()
-            raise
-        finally:
-            for fd in workload[0] if workload else []:
-                os.close(fd)
-
-    async def _bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
+    async def bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
         args = sb.rec.args
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.id, "LANG": "C.UTF-8", **args.env}
         ctx = AgentContext(sandbox_id=sb.id, init_pid=sb.rec.init_pid, env=env, workdir="/")
@@ -329,30 +260,6 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
             why = "VM agent channel lost (QEMU or the guest's agent ended)" if sb.vm else "sandbox init exited"
             await self._teardown(sb, SandboxState.failed, why)
 
-    # ---- VM sandboxes -------------------------------------------------------------
-    async def _create_vm(self, sb: Sandbox, args: MicroVMArgs | VMArgs, digests: list[str]) -> None:
-        os.makedirs(sb.dir, exist_ok=True)
-        machine = "microvm" if isinstance(args, MicroVMArgs) else "q35"
-        files = [await self.node_layers.image_files(d) for d in digests]
-        upper = os.path.join(sb.dir, "upper.img")
-        display = isinstance(args, VMArgs) and args.display
-        spec = await self.vms.make_spec(machine, args.vcpus, args.memory_mb, files, upper, display)
-        vm = sb.vm = VMInstance(sb.id, sb.dir, self.vms.sock_dir, spec)
-        if args.template:
-            key = self.vms.template_key(spec, digests, args.disk_mb)
-            tdir = await self.vms.ensure_template(key, spec, args.disk_mb, timeout=180)
-            ch = await self.vms.clone(vm, tdir, sb.id)
-        else:
-            await self.vms.make_upper(upper, args.disk_mb)
-            ch = await self.vms.boot(vm, sb.id, timeout=180)
-        sb.rec.init_pid = vm.pid
-        self.vms.save_spec(vm)
-        sb.rec.info.vm = VMInfo(
-            machine=machine, accelerator=spec.accel, vcpus=args.vcpus, memory_mb=args.memory_mb,
-            disk_mb=args.disk_mb, started_from="template" if args.template else "boot",
-            boot_s=vm.timings.get("boot_s"), clone_s=vm.timings.get("clone_s"))
-        await self._bind_agent(sb, ch, GuestFiles(ch))
-
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         """VM: guest RAM and devices to a snapshot file, QEMU ends. Container: frozen
         and its memory pushed out to swap."""
@@ -369,18 +276,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
             t0 = time.monotonic()
             cg = self._cgroup(sb)
             before = memory.cgroup_memory(cg)
-            if sb.vm:
-                meta = await self.vms.pause(sb.vm)
-                if info.vm:
-                    info.vm.pause_s = sb.vm.timings.get("pause_s")
-                    info.vm.snapshot_bytes = meta["size"]
-                msg = f"snapshot {meta['size'] >> 20} MiB in {sb.vm.timings.get('pause_s', 0):.2f} s; QEMU ended"
-            else:
-                await self.runtime.pause(sb.id)  # frozen first: nothing touches the memory we push out
-                await failpoint("pause.frozen")
-                await asyncio.to_thread(memory.page_out, cg)
-                await failpoint("pause.paged")
-                msg = "frozen, memory pushed out to swap"
+            msg = await self.backend_of(sb).pause(sb)
             after = memory.cgroup_memory(cg)
             info.pause = PauseInfo(memory_before_bytes=before.get("total", 0), memory_after_bytes=after.get("total", 0),
                                    swap_bytes=after.get("swap", 0), pause_s=time.monotonic() - t0)
@@ -404,30 +300,12 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
             if info.state != SandboxState.paused or sb.stopping:
                 return
             t0 = time.monotonic()
-            if sb.vm:
-                try:
-                    fresh = sb.vm.channel is None
-                    await self.vms.resume(sb.vm)
-                except SnapshotError as e:
-                    self.on_event(sb.id, "snapshot_error", str(e))
-                    asyncio.create_task(self._teardown(sb, SandboxState.failed, f"resume failed: {e}"))
-                    raise
-                sb.rec.init_pid = sb.vm.pid
-                if info.vm:
-                    info.vm.restore_s = sb.vm.timings.get("restore_s")
-                    info.vm.snapshot_bytes = None
-                    info.vm.started_from = "snapshot"
-                if fresh and sb.vm.channel:  # paused across an edge restart: a new agent binding
-                    await self._bind_agent(sb, sb.vm.channel, GuestFiles(sb.vm.channel))
-                msg = f"restored in {sb.vm.timings.get('restore_s', 0):.2f} s"
-            else:
-                # swap-in starts (asynchronously) before the processes run and fault it in one page at a time
-                await asyncio.to_thread(memory.prefetch, self.runtime.cgroup_path(sb.id))
-                await self.runtime.resume(sb.id)
-                await failpoint("resume.thawed")
-                if sb.agent is None:  # paused across an edge restart: bound now that init answers
-                    await self._attach(sb)
-                msg = "memory prefetch started, thawed"
+            try:
+                msg = await self.backend_of(sb).resume(sb)
+            except SandboxLost as e:
+                self.on_event(sb.id, "snapshot_error", e.message)
+                asyncio.create_task(self._teardown(sb, SandboxState.failed, f"resume failed: {e.message}"))
+                raise
             if info.pause:
                 info.pause.resume_s = time.monotonic() - t0
             info.state = SandboxState.running

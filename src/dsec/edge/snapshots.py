@@ -60,7 +60,7 @@ class Snapshots(EdgeCore):
             raise InvalidRequest(f"layer {ref!r} already exists; layers are immutable", field="ref")
         opts = ImportOptions(exclude_regex=scrub_regexes(scrub_paths or [], default_scrub))
         async with sb.lock:
-            await self.runtime.pause(sb.id)
+            await self.containers.freeze(sb)
             try:
                 await failpoint("pack_diff.frozen")
                 layer = await asyncio.to_thread(
@@ -68,7 +68,7 @@ class Snapshots(EdgeCore):
                     sb.rec.args.image, sb.rec.args.layers, source or f"pack_diff of {sb.id}")
                 await failpoint("pack_diff.built")
             finally:
-                await self.runtime.resume(sb.id)
+                await self.containers.thaw(sb)
         self.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
         return layer
 

@@ -4,17 +4,14 @@ then release each resource as a bounded step of its own."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from dsec.edge.core import EdgeCore
-from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all, wait_gone
+from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all
 from dsec.faults import failpoint
-from dsec.host.cgroup import Cgroup
 from dsec.wire.models import (
     ContainerArgs,
     SandboxInfo,
@@ -62,13 +59,7 @@ class Teardown(EdgeCore):
             await failpoint("stop.recorded")
         if sb.watch and sb.watch is not asyncio.current_task():
             sb.watch.cancel()
-        if sb.vm:
-            await self._bounded(sb, "kill QEMU", self.vms.destroy(sb.vm), KILL_TIMEOUT_S + 5)
-        else:
-            cg = Cgroup(self.runtime.cgroup_path(sb.id))
-            if not await self._bounded(sb, "kill", asyncio.to_thread(cg.kill, KILL_TIMEOUT_S), KILL_TIMEOUT_S + 5):
-                self.on_event(sb.id, "teardown_error", f"processes left in its cgroup after {KILL_TIMEOUT_S} s "
-                              f"of SIGKILL: {sorted(cg.procs())[:10]}")
+        await self._bounded(sb, "kill", self.backend_of(sb).kill(sb), KILL_TIMEOUT_S + 5)
         await failpoint("stop.killed")
         if sb.creator is not None and sb.creator is not asyncio.current_task():
             sb.creator.cancel()  # a create under way stops where it is; what it built is released below
@@ -86,22 +77,11 @@ class Teardown(EdgeCore):
                 await self._bounded(sb, "close the agent", sb.agent.close())
                 sb.agent = None
             await self._bounded(sb, "detach the network", self.network.detach(sb.id))
-            if not sb.vm:
-                cg = Cgroup(self.runtime.cgroup_path(sb.id))
-                await asyncio.to_thread(cg.remove, True)  # crun removes the cgroup it made, not ours below it
-                await self._bounded(sb, "crun delete", self.runtime.delete(sb.id))
-                await failpoint("stop.deleted")
-                if sb.rec.init_pid:
-                    await wait_gone(sb.rec.init_pid)
-                left = await asyncio.to_thread(cg.remove)
-                if left:
-                    self.on_event(sb.id, "teardown_error", f"cgroups not removed: {left}")
+            await self._bounded(sb, "release its runtime", self.backend_of(sb).destroy(sb), 2 * STEP_TIMEOUT_S)
             if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.record_access:
                 await self._bounded(sb, "save access lists", self._save_access_lists(sb, forget=True))
             await self._bounded(sb, "unmount", asyncio.to_thread(unmount_all, sb.dir))
             await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._sock_path(sb.id))
             self.detectors.forget(sb.id)
             self.procwatch.forget(sb.id)
             sb.rec.info.state = final

@@ -1,0 +1,195 @@
+"""Container sandboxes on an edge: overlayfs over the node's EROFS layer mounts, a
+btrfs subvolume (with its quota) for the writable layer, crun with dsec-init as PID 1
+executed from an fd, the workload in a child cgroup of its own, and the kernel's
+freezer and swap for pause. Implements :class:`dsec.backends.api.SandboxRuntime`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from dsec.agent.initclient import InitClient
+from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
+from dsec.edge import memory
+from dsec.errors import DsecError, InvalidRequest, SandboxError
+from dsec.faults import failpoint
+from dsec.host import linux
+from dsec.host.cgroup import Cgroup
+from dsec.wire.models import ContainerArgs, SandboxState
+
+if TYPE_CHECKING:
+    from dsec.backends.api import BackendHost
+    from dsec.edge.sandbox import Sandbox
+    from dsec.edge.volume import SandboxVolume
+
+KILL_TIMEOUT_S = 10.0  # SIGKILL through the cgroup for at most this long
+
+
+class ContainerSandboxes:
+    def __init__(self, host: BackendHost, volume: SandboxVolume, run_dir: str, cgroup_parent: str,
+                 init_binary: str) -> None:
+        self.host, self.volume = host, volume
+        self.run_dir, self.init_binary = run_dir, init_binary
+        self.runtime = CrunRuntime(os.path.join(run_dir, "crun"), cgroup_parent=cgroup_parent)
+        os.makedirs(os.path.join(run_dir, "s"), exist_ok=True)
+
+    def cgroup_path(self, sandbox_id: str) -> str:
+        return self.runtime.cgroup_path(sandbox_id)
+
+    def sock_path(self, sandbox_id: str) -> str:
+        return os.path.join(self.run_dir, "s", sandbox_id)
+
+    @staticmethod
+    def _args(sb: Sandbox) -> ContainerArgs:
+        assert isinstance(sb.rec.args, ContainerArgs)
+        return sb.rec.args
+
+    async def prepare(self, sb: Sandbox, digests: list[str]) -> None:
+        sid, args, layers = sb.id, self._args(sb), self.host.node_layers
+        if args.record_access and not layers.on_demand:
+            raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
+        if self.volume.available:
+            self.volume.create(sb.dir, args.disk_limit_mb)
+            sb.qgroup = self.volume.subvolume_id(sb.dir)
+        if queued := await layers.prefetch(digests):
+            self.host.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
+        if args.record_access:
+            lowers = [await layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
+                      for i, d in reversed(list(enumerate(digests)))]
+        else:
+            lowers = [await layers.mount(d) for d in reversed(digests)]
+        for sub in ("upper", "work", "rootfs"):
+            os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
+        linux.mount("overlay", os.path.join(sb.dir, "rootfs"), "overlay", 0,
+                    f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
+        await failpoint("create.mounted")
+
+    async def start(self, sb: Sandbox, digests: list[str]) -> None:
+        sid, args = sb.id, self._args(sb)
+        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit,
+                        cpu_shares=2 if args.qos == "best_effort" else 1024)
+        with open(os.path.join(sb.dir, "config.json"), "w") as f:
+            json.dump(oci_config(sid, os.path.join(sb.dir, "rootfs"), limits, self.cgroup_path(sid), args.tmpfs), f)
+        sock_path = self.sock_path(sid)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock_path)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lsock.bind(sock_path)
+            os.chmod(sock_path, 0o600)
+            lsock.listen(64)
+            sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
+        finally:
+            lsock.close()
+            os.close(init_fd)
+        self.host.record(sb)  # its init pid: a restart finds the container to kill
+        await failpoint("create.started")
+        idle = args.qos == "best_effort"
+        # the workload's limits on its own child cgroup; init keeps a reserve beside it
+        procs = await asyncio.to_thread(Cgroup(self.cgroup_path(sid)).split_workload, args.memory_limit_mb,
+                                        args.cpu_cores_limit, args.pids_limit, limits.cpu_shares, idle)
+        if args.network_rules is not None:
+            await self.host.wire_network(sb, args.network_rules)
+        await self.attach(sb, (procs, idle))
+
+    async def attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
+        """Connect to the container's init (``workload``: at create, the cgroup.procs fds
+        its children join, and whether they run SCHED_IDLE)."""
+        init = InitClient(self.sock_path(sb.id))
+        try:
+            await init.connect()
+            if workload is not None:
+                await init.configure(*workload)
+            await self.host.bind_agent(sb, init, None)
+        except BaseException:
+            init.close()
+            raise
+        finally:
+            for fd in workload[0] if workload else []:
+                os.close(fd)
+
+    async def freeze(self, sb: Sandbox) -> None:
+        await self.runtime.pause(sb.id)
+
+    async def thaw(self, sb: Sandbox) -> None:
+        await self.runtime.resume(sb.id)
+
+    async def pause(self, sb: Sandbox) -> str:
+        await self.runtime.pause(sb.id)  # frozen first: nothing touches the memory we push out
+        await failpoint("pause.frozen")
+        await asyncio.to_thread(memory.page_out, self.cgroup_path(sb.id))
+        await failpoint("pause.paged")
+        return "frozen, memory pushed out to swap"
+
+    async def resume(self, sb: Sandbox) -> str:
+        # swap-in starts (asynchronously) before the processes run and fault it in one page at a time
+        await asyncio.to_thread(memory.prefetch, self.cgroup_path(sb.id))
+        await self.runtime.resume(sb.id)
+        await failpoint("resume.thawed")
+        if sb.agent is None:  # paused across an edge restart: bound now that init answers
+            await self.attach(sb)
+        return "memory prefetch started, thawed"
+
+    async def kill(self, sb: Sandbox) -> None:
+        cg = Cgroup(self.cgroup_path(sb.id))
+        if not await asyncio.to_thread(cg.kill, KILL_TIMEOUT_S):
+            raise SandboxError(f"processes left in its cgroup after {KILL_TIMEOUT_S:g} s of SIGKILL: "
+                               f"{sorted(cg.procs())[:10]}")
+
+    async def destroy(self, sb: Sandbox) -> None:
+        from dsec.edge.sandbox import wait_gone
+
+        cg = Cgroup(self.cgroup_path(sb.id))
+        await asyncio.to_thread(cg.remove, True)  # crun removes the cgroup it made, not ours below it
+        try:
+            await self.runtime.delete(sb.id)
+        finally:
+            await failpoint("stop.deleted")
+            if sb.rec.init_pid:
+                await wait_gone(sb.rec.init_pid)
+            left = await asyncio.to_thread(cg.remove)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.sock_path(sb.id))
+        if left:
+            raise SandboxError(f"cgroups not removed: {left}")
+
+    async def known(self) -> set[str]:
+        return set(await self.runtime.list())
+
+    async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> bool:
+        """The kernel's freezer, not the record, says whether it is paused: an edge killed
+        in the middle of a pause, resume or pack_diff left the record one step behind."""
+        from dsec.edge.sandbox import alive
+
+        rec = sb.rec
+        if not known_to_runtime or not alive(rec.init_pid):
+            raise SandboxError("its container is gone")
+        cg = Cgroup(self.cgroup_path(sb.id))
+        if rec.info.state == SandboxState.paused and rec.info.pause is not None:
+            if cg.frozen():
+                return False
+            # killed mid-resume: thawed already, so it runs
+        elif cg.frozen():  # killed mid-pause or mid-pack_diff: the record says running
+            await self.runtime.resume(sb.id)
+        await self.attach(sb)
+        return True
+
+    async def reap_strays(self, known: set[str]) -> list[str]:
+        strays = sorted(await self.known() - known)
+        for sid in strays:  # a container no record owns (killed mid-create)
+            cg = Cgroup(self.cgroup_path(sid))
+            await asyncio.to_thread(cg.kill, KILL_TIMEOUT_S)
+            await asyncio.to_thread(cg.remove, True)
+            with contextlib.suppress(DsecError):
+                await self.runtime.delete(sid)
+            await asyncio.to_thread(cg.remove)
+        return strays
+
+    def close(self, sandboxes_left: bool) -> None:
+        if not sandboxes_left:
+            self.runtime.remove_cgroup_parent()
