@@ -28,8 +28,8 @@ import httpx
 
 import dsec
 from dsec.backends.container.runtime import Limits, oci_config
-from dsec.edge import linux
-from dsec.edge.hostprep import prepare_cgroups
+from dsec.host import linux
+from dsec.host.prep import prepare_cgroups
 from dsec.layers.store import LayerStore
 
 IMAGE = "base/busybox"
@@ -186,7 +186,7 @@ def private_server(node_data_dir: str, extra_args: list[str] | None = None,
     """A dsec server on a private data dir whose layers are hard-linked from the node's
     store, so a benchmark neither sees nor disturbs a platform already running here.
     Returns (process, url, token, data dir)."""
-    from dsec.edge.hostprep import prepare_cgroups
+    from dsec.host.prep import prepare_cgroups
     from dsec.layers.store import LayerStore
 
     prepare_cgroups()

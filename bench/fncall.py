@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import RawCrun, pct, start_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.edge import linux  # noqa: E402
-from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
+from dsec.host import linux  # noqa: E402
+from dsec.host.prep import prepare_cgroups  # noqa: E402
 from dsec.layers.store import LayerStore  # noqa: E402
 
 IMAGE = "base/fncall:12"

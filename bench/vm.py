@@ -36,7 +36,7 @@ from container import pct, start_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
 from dsec.backends.vm.guest import ensure_guest  # noqa: E402
-from dsec.edge.hostprep import prepare_cgroups  # noqa: E402
+from dsec.host.prep import prepare_cgroups  # noqa: E402
 from dsec.layers.store import LayerStore  # noqa: E402
 
 

@@ -182,9 +182,12 @@ async def test_a_call_given_up_on_is_cancelled_at_the_edge(remote: Cluster) -> N
         sb = await edge.create(dsec.ContainerArgs(image="base/busybox"))
         try:
             call = asyncio.ensure_future(edge.exec(sb.sandbox_id, ExecRequest(cmd="sleep 60; echo done")))
-            await asyncio.sleep(0.5)
-            running = await edge.exec(sb.sandbox_id, ExecRequest(cmd="ps -o args | grep -c '^sleep 60'"))
-            assert running.stdout.strip() == "1"
+            for _ in range(50):
+                running = await edge.exec(sb.sandbox_id, ExecRequest(cmd="ps -o args | grep -c '^sleep 60'"))
+                if running.stdout.strip() == "1":
+                    break
+                await asyncio.sleep(0.1)
+            assert running.stdout.strip() == "1" and not call.done()
             call.cancel()
             for _ in range(50):
                 left = await edge.exec(sb.sandbox_id, ExecRequest(cmd="ps -o args | grep -c '^sleep 60'"))
