@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from dsec.agent.aether import Aether, OnData
+from dsec.agent.fdio import write_all
 from dsec.agent.initclient import exit_code
 from dsec.agent.procs import Proc, ProcessTable
 from dsec.agent.watch import DirWatch
@@ -201,8 +202,7 @@ async def tty_session(agent: Aether, cols: int, rows: int, input: AsyncIterator[
             if item.resize is not None:
                 await agent.resize_tty(master, max(1, min(item.resize[0], 1000)), max(1, min(item.resize[1], 1000)))
             if item.data:
-                await asyncio.to_thread(os.write, master, item.data) if len(item.data) > 4096 \
-                    else os.write(master, item.data)
+                await write_all(master, item.data)  # a full pty waits, never fails the session
             touch()
 
     loop.add_reader(master, readable)

@@ -22,7 +22,7 @@ import aiohttp
 
 from dsec.edge import api
 from dsec.edge.remote.ops import ARGS_HEADER, CANCEL, END, ERROR, ITEM, OK, Op, error_from, ops
-from dsec.errors import EdgeUnavailable
+from dsec.errors import DeadlineExceeded, EdgeUnavailable
 
 CONNECT_TIMEOUT_S = 5.0
 CALL_BOUND_S = 1800.0  # no unary call outlives this (a VM create, a big pack_diff take minutes at most)
@@ -197,6 +197,11 @@ class _Calls:
             except EdgeUnavailable as e:
                 e.operation = op
                 raise
+            except TimeoutError:  # past its bound: the edge stops working on it
+                if not ws.closed:
+                    asyncio.ensure_future(self._cancel(ws, cid))
+                raise DeadlineExceeded(f"edge {self.edge.name}: {op} did not answer within {bound:g} s",
+                                       operation=op) from None
             except BaseException:  # cancelled, or past its bound: the edge stops working on it
                 if not ws.closed:
                     asyncio.ensure_future(self._cancel(ws, cid))

@@ -25,7 +25,8 @@ from dsec.edge.remote.ops import ARGS_HEADER, CANCEL, END, ERROR, FAILED, ITEM, 
 from dsec.errors import DsecError, InvalidRequest, NotFound, Unauthorized
 
 log = logging.getLogger("dsec.edge.remote")
-HEARTBEAT_S = 20.0  # a peer that stops answering pings is dropped (its streams end)
+HEARTBEAT_S = 20.0
+ARGS_TIMEOUT_S = 30.0  # a peer that stops answering pings is dropped (its streams end)
 
 
 def _error(e: DsecError) -> web.Response:
@@ -185,7 +186,10 @@ async def _serve_stream(edge: EdgeAPI, ws: web.WebSocketResponse, request: web.R
         op = ops().get(request.match_info["op"])
         if op is None or not op.stream:
             raise NotFound(f"no stream operation {request.match_info['op']!r}", field="op")
-        first = await ws.receive()
+        try:  # a caller that opens a stream and never says what it wants does not hold it
+            first = await ws.receive(timeout=ARGS_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequest(f"{op.name}: no arguments within {ARGS_TIMEOUT_S:g} s", field="op") from None
         if first.type != WSMsgType.TEXT:
             return
         try:
