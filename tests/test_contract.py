@@ -102,8 +102,10 @@ def test_unknown_operations_and_bad_arguments_are_4xx(remote: Cluster) -> None:
     assert r.status_code == 400 and r.json()["field"] == "sandbox_id"
     r = httpx.post(f"{url}/v1/call/stop", json={"sandbox_id": "n1-x", "extra": 1}, headers=ok)
     assert r.status_code == 400 and r.json()["field"] == "extra"
-    r = httpx.post(f"{url}/v1/call/write_file", content=b"x", headers={**ok, "X-Dsec-Args": "%%%"})
-    assert r.status_code == 400 and r.json()["field"] == "sandbox_id"  # the raw body's siblings are missing
+    r = httpx.post(f"{url}/v1/call/write_file", content=b"no arguments line", headers=ok)
+    assert r.status_code == 400 and r.json()["field"] == "body"
+    r = httpx.post(f"{url}/v1/call/write_file", content=b'{"path": "/x"}\nbytes', headers=ok)
+    assert r.status_code == 400 and r.json()["field"] == "sandbox_id"  # the raw body's siblings are checked
     r = httpx.post(f"{url}/v1/call/stop", content=b"{not json", headers=ok)
     assert r.status_code == 400
 

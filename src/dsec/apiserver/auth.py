@@ -5,7 +5,6 @@ project's sandboxes."""
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import re
 import urllib.parse
@@ -18,6 +17,7 @@ from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
 from dsec.errors import (
     DsecError,
     Forbidden,
+    InvalidRequest,
     NotFound,
     Unauthorized,
 )
@@ -71,11 +71,16 @@ class BearerAuth:
                              field="authorization")
         current_principal.set(principal)
         if not principal.all_projects and (m := _SANDBOX_PATH.match(scope["path"])):
-            with contextlib.suppress(DsecError):  # a bad or unknown id is the route's to report
+            try:
                 info = await self.api.edge_for(m.group(1)).get(m.group(1))
-                if info.labels.get(PROJECT_LABEL, "default") != principal.project:
-                    return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}",
-                                    field="sandbox_id")
+            except (NotFound, InvalidRequest) as e:
+                if e.field == "sandbox_id":
+                    return None  # a bad or unknown id is the route's to report
+                return e
+            except DsecError as e:  # the edge cannot say whose it is: refuse (never fail open)
+                return e
+            if info.labels.get(PROJECT_LABEL, "default") != principal.project:
+                return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}", field="sandbox_id")
         return None
 
     async def _signed_file(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> DsecError | None:

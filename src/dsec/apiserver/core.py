@@ -42,6 +42,7 @@ from dsec.wire.models import (
 log = logging.getLogger("dsec.apiserver")
 M = TypeVar("M", bound=BaseModel)
 MAX_CREATE_ATTEMPTS = 3
+LIST_TIMEOUT_S = 30.0  # an edge that does not list its sandboxes in this long is unreachable for the list
 MAX_EXEC_BODY = 64 * 1024 * 1024  # a command with its stdin
 
 
@@ -158,12 +159,13 @@ class Apiserver:
         if not principal.all_projects:
             labels = {**labels, PROJECT_LABEL: principal.project}
         names = list(self.edges)
-        parts = await asyncio.gather(*(self.edges[n].list_sandboxes(job=job, labels=labels, usage=usage)
+        parts = await asyncio.gather(*(asyncio.wait_for(self.edges[n].list_sandboxes(job=job, labels=labels,
+                                                                                      usage=usage), LIST_TIMEOUT_S)
                                        for n in names), return_exceptions=True)
         items: list[SandboxInfo] = []
         missing: list[str] = []
         for name, part in zip(names, parts, strict=True):
-            if isinstance(part, EdgeUnavailable):
+            if isinstance(part, EdgeUnavailable | TimeoutError):  # down, or too slow to wait for
                 missing.append(name)
             elif isinstance(part, BaseException):
                 raise part

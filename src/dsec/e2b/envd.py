@@ -63,7 +63,7 @@ def _code_of(e: DsecError) -> str:
     if isinstance(e, SandboxNotRunning):
         return "failed_precondition"
     return {401: "unauthenticated", 403: "permission_denied", 409: "failed_precondition",
-            429: "resource_exhausted"}.get(e.status, "internal")
+            429: "resource_exhausted", 503: "unavailable", 504: "deadline_exceeded"}.get(e.status, "internal")
 
 
 def _b64(data: bytes) -> str:
@@ -239,7 +239,7 @@ class Envd:
                                                "stream completed")
                         yield {"event": {"end": {"exitCode": ev.exit_code, "exited": True, "status": ev.status}}}
                         return
-                    ev = await anext(stream, None)
+                    ev = await _call(anext(stream, None))  # an edge that fails mid-stream: a Connect error
                 raise ConnectError("unavailable", "the connection to the sandbox ended before the stream completed")
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
@@ -391,7 +391,7 @@ class Envd:
         async def events() -> AsyncIterator[dict[str, Any]]:
             try:
                 yield {"start": {}}
-                async for batch in stream:
+                while (batch := await _call(anext(stream, None))) is not None:
                     if not batch:
                         yield {"keepalive": {}}
                     for ev in batch:

@@ -185,7 +185,7 @@ class EdgeCore(InteractiveOps):
             sb.dirty = True
 
     # ---- provided by the parts; the facade's MRO finds the real ones -----------------
-    async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None) -> SandboxInfo:
+    async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> SandboxInfo:
         raise NotImplementedError
 
     async def stop(self, sandbox_id: str) -> SandboxInfo:

@@ -25,6 +25,7 @@ from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, 
 from dsec.wire.edge import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
 from dsec.wire.models import ExecEvent, ExecResult
 
+INPUT_LIMIT = 4 << 20  # bytes of input queued for a stream before its input is ended
 KEEPALIVE_S = 30.0  # a quiet stream says it is alive this often (proxies and clients time out idle ones)
 MAX_WATCHERS, MAX_WATCHERS_PER_SANDBOX = 8192, 256
 TTY_DRAIN_S = 0.5  # output after the shell's exit still goes out for this long
@@ -56,6 +57,37 @@ async def exec_events(run: Callable[[OnData], Awaitable[ExecResult]]) -> AsyncIt
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+class InputBuffer:
+    """Input items pushed without ever waiting (so whoever reads them off a socket keeps
+    reading, and sees the peer leave), taken as an async iterator. Past ``limit`` bytes
+    queued the input ends: a consumer that stopped reading does not make the edge hold
+    unbounded input."""
+
+    def __init__(self, limit: int = INPUT_LIMIT) -> None:
+        self.q: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
+        self.queued, self.limit, self.ended = 0, limit, False
+
+    def push(self, item: Any, size: int) -> None:
+        if self.ended:
+            return
+        if self.queued + size > self.limit:
+            self.end()
+            return
+        self.queued += size
+        self.q.put_nowait((item, size))
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.q.put_nowait(None)
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while (got := await self.q.get()) is not None:
+            item, size = got
+            self.queued -= size
+            yield item
 
 
 # ---- processes ---------------------------------------------------------------------
@@ -235,6 +267,8 @@ async def tty_session(agent: Aether, cols: int, rows: int, input: AsyncIterator[
             yield TtyOutput(exit_code=code)
     finally:
         in_task.cancel()
+        with contextlib.suppress(BaseException):  # its wait on the pty must end before the fd closes
+            await in_task
         if not exited.done():
             with contextlib.suppress(DsecError):
                 await agent.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True)

@@ -154,7 +154,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
             digests.extend(layer.all_blobs)
         return digests
 
-    async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None) -> SandboxInfo:
+    async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> SandboxInfo:
         t0 = time.monotonic()
         digests = self._resolve_layers(args)
         if isinstance(args, ContainerArgs) and args.network_rules is not None:
@@ -164,7 +164,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
         except AdmissionRejected:
             self.metrics.rejected.inc()
             raise
-        sid = sandbox_id or self._new_id()
+        sid = self._new_id()  # the edge names its sandboxes: an id is a path on this host
         now = time.time()
         info = SandboxInfo(
             sandbox_id=sid, edge=self.name, backend=Backend(args.backend), state=SandboxState.creating,

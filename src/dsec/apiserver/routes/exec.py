@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from dsec.apiserver.core import MAX_EXEC_BODY, Apiserver, parse_body, read_body
+from dsec.edge.interactive import InputBuffer
 from dsec.errors import DsecError
 from dsec.wire.edge import TtyInput
 from dsec.wire.models import ExecRequest
@@ -48,41 +50,64 @@ def routes(api: Apiserver) -> APIRouter:
     @router.websocket("/v1/sandboxes/{sandbox_id}/tty")
     async def tty(ws: WebSocket, sandbox_id: str, cols: int = 80, rows: int = 24) -> None:
         await ws.accept()
+        keys = InputBuffer()
         try:
-            session = api.edge_for(sandbox_id).tty(sandbox_id, cols, rows, _tty_input(ws))
+            session = api.edge_for(sandbox_id).tty(sandbox_id, cols, rows, keys.__aiter__())
             await anext(session)  # the shell is up (or why not)
         except DsecError as e:
             # the close code carries the HTTP status (4000 + status) and the reason
             await ws.close(code=4000 + e.status, reason=e.message[:120])
             return
-        try:
+
+        async def output() -> None:
             async for out in session:
                 if out.data:
                     await ws.send_bytes(out.data)
                 if out.exit_code is not None:
                     await ws.send_text(json.dumps({"exit": out.exit_code}))
-            with contextlib.suppress(Exception):
-                await ws.close()
-        except (WebSocketDisconnect, RuntimeError):
-            pass  # the client went away: closing the session kills the shell
+
+        # the terminal is read on its own, never waiting on the shell: a client that goes
+        # away ends the session even while the shell takes no input
+        reader = asyncio.create_task(_read_terminal(ws, keys))
+        shown = asyncio.create_task(output())
+        try:
+            await asyncio.wait([reader, shown], return_when=asyncio.FIRST_COMPLETED)
+            if shown.done() and shown.exception() is None:
+                with contextlib.suppress(Exception):
+                    await ws.close()
+            elif shown.done() and isinstance(shown.exception(), DsecError):
+                err = shown.exception()
+                assert isinstance(err, DsecError)
+                with contextlib.suppress(Exception):
+                    await ws.close(code=4000 + err.status, reason=err.message[:120])
         finally:
+            for t in (reader, shown):
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(reader, shown, return_exceptions=True)
             await session.aclose()  # type: ignore[attr-defined]
     return router
 
 
-async def _tty_input(ws: WebSocket) -> AsyncIterator[TtyInput]:
+async def _read_terminal(ws: WebSocket, keys: InputBuffer) -> None:
     """What the user's terminal sends: bytes are keystrokes; text is JSON control
-    ({"resize": [cols, rows]} or {"data": "..."}). Ends when the client goes away."""
-    while True:
-        msg = await ws.receive()
-        if msg["type"] == "websocket.disconnect":
-            return
-        if msg.get("bytes"):
-            yield TtyInput(data=msg["bytes"])
-        elif msg.get("text"):
-            with contextlib.suppress(ValueError, KeyError, TypeError, ValidationError):
-                ctl = json.loads(msg["text"])
-                if "resize" in ctl:
-                    yield TtyInput(resize=(int(ctl["resize"][0]), int(ctl["resize"][1])))
-                if "data" in ctl:
-                    yield TtyInput(data=str(ctl["data"]).encode())
+    ({"resize": [cols, rows]} or {"data": "..."}). Ends the input when the client goes away."""
+    try:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            if msg.get("bytes"):
+                keys.push(TtyInput(data=msg["bytes"]), len(msg["bytes"]))
+            elif msg.get("text"):
+                with contextlib.suppress(ValueError, KeyError, TypeError, ValidationError):
+                    ctl = json.loads(msg["text"])
+                    if "resize" in ctl:
+                        keys.push(TtyInput(resize=(int(ctl["resize"][0]), int(ctl["resize"][1]))), 16)
+                    if "data" in ctl:
+                        data = str(ctl["data"]).encode()
+                        keys.push(TtyInput(data=data), len(data))
+    except (WebSocketDisconnect, RuntimeError):
+        return
+    finally:
+        keys.end()

@@ -11,7 +11,6 @@ typed exceptions.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import json
@@ -21,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from dsec.edge import api
-from dsec.edge.remote.ops import ARGS_HEADER, CANCEL, END, ERROR, ITEM, OK, Op, error_from, ops
+from dsec.edge.remote.ops import CANCEL, END, ERROR, ITEM, OK, Op, error_from, ops
 from dsec.errors import DeadlineExceeded, EdgeUnavailable
 
 CONNECT_TIMEOUT_S = 5.0
@@ -67,12 +66,9 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
             bound = arguments["req"].timeout_s + EXEC_MARGIN_S
         if op.multiplexed:
             return op.decode_result(await self._calls.call(op.name, data.decode(), bound))
-        headers: dict[str, str] = {}
-        if op.body is not None:
-            headers[ARGS_HEADER] = base64.urlsafe_b64encode(data).decode()
-            data = arguments[op.body]
-        else:
-            headers["Content-Type"] = "application/json"
+        headers = {"Content-Type": "application/octet-stream" if op.body is not None else "application/json"}
+        if op.body is not None:  # the arguments' JSON line, then the raw bytes
+            data = data + b"\n" + arguments[op.body]
         try:
             async with asyncio.timeout(bound):
                 async with self._http().post(f"{self.url}/v1/call/{op.name}", data=data, headers=headers) as resp:
@@ -95,8 +91,9 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
     async def _stream(self, op: Op, arguments: dict[str, Any]) -> AsyncIterator[Any]:
         assert op.item is not None
         try:
-            ws = await self._http().ws_connect(f"{self.url}/v1/stream/{op.name}", heartbeat=HEARTBEAT_S,
-                                               max_msg_size=0)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):  # a frozen daemon still accepts TCP
+                ws = await self._http().ws_connect(f"{self.url}/v1/stream/{op.name}", heartbeat=HEARTBEAT_S,
+                                                   max_msg_size=0)
         except aiohttp.WSServerHandshakeError as e:
             raise error_from({"error": {401: "unauthorized", 404: "not_found"}.get(e.status, "edge_unavailable"),
                               "message": f"edge {self.name}: {op.name}: HTTP {e.status} {e.message}"}, "") from None
@@ -149,6 +146,7 @@ class _Calls:
         self.pending: dict[str, asyncio.Future[tuple[bool, str]]] = {}
         self.ids = itertools.count(1)
         self.connecting = asyncio.Lock()
+        self.cancels: set[asyncio.Future[None]] = set()
 
     async def _ws(self, op: str) -> aiohttp.ClientWebSocketResponse:
         if self.ws is not None and not self.ws.closed:
@@ -156,8 +154,9 @@ class _Calls:
         async with self.connecting:
             if self.ws is None or self.ws.closed:
                 try:
-                    self.ws = await self.edge._http().ws_connect(f"{self.edge.url}/v1/calls", heartbeat=HEARTBEAT_S,
-                                                                 max_msg_size=0)
+                    async with asyncio.timeout(CONNECT_TIMEOUT_S):  # a frozen daemon still accepts TCP
+                        self.ws = await self.edge._http().ws_connect(f"{self.edge.url}/v1/calls",
+                                                                     heartbeat=HEARTBEAT_S, max_msg_size=0)
                 except aiohttp.WSServerHandshakeError as e:
                     raise error_from({"error": "unauthorized" if e.status == 401 else "edge_unavailable",
                                       "message": f"edge {self.edge.name}: {op}: HTTP {e.status} {e.message}"},
@@ -192,19 +191,19 @@ class _Calls:
                 await ws.send_str(f"{cid} {op} {args}")
                 async with asyncio.timeout(bound):
                     ok, body = await fut
+            except TimeoutError:  # past its bound (caught before OSError: it is one): the edge stops on it
+                if not ws.closed:
+                    self._cancel_later(ws, cid)
+                raise DeadlineExceeded(f"edge {self.edge.name}: {op} did not answer within {bound:g} s",
+                                       operation=op) from None
             except (aiohttp.ClientError, OSError) as e:
                 raise self.edge._unreachable(op, e) from None
             except EdgeUnavailable as e:
                 e.operation = op
                 raise
-            except TimeoutError:  # past its bound: the edge stops working on it
+            except BaseException:  # cancelled: the edge stops working on it
                 if not ws.closed:
-                    asyncio.ensure_future(self._cancel(ws, cid))
-                raise DeadlineExceeded(f"edge {self.edge.name}: {op} did not answer within {bound:g} s",
-                                       operation=op) from None
-            except BaseException:  # cancelled, or past its bound: the edge stops working on it
-                if not ws.closed:
-                    asyncio.ensure_future(self._cancel(ws, cid))
+                    self._cancel_later(ws, cid)
                 raise
         finally:
             self.pending.pop(cid, None)
@@ -212,10 +211,13 @@ class _Calls:
             raise error_from(json.loads(body), f"edge {self.edge.name}: {op} failed")
         return body
 
-    @staticmethod
-    async def _cancel(ws: aiohttp.ClientWebSocketResponse, cid: str) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
-            await ws.send_str(f"{cid} {CANCEL}")
+    def _cancel_later(self, ws: aiohttp.ClientWebSocketResponse, cid: str) -> None:
+        async def send() -> None:
+            with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
+                await ws.send_str(f"{cid} {CANCEL}")
+        task = asyncio.ensure_future(send())
+        self.cancels.add(task)
+        task.add_done_callback(self.cancels.discard)
 
     async def close(self) -> None:
         if self.ws is not None:

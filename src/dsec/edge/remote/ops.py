@@ -3,8 +3,8 @@
 Each method of the Protocol is one operation with a pydantic model of its arguments:
 
 - a unary operation is ``POST /v1/call/{name}``: the arguments as JSON, except a
-  ``bytes`` argument, which is the raw body (its siblings then travel base64url-encoded in
-  the ``X-Dsec-Args`` header); the result is JSON, raw bytes, or nothing (204);
+  ``bytes`` argument, which follows the other arguments' JSON line in the body (no header
+  limit applies to them); the result is JSON, raw bytes, or nothing (204);
 - a stream (a method returning ``AsyncIterator[T]``) is a WebSocket at
   ``/v1/stream/{name}``: the client sends the arguments, the server sends items; an
   ``AsyncIterator`` parameter (the TTY's input) makes the client send items too.
@@ -33,7 +33,6 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, create_model
 from dsec.edge import api
 from dsec.errors import ERRORS_BY_CODE, DsecError
 
-ARGS_HEADER = "X-Dsec-Args"
 ITEM, END, ERROR = "i", ".", "e"
 OK, FAILED, CANCEL = "+", "-", "!"
 

@@ -8,8 +8,6 @@ refused (401) before it is read. The daemon keeps no state of its own: it is the
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hmac
 import json
@@ -21,7 +19,8 @@ from aiohttp import WSMsgType, web
 from pydantic import ValidationError
 
 from dsec.edge.api import EdgeAPI
-from dsec.edge.remote.ops import ARGS_HEADER, CANCEL, END, ERROR, FAILED, ITEM, OK, Op, error_json, ops
+from dsec.edge.interactive import InputBuffer
+from dsec.edge.remote.ops import CANCEL, END, ERROR, FAILED, ITEM, OK, Op, error_json, ops
 from dsec.errors import DsecError, InvalidRequest, NotFound, Unauthorized
 
 log = logging.getLogger("dsec.edge.remote")
@@ -54,7 +53,7 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                    ) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, token):
             return _error(Unauthorized("missing or wrong cluster secret"))
         return await handler(request)
@@ -73,17 +72,18 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
         try:
             op = op_of(request, stream=False)
             try:
-                if op.body is not None:
-                    raw = base64.urlsafe_b64decode(request.headers.get(ARGS_HEADER, "") + "==")
-                    kwargs = op.decode_args(raw)
-                    kwargs[op.body] = await request.read()
+                raw = await request.read()
+                if op.body is not None:  # the arguments' JSON line, then the raw bytes
+                    head, nl, data = raw.partition(b"\n")
+                    if not nl:
+                        raise InvalidRequest(f"{op.name}: the body is the arguments' JSON line, then the bytes",
+                                             field="body")
+                    kwargs = op.decode_args(head)
+                    kwargs[op.body] = data
                 else:
-                    kwargs = op.decode_args(await request.read())
+                    kwargs = op.decode_args(raw)
             except ValidationError as e:
                 raise _bad_args(op, e) from None
-            except (binascii.Error, ValueError):
-                raise InvalidRequest(f"{op.name}: the {ARGS_HEADER} header is not base64url JSON",
-                                     field=ARGS_HEADER) from None
             result = await _invoke(edge, op, kwargs)
         except DsecError as e:
             return _error(e)
@@ -91,7 +91,11 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
             return web.Response(body=result, content_type="application/octet-stream")
         if op.result is None:
             return web.Response(status=204)
-        return web.Response(body=op.encode_result(result), content_type="application/json")
+        try:
+            body = op.encode_result(result)
+        except Exception as e:  # noqa: BLE001 - a result that does not serialize is still an answer
+            return _error(_internal(op.name, e))
+        return web.Response(body=body, content_type="application/json")
 
     async def calls(request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=max_body + (1 << 20))
@@ -153,7 +157,11 @@ async def _serve_calls(edge: EdgeAPI, ws: web.WebSocketResponse) -> None:
                 kwargs = op.decode_args(raw)
             except ValidationError as e:
                 raise _bad_args(op, e) from None
-            frame = f"{cid} {OK}" + op.encode_result(await _invoke(edge, op, kwargs)).decode()
+            result = await _invoke(edge, op, kwargs)
+            try:
+                frame = f"{cid} {OK}" + op.encode_result(result).decode()
+            except Exception as e:  # noqa: BLE001 - a result that does not serialize is still an answer
+                raise _internal(name, e) from None
         except DsecError as e:
             frame = f"{cid} {FAILED}" + json.dumps(error_json(e))
         finally:
@@ -196,9 +204,9 @@ async def _serve_stream(edge: EdgeAPI, ws: web.WebSocketResponse, request: web.R
             kwargs = op.decode_args(first.data)
         except ValidationError as e:
             raise _bad_args(op, e) from None
-        inputs: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
+        inputs = InputBuffer()
         if op.input is not None:
-            kwargs[op.input] = _queue_iter(inputs)
+            kwargs[op.input] = inputs.__aiter__()
         gen = getattr(edge, op.name)(**kwargs)
         assert gen is not None and op.item is not None
         pump = asyncio.create_task(_pump(gen, ws, op))
@@ -236,25 +244,17 @@ async def _pump(gen: AsyncIterator[Any], ws: web.WebSocketResponse, op: Op) -> N
         await ws.send_str(ERROR + json.dumps(error_json(_internal(op.name, e))))
 
 
-async def _read_inputs(ws: web.WebSocketResponse, op: Op, inputs: asyncio.Queue[Any]) -> None:
-    """Input items into the queue (None: the input ended); returns when the caller goes
-    away. Input that does not parse ends the input."""
+async def _read_inputs(ws: web.WebSocketResponse, op: Op, inputs: InputBuffer) -> None:
+    """Input items into the buffer, never waiting on its consumer; returns when the caller
+    goes away. Input that does not parse ends the input."""
     async for msg in ws:
-        if msg.type != WSMsgType.TEXT:
-            continue
-        if op.input_item is None:
+        if msg.type != WSMsgType.TEXT or op.input_item is None:
             continue
         if msg.data == END:
-            await inputs.put(None)
+            inputs.end()
             continue
         try:
-            await inputs.put(op.input_item.validate_json(msg.data[1:]))
+            inputs.push(op.input_item.validate_json(msg.data[1:]), len(msg.data))
         except ValidationError:
-            await inputs.put(None)
-    with contextlib.suppress(asyncio.QueueFull):
-        inputs.put_nowait(None)
-
-
-async def _queue_iter(q: asyncio.Queue[Any]) -> AsyncIterator[Any]:
-    while (item := await q.get()) is not None:
-        yield item
+            inputs.end()
+    inputs.end()
