@@ -197,24 +197,37 @@ def private_server(node_data_dir: str, extra_args: list[str] | None = None,
     return proc, url, token, data_dir
 
 
-def start_server(data_dir: str, token: str, extra_args: list[str] | None = None,
-                 log: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], headers: dict[str, str] | None = None) -> None:
+    """Until ``url``/healthz answers 200 (at most a minute); the process is killed if not."""
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/healthz", timeout=1, headers=headers).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{url} never became ready")
+
+
+def start_server(data_dir: str, token: str, extra_args: list[str] | None = None,
+                 log: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--data-dir",
                              data_dir, "--token", token, "--log-level", "info" if log else "warning",
                              *(extra_args or [])],
                             stdout=subprocess.DEVNULL, stderr=open(log, "ab") if log else subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("dsec serve did not start")
+    wait_ready(url, proc)
+    return proc, url
 
 
 def render(raw: dict, ds: dict, n: int, conc: int, execs: int) -> str:  # type: ignore[type-arg]

@@ -23,38 +23,15 @@ import sys
 import tempfile
 import time
 
-import httpx
-
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, private_server, report  # noqa: E402
+from container import free_port, pct, private_server, report, wait_ready  # noqa: E402
 
 import dsec  # noqa: E402
 
 MiB = 1 << 20
 SECRET = "bench-" + os.urandom(16).hex()
 STREAM_BYTES = 15 * MiB  # under an exec's output cap (16 MiB), which bounds a stream too
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, headers: dict[str, str], proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1, headers=headers).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} never became ready")
 
 
 def private_remote(node_data_dir: str) -> tuple[list[subprocess.Popen[bytes]], str, str, str]:
@@ -68,17 +45,17 @@ def private_remote(node_data_dir: str) -> tuple[list[subprocess.Popen[bytes]], s
     with open(key, "w") as f:
         f.write(SECRET)
     token = "bench-" + os.urandom(8).hex()
-    edge_port, api_port = _port(), _port()
+    edge_port, api_port = free_port(), free_port()
     cli = [sys.executable, "-m", "dsec.cli.main"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     edge = subprocess.Popen([*cli, "edge", "serve", "--name", "r1", "--listen", f"127.0.0.1:{edge_port}",
                              "--secret-file", key, "--data-dir", data_dir, "--log-level", "warning"], **quiet)
-    _wait(f"http://127.0.0.1:{edge_port}", {"Authorization": f"Bearer {SECRET}"}, edge)
+    wait_ready(f"http://127.0.0.1:{edge_port}", edge, {"Authorization": f"Bearer {SECRET}"})
     api = subprocess.Popen([*cli, "apiserver", "--edges", f"r1=http://127.0.0.1:{edge_port}", "--secret-file", key,
                             "--data-dir", data_dir, "--token", token, "--port", str(api_port),
                             "--log-level", "warning"], **quiet)
     url = f"http://127.0.0.1:{api_port}"
-    _wait(url, {}, api)
+    wait_ready(url, api)
     return [api, edge], url, token, data_dir
 
 
