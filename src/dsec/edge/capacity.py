@@ -109,6 +109,7 @@ class Capacity(EdgeCore):
                             oom_kills=memory.oom_kills(cg))
 
     async def storage_stats(self) -> StorageStats:
+        await self.node_layers.fresh_snapshot()
         return self._storage_stats()
 
     def _storage_stats(self) -> StorageStats:

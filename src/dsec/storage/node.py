@@ -159,6 +159,14 @@ class NodeLayers:
                         await self._ensure_reader()
             await asyncio.sleep(1.0)
 
+    async def fresh_snapshot(self) -> dict[str, Any]:
+        """The reader's counters as of now (the polled copy can be a second old, and empty
+        just after a reader restart); the polled copy when the reader does not answer."""
+        if self.on_demand:
+            with contextlib.suppress(TimeoutError, OSError, RuntimeError, ValueError):
+                self.snapshot = await self.lazy.call("stats")
+        return self.snapshot
+
     async def close(self, sandboxes_left: bool) -> None:
         if self._sweep:
             self._sweep.cancel()
