@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 # moosefs-*: the distributed filesystem the shared layer store is tested on
 # qemu-system-x86: the microVM and full-VM backends (the guest kernel is fetched by `dsec setup`)
 # btrfs-progs: the sandbox volume (per-sandbox disk quotas as btrfs qgroups)
+# postgresql-15: cluster metadata (dsec cluster up starts a private server when given no --db)
 PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc
       docker-registry fuse3 libfuse3-dev pkg-config moosefs-master moosefs-chunkserver moosefs-client curl python3-dev
-      qemu-system-x86 btrfs-progs)
+      qemu-system-x86 btrfs-progs postgresql-15)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -28,7 +29,7 @@ fi
 if ! .venv/bin/python -c "import dsec, pytest, ruff" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.dsec-installed ]; then
   echo "== pip: installing dsec (with its services) and its dev tools into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[server,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[server,cluster,dev]" 2>&1 | grep -v "^WARNING: Location" || true
   touch .venv/.dsec-installed
 fi
 

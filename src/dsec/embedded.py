@@ -1,18 +1,22 @@
-"""Embedded mode: apiserver + placement + watcher + one edge in one process, state in
-SQLite under the data dir. This is what ``dsec serve`` runs."""
+"""Assembling the services: embedded mode (apiserver + placement + watcher + one edge in
+one process, state in SQLite under the data dir: what ``dsec serve`` runs), an apiserver
+in front of edges named by hand, and a cluster replica reading its edges and tokens from
+the cluster's database."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
 
 from dsec.apiserver.app import Apiserver, build_app
+from dsec.apiserver.core import SandboxIndex
 from dsec.edge.api import EdgeAPI
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import Edge
@@ -20,9 +24,10 @@ from dsec.host.prep import prepare_cgroups
 from dsec.iam import TokenStore
 from dsec.layers.base import build_busybox
 from dsec.layers.store import LayerStore
+from dsec.meta import open_db, sqlite_url
 from dsec.placement.engine import Placement
 from dsec.storage.chunks import DEFAULT_CHUNK_SIZE
-from dsec.watcher.watcher import Watcher
+from dsec.watcher.watcher import FleetView, Watcher
 
 DEFAULT_DATA_DIR = "/var/lib/dsec"
 DEFAULT_PORT = 7777
@@ -68,32 +73,45 @@ def build_edge(data_dir: str, edge_name: str = "edge0", edge_cfg: dict[str, Any]
     return Edge(EdgeConfig(name=edge_name, data_dir=os.path.abspath(data_dir), **(edge_cfg or {})), layer_store)
 
 
-def build_platform(edges: dict[str, EdgeAPI], data_dir: str, token: str | None, layer_store: LayerStore,
-                   start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]],
-                   max_file_bytes: int = EdgeConfig.model_fields["max_file_bytes"].default) -> FastAPI:
+async def _nothing() -> None:
+    return None
+
+
+def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store: LayerStore,
+                   start: Callable[[], Awaitable[None]] = _nothing, stop: Callable[[], Awaitable[None]] = _nothing,
+                   max_file_bytes: int = EdgeConfig.model_fields["max_file_bytes"].default,
+                   watcher: FleetView | None = None, index: SandboxIndex | None = None) -> FastAPI:
     """The apiserver (with placement and the watcher) in front of ``edges``, in-process or
-    remote alike; ``start``/``stop`` bring what it fronts up and down with it."""
-    tok = load_or_create_token(data_dir, token)
-    watcher = Watcher(edges)
-    placement = Placement(lambda: watcher.view)
-    tokens = TokenStore(os.path.join(data_dir, "iam.db"), tok)
-    api = Apiserver(edges, watcher, placement, tokens, layer_store, max_file_bytes=max_file_bytes)
+    remote alike; ``start``/``stop`` bring what it fronts up and down with it. Without a
+    ``watcher`` it polls the edges itself."""
+    view = watcher if watcher is not None else Watcher(edges)  # (an empty cluster is falsy)
+    placement = Placement(lambda: view.view)
+    api = Apiserver(edges, view, placement, tokens, layer_store, max_file_bytes=max_file_bytes, index=index)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await start()
-        await watcher.refresh()
-        watcher.start()
-        log.info("dsec ready: edges %s, data dir %s", ", ".join(sorted(edges)), data_dir)
+        await view.refresh()
+        view.start()
+        refresher = asyncio.create_task(tokens.refresh_forever())
+        log.info("dsec ready: edges %s", ", ".join(sorted(edges)) or "none yet")
         try:
             yield
         finally:
-            await watcher.close()
+            refresher.cancel()
+            await view.close()
             await stop()
 
     app = build_app(api)
     app.router.lifespan_context = lifespan
     return app
+
+
+def local_tokens(data_dir: str, token: str | None) -> TokenStore:
+    """Tokens in the data dir's metadata database (SQLite), with an older iam.db's taken in."""
+    tokens = TokenStore(open_db(sqlite_url(data_dir)), load_or_create_token(data_dir, token))
+    tokens.import_sqlite(os.path.join(data_dir, "iam.db"))
+    return tokens
 
 
 def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "edge0",
@@ -102,24 +120,38 @@ def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "ed
     data_dir = os.path.abspath(data_dir)
     os.makedirs(data_dir, exist_ok=True)
     edge = build_edge(data_dir, edge_name, edge_cfg, store)
-    app = build_platform({edge.name: edge}, data_dir, token, edge.layers, edge.start, edge.close,
+    app = build_platform({edge.name: edge}, local_tokens(data_dir, token), edge.layers, edge.start, edge.close,
                          edge.cfg.max_file_bytes)
     return app, edge
 
 
 def build_apiserver(edges: dict[str, str], secret: str, data_dir: str, token: str | None = None,
                     store: str | None = None) -> FastAPI:
-    """``dsec apiserver``: the apiserver in front of edge daemons (name -> URL)."""
+    """``dsec apiserver --edges``: the apiserver in front of edge daemons named by hand
+    (name -> URL), its tokens in the data dir."""
     from dsec.edge.remote.client import remote_edge
 
     data_dir = os.path.abspath(data_dir)
     os.makedirs(data_dir, exist_ok=True)
     remote = {name: remote_edge(name, url, secret) for name, url in edges.items()}
 
-    async def nothing() -> None:
-        return None
-
     async def close() -> None:
         for e in remote.values():
             await e.close()
-    return build_platform(dict(remote), data_dir, token, open_store(data_dir, store), nothing, close)
+    return build_platform(dict(remote), local_tokens(data_dir, token), open_store(data_dir, store), stop=close)
+
+
+def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | None = None) -> FastAPI:
+    """``dsec apiserver --db``: one stateless replica of a cluster. Its edges come from the
+    registry, its fleet view from the controller's watcher, its tokens and sandbox index
+    from the cluster's database; the data dir holds nothing but scratch."""
+    from dsec.cluster.view import ClusterEdges
+    from dsec.meta.registry import Registry
+
+    data_dir = os.path.abspath(data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    engine = open_db(db)
+    registry = Registry(engine)
+    edges = ClusterEdges(registry, secret)
+    return build_platform(edges, TokenStore(engine, token), open_store(data_dir, store), watcher=edges,
+                          index=registry)

@@ -61,7 +61,7 @@ class BearerAuth:
         if scheme.lower() != b"bearer" or not cred.strip():
             return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
                                 field="authorization")
-        principal = self.api.tokens.verify(cred.strip())
+        principal = await self.api.tokens.verify(cred.strip())
         if principal is None:
             return Unauthorized("invalid token", field="authorization")
         method = scope.get("method", "GET")

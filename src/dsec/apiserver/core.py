@@ -9,7 +9,7 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +29,7 @@ from dsec.errors import (
 from dsec.iam import PROJECT_LABEL, TokenStore, current_principal
 from dsec.layers.store import LayerStore
 from dsec.placement.engine import Placement
-from dsec.watcher.watcher import Watcher
+from dsec.watcher.watcher import FleetView
 from dsec.wire.models import (
     ContainerArgs,
     CreateRequest,
@@ -60,10 +60,20 @@ async def read_body(request: Request, limit: int, field: str) -> bytes:
 
 
 
+class SandboxIndex(Protocol):
+    """Where a cluster remembers which edge holds each sandbox (what a lost node held);
+    one edge needs none."""
+
+    def index_put(self, info: SandboxInfo, project: str) -> None: ...
+    def index_drop(self, sandbox_ids: list[str]) -> None: ...
+
+
 class Apiserver:
-    def __init__(self, edges: Mapping[str, EdgeAPI], watcher: Watcher, placement: Placement,
-                 tokens: TokenStore, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, edges: Mapping[str, EdgeAPI], watcher: FleetView, placement: Placement,
+                 tokens: TokenStore, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024,
+                 index: SandboxIndex | None = None) -> None:
         self.edges = edges
+        self.index = index
         self.tokens = tokens
         self.layers = layers
         self.watcher = watcher
@@ -82,14 +92,32 @@ class Apiserver:
         return edge
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
-        """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere.
-        When no edge is left, the caller gets the last edge's own reason."""
+        """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere, and
+        so does an edge that cannot be reached (its node may be gone). When no edge is
+        left, the caller gets the last edge's own reason."""
+        info = await self._place(req)
+        if self.index is not None:
+            try:
+                await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
+            except Exception as e:  # the sandbox exists: it only goes unreported should its node be lost
+                log.warning("sandbox %s not indexed: %s", info.sandbox_id, e)
+        return info
+
+    async def stopped(self, sandbox_id: str) -> None:
+        """A sandbox was stopped through this apiserver: the index forgets it."""
+        if self.index is not None:
+            try:
+                await asyncio.to_thread(self.index.index_drop, [sandbox_id])
+            except Exception as e:  # the controller's sweep drops it later
+                log.warning("sandbox %s not dropped from the index: %s", sandbox_id, e)
+
+    async def _place(self, req: CreateRequest) -> SandboxInfo:
         principal = current_principal.get()
         if not principal.all_projects:  # a project's token makes sandboxes of that project only
             req = req.model_copy(update={"args": req.args.model_copy(
                 update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
         tried: set[str] = set()
-        last: AdmissionRejected | None = None
+        last: AdmissionRejected | EdgeUnavailable | None = None
         refreshed = False
         for _ in range(MAX_CREATE_ATTEMPTS):
             if not self.watcher.view:
@@ -106,8 +134,13 @@ class Apiserver:
                 raise
             try:
                 with self.placement.reserve(name, req.args):
-                    return await self.edges[name].create(req.args)
-            except AdmissionRejected as e:
+                    edge = self.edges.get(name)
+                    if edge is None:  # left the cluster since the view was taken
+                        raise EdgeUnavailable(f"edge {name} left the cluster")
+                    return await edge.create(req.args)
+            except (AdmissionRejected, EdgeUnavailable) as e:
+                if isinstance(e, EdgeUnavailable):
+                    log.warning("create re-placed: edge %s did not answer: %s", name, e)
                 tried.add(name)
                 last = e
         assert last is not None
@@ -122,7 +155,9 @@ class Apiserver:
         if not known:
             raise NotFound(f"unknown FnCall image {image!r}", field="image")
         if not self.watcher.view:
-            return next(iter(self.edges.values()))
+            for edge in self.edges.values():
+                return edge
+            raise EdgeUnavailable("this cluster has no edge yet")
         name = self.placement.choose(ContainerArgs(image=image, memory_limit_mb=64, cpu_cores_limit=0.1), exclude=set())
         return self.edges[name]
 
@@ -143,6 +178,8 @@ class Apiserver:
         if failed:
             await asyncio.gather(*(self.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in made),
                                  return_exceptions=True)
+            for i in made:
+                await self.stopped(i.sandbox_id)
             err = failed[0]
             raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
         return made

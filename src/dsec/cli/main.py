@@ -376,6 +376,9 @@ def main() -> None:
 from dsec.cli import servers  # noqa: E402  (registers serve, edge serve and apiserver on app)
 
 servers.register(app)
+from dsec.cli.cluster import cluster_app  # noqa: E402
+
+app.add_typer(cluster_app, name="cluster")
 
 
 if __name__ == "__main__":

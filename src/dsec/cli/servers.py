@@ -171,16 +171,44 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
                 keepalive_timeout=75, print=None, access_log=None)
 
 
-def apiserver(edges: Annotated[str, typer.Option(help="the cluster's edges: NAME=URL[,NAME=URL...]")],
-              secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
+def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
+              edges: Annotated[str | None, typer.Option(
+                  help="the edges, named by hand: NAME=URL[,NAME=URL...]")] = None,
+              db: Annotated[str | None, typer.Option(
+                  envvar="DSEC_DB", help="a cluster's database (postgresql://...; default $DSEC_DB): run as one of "
+                                         "its replicas, edges from its registry (what `dsec cluster up` starts)")]
+              = None,
               host: str = "127.0.0.1", port: int = 7777,
               data_dir: Annotated[str | None, typer.Option(help="tokens and IAM (default /var/lib/dsec)")] = None,
               token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")]
               = None,
               store: StoreOpt = None, log_level: str = "info") -> None:
-    """Run the apiserver (with placement and the watcher) in front of edge daemons."""
-    from dsec.embedded import build_apiserver, data_dir_default
+    """Run the apiserver (with placement and the watcher) in front of edge daemons: named
+    by hand (--edges), or a cluster's (--db)."""
+    from dsec.embedded import build_apiserver, build_replica, data_dir_default
 
+    if (edges is None) == (db is None):
+        err.print("[red]error[/red]: give --edges (edges named by hand) or --db (a cluster's registry), not both")
+        raise typer.Exit(2)
+    secret = _read_secret(secret_file)
+    token = token or os.environ.get("DSEC_TOKEN")
+    _prepare_process(log_level)
+    if db is not None:
+        if not token:
+            err.print("[red]error[/red]: a replica needs the cluster's admin token (--token or $DSEC_TOKEN)")
+            raise typer.Exit(2)
+        with _errors():
+            try:
+                fastapi_app = build_replica(db, secret, token, data_dir or data_dir_default(), store)
+            except ValueError as e:
+                err.print(f"[red]error[/red]: {e}")
+                raise typer.Exit(2) from None
+    else:
+        fastapi_app = build_apiserver(_edge_pairs(edges or ""), secret, data_dir or data_dir_default(), token, store)
+    _run_uvicorn(fastapi_app, host, port, log_level)
+
+
+def _edge_pairs(edges: str) -> dict[str, str]:
     pairs: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in edges.split(","))):
         name, sep, url = item.partition("=")
@@ -194,11 +222,7 @@ def apiserver(edges: Annotated[str, typer.Option(help="the cluster's edges: NAME
     if not pairs:
         err.print("[red]error[/red]: --edges names no edge")
         raise typer.Exit(2)
-    secret = _read_secret(secret_file)
-    _prepare_process(log_level)
-    fastapi_app = build_apiserver(pairs, secret, data_dir or data_dir_default(), token or os.environ.get("DSEC_TOKEN"),
-                                  store)
-    _run_uvicorn(fastapi_app, host, port, log_level)
+    return pairs
 
 
 def register(app: typer.Typer) -> None:

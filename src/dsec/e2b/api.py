@@ -50,6 +50,7 @@ class Platform(Protocol):
     async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]: ...
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
     async def layers_in_use(self) -> set[str]: ...
+    async def stopped(self, sandbox_id: str) -> None: ...
 
 
 class NewSandbox(BaseModel):
@@ -207,6 +208,7 @@ class E2BApi:
                 await self._start(info.sandbox_id, template)
             except BaseException:
                 await self.edge_for(info.sandbox_id).stop(info.sandbox_id)
+                await self.platform.stopped(info.sandbox_id)
                 raise
         return self._sandbox(info)
 
@@ -354,6 +356,7 @@ class E2BApi:
     async def kill(self, sandbox_id: str) -> None:
         edge, _ = await self._live(sandbox_id)
         await edge.stop(sandbox_id)
+        await self.platform.stopped(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self.edge_for(sandbox_id).set_deadline(sandbox_id, timeout)

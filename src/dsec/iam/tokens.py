@@ -1,11 +1,14 @@
-"""API tokens: stored as SHA-256 digests (SQLite here; PostgreSQL in cluster mode), each
+"""API tokens: stored as SHA-256 digests in the metadata database (SQLite embedded; PostgreSQL in cluster mode), each
 with a project and a role; and the request-to-permission map the apiserver enforces."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import hmac
+import logging
+import os
 import secrets
 import sqlite3
 import threading
@@ -13,7 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from sqlalchemy import Engine, delete, insert, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from dsec.meta.schema import tokens
 from dsec.wire.iam import TokenInfo, TokenSpec
+
+log = logging.getLogger("dsec.iam")
 
 Role = Literal["admin", "builder", "runner"]
 PROJECT_LABEL = "dsec.project"
@@ -59,27 +68,66 @@ def permission_for(method: str, path: str) -> str:
 
 
 class TokenStore:
-    def __init__(self, path: str, admin_token: str) -> None:
+    """Tokens in the metadata database (SQLite embedded, PostgreSQL in a cluster), and an
+    in-memory map every request is checked against. Another replica's new token is
+    looked up on its first use (misses are remembered for a second, so a flood of bad
+    tokens costs one query per distinct token per second); revocations reach the other
+    replicas within ``REFRESH_S`` (the revoking replica drops the token at once)."""
+
+    REFRESH_S = 5.0
+    MISS_TTL_S = 1.0
+    MAX_MISSES = 10_000
+
+    def __init__(self, db: Engine, admin_token: str) -> None:
         self._admin = admin_token.encode()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("CREATE TABLE IF NOT EXISTS tokens (id TEXT PRIMARY KEY, digest TEXT UNIQUE NOT NULL,"
-                         " project TEXT NOT NULL, role TEXT NOT NULL, name TEXT NOT NULL, created_at REAL NOT NULL)")
+        self._db = db
         self._lock = threading.Lock()
         self._by_digest: dict[str, Principal] = {}
+        self._misses: dict[str, float] = {}
         self._load()
 
     def _load(self) -> None:
-        rows = self._db.execute("SELECT id, digest, project, role FROM tokens").fetchall()
+        with self._db.connect() as c:
+            rows = c.execute(select(tokens.c.id, tokens.c.digest, tokens.c.project, tokens.c.role)).all()
         self._by_digest = {d: Principal(i, p, r) for i, d, p, r in rows}
 
-    def verify(self, secret: bytes) -> Principal | None:
+    def _lookup(self, digest: str) -> Principal | None:
+        with self._db.connect() as c:
+            row = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role)
+                            .where(tokens.c.digest == digest)).first()
+        return Principal(row[0], row[1], row[2]) if row else None
+
+    async def verify(self, secret: bytes) -> Principal | None:
         if hmac.compare_digest(secret, self._admin):
             return ADMIN
-        return self._by_digest.get(hashlib.sha256(secret).hexdigest())
+        digest = hashlib.sha256(secret).hexdigest()
+        if (p := self._by_digest.get(digest)) is not None:
+            return p
+        now = time.monotonic()
+        if now - self._misses.get(digest, -self.MISS_TTL_S) < self.MISS_TTL_S:
+            return None
+        p = await asyncio.to_thread(self._lookup, digest)
+        if p is None:
+            if len(self._misses) >= self.MAX_MISSES:
+                self._misses.clear()
+            self._misses[digest] = now
+        else:
+            self._by_digest[digest] = p
+        return p
+
+    async def refresh_forever(self) -> None:
+        """Reload every token now and then (what other replicas revoked); a database that
+        does not answer keeps the last map."""
+        while True:
+            await asyncio.sleep(self.REFRESH_S)
+            try:
+                await asyncio.to_thread(self._load)
+            except SQLAlchemyError as e:
+                log.warning("tokens not refreshed: %s", e)
 
     def derive(self, purpose: str, value: str) -> str:
         """A secret bound to ``value`` (say, one sandbox's envd access token), derived from
-        the node's own token: verifiable later without storing it."""
+        the cluster's admin token: verifiable later, on any replica, without storing it."""
         return hmac.new(self._admin, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()[:40]
 
     def create(self, spec: TokenSpec) -> TokenInfo:
@@ -87,18 +135,41 @@ class TokenStore:
         digest = hashlib.sha256(secret.encode()).hexdigest()
         info = TokenInfo(id=digest[:12], project=spec.project, role=spec.role, name=spec.name,
                          created_at=time.time())
-        with self._lock:
-            self._db.execute("INSERT INTO tokens VALUES (?,?,?,?,?,?)",
-                             (info.id, digest, info.project, info.role, info.name, info.created_at))
-            self._load()
+        with self._lock, self._db.begin() as c:
+            c.execute(insert(tokens).values(id=info.id, digest=digest, project=info.project, role=info.role,
+                                            name=info.name, created_at=info.created_at))
+        self._by_digest[digest] = Principal(info.id, info.project, info.role)
         return info.model_copy(update={"token": secret})
 
     def list(self) -> list[TokenInfo]:
-        rows = self._db.execute("SELECT id, project, role, name, created_at FROM tokens ORDER BY created_at")
-        return [TokenInfo(id=i, project=p, role=r, name=n, created_at=c) for i, p, r, n, c in rows]
+        with self._db.connect() as c:
+            rows = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role, tokens.c.name,
+                                    tokens.c.created_at).order_by(tokens.c.created_at)).all()
+        return [TokenInfo(id=i, project=p, role=r, name=n, created_at=t) for i, p, r, n, t in rows]
 
     def revoke(self, token_id: str) -> bool:
-        with self._lock:
-            n = self._db.execute("DELETE FROM tokens WHERE id=?", (token_id,)).rowcount
-            self._load()
+        with self._lock, self._db.begin() as c:
+            n = c.execute(delete(tokens).where(tokens.c.id == token_id)).rowcount
+        self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id != token_id}
         return n > 0
+
+    def import_sqlite(self, path: str) -> int:
+        """Tokens of an older data dir (iam.db, before the metadata database), once."""
+        if not os.path.exists(path):
+            return 0
+        old = sqlite3.connect(path)
+        try:
+            rows = old.execute("SELECT id, digest, project, role, name, created_at FROM tokens").fetchall()
+        except sqlite3.Error:
+            rows = []
+        finally:
+            old.close()
+        with self._lock, self._db.begin() as c:
+            have = set(c.execute(select(tokens.c.digest)).scalars())
+            new = [dict(zip(("id", "digest", "project", "role", "name", "created_at"), r, strict=True))
+                   for r in rows if r[1] not in have]
+            if new:
+                c.execute(insert(tokens), new)
+        os.rename(path, path + ".imported")
+        self._load()
+        return len(new)

@@ -8,11 +8,24 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from typing import Protocol
 
 from dsec.edge.api import EdgeAPI
 from dsec.wire.models import NodeStats
 
 log = logging.getLogger("dsec.watcher")
+
+
+class FleetView(Protocol):
+    """What placement and the apiserver read: each edge's last known health and load.
+    The Watcher polls edges itself (one apiserver); a cluster replica reads the view the
+    controller's watcher shares (dsec.cluster.view)."""
+
+    view: dict[str, NodeStats]
+
+    async def refresh(self) -> dict[str, NodeStats]: ...
+    def start(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 class Watcher:

@@ -59,6 +59,8 @@ def routes(api: Apiserver) -> APIRouter:
                                  field="job")
         targets = [i for i in await api.list(job, labels) if i.state in ("running", "paused")]
         done = list(await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)))
+        for i in done:
+            await api.stopped(i.sandbox_id)
         all_edges_answered("stopped")
         return done
 
@@ -95,7 +97,9 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.delete("/v1/sandboxes/{sandbox_id}")
     async def stop(sandbox_id: str) -> SandboxInfo:
-        return await api.edge_for(sandbox_id).stop(sandbox_id)
+        info = await api.edge_for(sandbox_id).stop(sandbox_id)
+        await api.stopped(sandbox_id)
+        return info
 
     @router.post("/v1/sandboxes/{sandbox_id}/pause")
     async def pause(sandbox_id: str) -> SandboxInfo:

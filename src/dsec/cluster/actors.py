@@ -1,0 +1,285 @@
+"""The Ray actors of a cluster and who owns what:
+
+- ``Controller`` (one, detached, named ``controller`` in the ``dsec`` namespace, restarted
+  by Ray): starts an ``EdgeActor`` on every node that has the ``dsec_edge`` resource (nodes
+  that join later too) and the ``ApiserverActor`` replicas; runs the watcher that polls
+  every edge and writes the fleet view to the registry; marks an edge lost when Ray says
+  its node is dead, and cleans up what a returning node still holds. It keeps nothing it
+  cannot rebuild from Ray and the registry.
+- ``EdgeActor`` (one per node, pinned to it, restarted by Ray): owns the node's ``dsec
+  edge serve`` process (dsec.cluster.daemon says why an owned process and not the actor
+  itself: the edge is a root daemon with its own event loop, signal handling and host
+  state, and a Ray worker is none of those) and registers it.
+- ``ApiserverActor`` (N, spread over nodes, restarted by Ray): owns one ``dsec apiserver
+  --db`` process. Requests go straight to that process; Ray is not on the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import pwd
+import signal
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dsec.cluster import postgres
+from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE, ClusterConfig
+from dsec.cluster.daemon import Daemon, dsec_argv, free_port, http_ok
+from dsec.cluster.view import ClusterEdges
+from dsec.errors import DsecError
+from dsec.meta import open_db
+from dsec.meta.registry import Registry
+
+log = logging.getLogger("dsec.cluster")
+CONTROLLER = "controller"
+RECONCILE_S = 1.0
+
+
+def _secret_file(directory: str, secret: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "cluster.key")
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _host(cfg: ClusterConfig) -> str:
+    return cfg.listen_host or ray.util.get_node_ip_address()
+
+
+class EdgeActor:
+    def __init__(self, cfg: dict[str, Any], name: str) -> None:
+        self.cfg = ClusterConfig(**cfg)
+        self.name = name
+        self.node_id = ray.get_runtime_context().get_node_id()
+        host = _host(self.cfg)
+        port = self.cfg.edge_port or free_port(host)
+        data = os.path.join(self.cfg.data_root, name)
+        secret_file = _secret_file(data, self.cfg.secret)
+        self.url = f"http://{host}:{port}"
+        argv = dsec_argv("edge", "serve", "--name", name, "--listen", f"{host}:{port}", "--secret-file", secret_file,
+                         "--data-dir", data, "--log-level", self.cfg.log_level,
+                         *(["--store", self.cfg.store] if self.cfg.store else []),
+                         *self.cfg.edge_args, *self.cfg.edge_args_by_name.get(name, []))
+        self.daemon = Daemon(argv, os.path.join(data, "edge.log"),
+                             http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}))
+        Registry(open_db(self.cfg.db, migrate=False)).register(name, self.url, self.node_id)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "node_id": self.node_id, "pid": self.daemon.proc.pid}
+
+    def shutdown(self) -> int | None:
+        return self.daemon.stop()
+
+
+class ApiserverActor:
+    def __init__(self, cfg: dict[str, Any], index: int) -> None:
+        self.cfg = ClusterConfig(**cfg)
+        self.index = index
+        host = _host(self.cfg)
+        port = self.cfg.api_port + index if self.cfg.api_port else free_port(host)
+        data = os.path.join(self.cfg.data_root, f"apiserver-{index}")
+        secret_file = _secret_file(data, self.cfg.secret)
+        self.url = f"http://{host}:{port}"
+        argv = dsec_argv("apiserver", "--secret-file", secret_file, "--host", host,
+                         "--port", str(port), "--data-dir", data, "--log-level", self.cfg.log_level,
+                         *(["--store", self.cfg.store] if self.cfg.store else []))
+        # the token and the database's password through the environment, not argv (which
+        # every user of the node can read)
+        self.daemon = Daemon(argv, os.path.join(data, "apiserver.log"), http_ok(f"{self.url}/healthz", {}),
+                             env={"DSEC_TOKEN": self.cfg.admin_token, "DSEC_DB": self.cfg.db})
+        Registry(open_db(self.cfg.db, migrate=False)).put_setting(f"apiserver:{index}", self.url)
+
+    def info(self) -> dict[str, Any]:
+        return {"index": self.index, "url": self.url, "pid": self.daemon.proc.pid}
+
+    def shutdown(self) -> int | None:
+        return self.daemon.stop()
+
+
+class PostgresActor:
+    """A private PostgreSQL on the node ``dsec cluster up`` ran on, for a cluster given no
+    database: its server process owned like every other daemon."""
+
+    def __init__(self, data_dir: str, host: str, port: int) -> None:
+        password = postgres.init(data_dir)
+        self.daemon = Daemon(postgres.argv(data_dir, host, port), data_dir.rstrip("/") + ".log",
+                             lambda: postgres.ready(host, port), user=pwd.getpwnam(postgres.USER).pw_uid,
+                             stop_signal=signal.SIGINT)  # PostgreSQL's fast shutdown
+        postgres.create_database(data_dir, port)
+        self.url = postgres.url(host, port, password)
+
+    def db_url(self) -> str:
+        return self.url
+
+    def shutdown(self) -> int | None:
+        return self.daemon.stop()
+
+
+def edge_name(node: dict[str, Any], taken: set[str]) -> str:
+    """The node's ``dsec-edge-name`` label, else its host name (made unique with its id
+    when several nodes share a host)."""
+    name = str((node.get("Labels") or {}).get(EDGE_NAME_LABEL) or node.get("NodeManagerHostname") or "edge")
+    return name if name not in taken else f"{name}-{node['NodeID'][:6]}"
+
+
+class Controller:
+    """Runs its reconcile loop in a thread of its own (an event loop there), so that Ray
+    restarting the actor restarts the loop; its methods read what the loop found."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = ClusterConfig(**cfg)
+        self.registry = Registry(open_db(self.cfg.db))
+        self.edges: dict[str, tuple[str, Any]] = {}  # node id -> (edge name, actor)
+        self.apiservers: dict[int, Any] = {}
+        self.events: list[dict[str, Any]] = []
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._view: ClusterEdges | None = None
+        self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
+        self._thread.start()
+
+    # ---- what callers ask ----------------------------------------------------------
+    def ready(self) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        view = self._view.view if self._view else {}
+        edges = []
+        for r in self.registry.edges():
+            st = view.get(r.name) or r.stats
+            edges.append({**r.model_dump(exclude={"stats"}), "healthy": r.name in view and view[r.name].healthy,
+                          "stats": st.model_dump() if st else None})
+        return {"edges": edges,
+                "apiservers": self.registry.settings_like("apiserver:"), "events": self.events[-50:],
+                "last_error": self.last_error}
+
+    def shutdown(self, stop_sandboxes: bool = False) -> dict[str, Any]:
+        """Stop the loop, then the replicas, then the edges (their sandboxes stopped first
+        when asked; else they run on and a later ``up`` re-adopts them)."""
+        self._stop.set()
+        self._thread.join(10)
+        stopped = 0
+        if stop_sandboxes:  # a loop of its own, in a thread of its own (Ray may run this method on one)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                stopped = pool.submit(asyncio.run, self._stop_sandboxes()).result()
+        for actor in self.apiservers.values():
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor, no_restart=True)
+        for _, actor in self.edges.values():
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor, no_restart=True)
+        self.registry.drop_settings("apiserver:")
+        return {"sandboxes_stopped": stopped, "edges": len(self.edges), "apiservers": len(self.apiservers)}
+
+    async def _stop_sandboxes(self) -> int:
+        view = ClusterEdges(self.registry, self.cfg.secret)
+        await view.refresh()
+        n = 0
+        try:
+            for edge in view.active().values():
+                with contextlib.suppress(DsecError, OSError, TimeoutError):
+                    infos = await asyncio.wait_for(edge.list_sandboxes(), 30)
+                    live = [i for i in infos if i.state in ("running", "paused", "creating")]
+                    await asyncio.gather(*(edge.stop(i.sandbox_id) for i in live), return_exceptions=True)
+                    n += len(live)
+                    self.registry.index_drop([i.sandbox_id for i in infos])
+        finally:
+            await view.close()
+        return n
+
+    # ---- the loop ------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"at": time.time(), "kind": kind, **fields})
+        del self.events[:-200]
+        log.info("%s %s", kind, fields)
+
+    def _run(self) -> None:
+        asyncio.run(self._loop())
+
+    async def _loop(self) -> None:
+        self._view = ClusterEdges(self.registry, self.cfg.secret, poll=True)
+        try:
+            while not self._stop.is_set():
+                try:
+                    await asyncio.to_thread(self._reconcile)
+                    await self._view.refresh()
+                    await self._clean_returned()
+                    self.last_error = ""
+                except Exception as e:  # keep going: the next round may find the database or Ray back
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    log.exception("reconcile failed")
+                await asyncio.sleep(RECONCILE_S)
+        finally:
+            await self._view.close()
+
+    def _reconcile(self) -> None:
+        nodes = ray.nodes()
+        alive = {n["NodeID"]: n for n in nodes if n["Alive"] and n["Resources"].get(self.cfg.resource, 0) >= 1}
+        dead = {n["NodeID"] for n in nodes if not n["Alive"]}
+        rows = {r.name: r for r in self.registry.edges()}
+        # nodes gone: their edges are lost, their sandboxes failed
+        for node_id in [n for n in self.edges if n not in alive]:
+            name, actor = self.edges.pop(node_id)
+            ray.kill(actor, no_restart=True)
+            self._event("edge_actor_removed", edge=name, node=node_id[:12])
+        for r in rows.values():
+            if r.state == "active" and (r.node_id in dead or r.node_id not in alive and r.node_id not in
+                                        {n["NodeID"] for n in nodes}):
+                reason = f"node lost: Ray node {r.node_id[:12]} is gone"
+                self.registry.mark(r.name, "lost", reason)
+                n = self.registry.mark_lost(r.name, "node lost")
+                self._event("edge_lost", edge=r.name, node=r.node_id[:12], sandboxes=n)
+        # nodes new (or back): an edge each
+        taken = {name for name, _ in self.edges.values()}
+        for node_id, node in alive.items():
+            if node_id in self.edges:
+                continue
+            name = edge_name(node, taken)
+            taken.add(name)
+            actor = ray.remote(EdgeActor).options(  # type: ignore[attr-defined]
+                name=f"edge:{name}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                max_restarts=-1, max_task_retries=0, num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                    self.cfg.model_dump(), name)
+            self.edges[node_id] = (name, actor)
+            self._event("edge_actor_started", edge=name, node=node_id[:12])
+        for i in range(self.cfg.apiservers):
+            if i not in self.apiservers:
+                self.apiservers[i] = ray.remote(ApiserverActor).options(  # type: ignore[attr-defined]
+                    name=f"apiserver:{i}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                    max_restarts=-1, max_task_retries=0, num_cpus=0, scheduling_strategy="SPREAD").remote(
+                        self.cfg.model_dump(), i)
+
+    async def _clean_returned(self) -> None:
+        """An edge back after its node was lost may still hold sandboxes the cluster has
+        reported failed: stop them there, and forget them."""
+        assert self._view is not None
+        for name, edge in self._view.active().items():
+            ids = await asyncio.to_thread(self.registry.lost_ids, name)
+            if not ids:
+                continue
+            results = await asyncio.gather(*(edge.stop(sid) for sid in ids), return_exceptions=True)
+            gone = [sid for sid, r in zip(ids, results, strict=True)
+                    if not isinstance(r, BaseException) or getattr(r, "status", 0) == 404]
+            await asyncio.to_thread(self.registry.index_drop, gone)
+            self._event("returned_edge_cleaned", edge=name, sandboxes=len(gone))
+
+
+def controller(cfg: ClusterConfig) -> Any:
+    """The cluster's controller: started if it is not running, else the running one."""
+    return ray.remote(Controller).options(  # type: ignore[attr-defined]
+        name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
+        max_task_retries=0, num_cpus=0).remote(cfg.model_dump())

@@ -1,0 +1,26 @@
+"""A cluster's settings, as ``dsec cluster up`` gives them to the controller (and the
+controller to each edge and replica it starts)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+EDGE_RESOURCE = "dsec_edge"
+EDGE_NAME_LABEL = "dsec-edge-name"  # a Ray node label naming the node's edge (default: its host name)
+NAMESPACE = "dsec"
+
+
+class ClusterConfig(BaseModel):
+    db: str = Field(description="the cluster's database URL (postgresql://...)")
+    secret: str = Field(description="the cluster secret every edge requires of its callers")
+    admin_token: str = Field(description="the cluster's admin API token (and the key envd tokens derive from)")
+    store: str | None = Field(default=None, description="the shared layer store, mounted on every node")
+    data_root: str = Field(default="/var/lib/dsec/cluster", description="each edge's data dir is DATA_ROOT/NAME")
+    listen_host: str | None = Field(default=None, description="address daemons bind (default: the node's IP)")
+    edge_port: int = Field(default=7801, description="each edge daemon's port (0: a free one)")
+    api_port: int = Field(default=7777, description="replica i listens on API_PORT + i (0: free ports)")
+    apiservers: int = Field(default=2, ge=1, le=64)
+    edge_args: list[str] = Field(default_factory=list, description="more `dsec edge serve` options, every edge")
+    edge_args_by_name: dict[str, list[str]] = Field(default_factory=dict, description="... for one edge")
+    resource: str = EDGE_RESOURCE
+    log_level: str = "info"

@@ -1,0 +1,109 @@
+"""A service process owned by a Ray actor: started with the actor, healthy before the
+actor's constructor returns, and tied to it both ways. Should the process exit on its
+own, the actor process exits too, so Ray restarts the actor and with it the service;
+should the actor process die, the kernel kills the service (PR_SET_PDEATHSIG). One
+owner, Ray's restart semantics, no orphan holding a port."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+log = logging.getLogger("dsec.cluster")
+PR_SET_PDEATHSIG = 1
+START_TIMEOUT_S = 120.0  # an edge's first start builds its volume and network: tens of seconds at worst
+STOP_GRACE_S = 30.0
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.setsid()  # its own process group: a signal to the actor's group is not one to it
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def dsec_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dsec.cli.main", *args]
+
+
+def http_ok(url: str, headers: dict[str, str]) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+    return check
+
+
+class Daemon:
+    def __init__(self, argv: list[str], log_path: str, healthy: Callable[[], bool],
+                 env: dict[str, str] | None = None, user: int | None = None,
+                 stop_signal: int = signal.SIGTERM) -> None:
+        self.argv, self.log_path, self._healthy, self.stop_signal = argv, log_path, healthy, stop_signal
+        self.stopping = False
+        with open(log_path, "ab") as logf:
+            if user is not None:
+                os.fchown(logf.fileno(), user, -1)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
+                                         user=user, group=None if user is None else pwd.getpwuid(user).pw_gid)
+        self._wait_healthy()
+        threading.Thread(target=self._watch, name="daemon-watch", daemon=True).start()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
+            if self._healthy():
+                return
+            time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError(f"{self.name} did not become healthy in {START_TIMEOUT_S:g} s: {self.log_tail()}")
+
+    @property
+    def name(self) -> str:
+        return " ".join(os.path.basename(a) for a in self.argv[:5])
+
+    def log_tail(self, n: int = 2000) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - n))
+            return f.read().decode(errors="replace")
+        return ""
+
+    def _watch(self) -> None:
+        rc = self.proc.wait()
+        if not self.stopping:
+            log.error("%s exited with %s; the actor exits so that Ray restarts it", self.name, rc)
+            os._exit(1)
+
+    def stop(self) -> int | None:
+        """Its stop signal (SIGTERM: a graceful stop, an edge's sandboxes run on), SIGKILL
+        past the grace."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,120 @@
+"""What ``dsec cluster up``, ``status`` and ``down`` do, as functions (the CLI, the cluster
+demo and the tests call these): connect to a Ray cluster, start the controller (and a
+private PostgreSQL when given no database), wait until every edge node serves and every
+replica answers, and take it all down again."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import ray
+from pydantic import BaseModel
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dsec.cluster.actors import CONTROLLER, PostgresActor, controller
+from dsec.cluster.config import NAMESPACE, ClusterConfig
+from dsec.meta import open_db
+from dsec.meta.registry import Registry
+
+POSTGRES = "postgres"
+PRIVATE_DB_PORT = 5433
+UP_TIMEOUT_S = 300.0
+
+
+class ClusterDown(RuntimeError):
+    """No dsec cluster runs on this Ray cluster."""
+
+
+class UpResult(BaseModel):
+    apiservers: list[str]
+    edges: list[str]
+    token: str
+    db: str
+
+
+def connect(ray_address: str) -> None:
+    if not ray.is_initialized():
+        ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
+                 configure_logging=False)
+
+
+def _private_db(data_root: str, host: str | None) -> str:
+    node = ray.get_runtime_context().get_node_id()
+    host = host or ray.util.get_node_ip_address()
+    actor: Any = ray.remote(PostgresActor).options(  # type: ignore[attr-defined]
+        name=POSTGRES, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
+        max_task_retries=0, num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(os.path.join(data_root, "postgres"), host, PRIVATE_DB_PORT)
+    return str(ray.get(actor.db_url.remote(), timeout=120))
+
+
+def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_TIMEOUT_S,
+       **settings: Any) -> UpResult:
+    """``settings``: ClusterConfig fields (store, apiservers, data_root, ports, edge args)."""
+    connect(ray_address)
+    data_root = settings.get("data_root") or ClusterConfig.model_fields["data_root"].default
+    db = db or _private_db(data_root, settings.get("listen_host"))
+    registry = Registry(open_db(db))
+    secret = registry.setting_once("cluster_secret", secrets.token_urlsafe(32))
+    token = registry.setting_once("admin_token", "dsec_" + secrets.token_urlsafe(32))
+    cfg = ClusterConfig(db=db, secret=secret, admin_token=token, **settings)
+    ctl = controller(cfg)
+    ray.get(ctl.ready.remote(), timeout=60)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = ray.get(ctl.status.remote(), timeout=30)
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(cfg.resource, 0) >= 1]
+        serving = [e["name"] for e in st["edges"] if e["state"] == "active" and e["healthy"]]
+        urls = [st["apiservers"][k] for k in sorted(st["apiservers"])]
+        if len(serving) >= len(nodes) and len(urls) >= cfg.apiservers and all(_answers(u) for u in urls):
+            return UpResult(apiservers=urls, edges=sorted(serving), token=token, db=db)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the cluster did not come up in {timeout_s:g} s: {len(serving)} of {len(nodes)} "
+                               f"edges serve, {len(urls)} of {cfg.apiservers} apiservers; "
+                               f"{st['last_error'] or 'see the edges logs under ' + data_root}")
+        time.sleep(0.5)
+
+
+def _answers(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _controller() -> Any:
+    try:
+        return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except ValueError:
+        raise ClusterDown("no dsec cluster on this Ray cluster (start one with `dsec cluster up`)") from None
+
+
+def status(ray_address: str = "auto") -> dict[str, Any]:
+    connect(ray_address)
+    return dict(ray.get(_controller().status.remote(), timeout=30))
+
+
+def down(ray_address: str = "auto", stop_sandboxes: bool = False, keep_db: bool = False) -> dict[str, Any]:
+    """Stop the replicas, the edges (their sandboxes too when asked) and the controller;
+    and the private database unless ``keep_db``."""
+    connect(ray_address)
+    ctl = _controller()
+    done = dict(ray.get(ctl.shutdown.remote(stop_sandboxes), timeout=600))
+    ray.kill(ctl, no_restart=True)
+    if not keep_db:
+        try:
+            pg = ray.get_actor(POSTGRES, namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            ray.get(pg.shutdown.remote(), timeout=60)
+            ray.kill(pg, no_restart=True)
+    return done

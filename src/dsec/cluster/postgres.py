@@ -1,0 +1,126 @@
+"""A private PostgreSQL (Debian's postgresql-15) for a cluster that brings no database of
+its own, and for the tests: a fresh data dir owned by the ``postgres`` user (the server
+refuses to run as root), password authentication for the network, listening on the
+address given. ``dsec cluster up`` without ``--db`` runs it under a Ray actor on the node
+it runs on."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+
+USER = "postgres"
+DB_USER = "dsec"
+START_TIMEOUT_S = 60.0
+
+
+def bin_dir() -> str:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
+    if not found:
+        raise RuntimeError("PostgreSQL is not installed (Debian: apt-get install postgresql-15)")
+    return os.path.dirname(found[-1])
+
+
+def _as_postgres(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    pw = pwd.getpwnam(USER)
+    out = subprocess.run(argv, user=pw.pw_uid, group=pw.pw_gid, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(argv[0])} failed: {(out.stderr or out.stdout).strip()[-800:]} "
+                           f"(the {USER} user must be able to reach every directory above the data dir)")
+    return out
+
+
+def init(data_dir: str) -> str:
+    """A database cluster in ``data_dir`` (kept if it exists); returns dsec's password."""
+    pw = pwd.getpwnam(USER)
+    pass_file = os.path.join(os.path.dirname(data_dir.rstrip("/")), os.path.basename(data_dir) + ".password")
+    if os.path.exists(os.path.join(data_dir, "PG_VERSION")):
+        with open(pass_file) as f:
+            return f.read().strip()
+    password = secrets.token_urlsafe(24)
+    os.makedirs(data_dir, exist_ok=True)
+    os.chown(data_dir, pw.pw_uid, pw.pw_gid)
+    os.chmod(data_dir, 0o700)
+    tmp = data_dir.rstrip("/") + ".pwtmp"  # initdb wants the data dir empty
+    with open(tmp, "w") as f:
+        f.write(password + "\n")
+    os.chown(tmp, pw.pw_uid, pw.pw_gid)
+    try:
+        _as_postgres([os.path.join(bin_dir(), "initdb"), "-D", data_dir, "-U", DB_USER, "--pwfile", tmp,
+                      "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8", "--no-instructions"])
+    finally:
+        os.unlink(tmp)
+    fd = os.open(pass_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
+def argv(data_dir: str, host: str, port: int) -> list[str]:
+    """The server's command line (run it as the ``postgres`` user)."""
+    return [os.path.join(bin_dir(), "postgres"), "-D", data_dir, "-h", host, "-p", str(port),
+            "-k", data_dir, "-c", "max_connections=400", "-c", "fsync=on", "-c", "listen_addresses=" + host]
+
+
+def create_database(data_dir: str, port: int) -> None:
+    out = _as_postgres([os.path.join(bin_dir(), "psql"), "-h", data_dir, "-p", str(port), "-U", DB_USER, "-d",
+                        "postgres", "-tAc", "SELECT 1 FROM pg_database WHERE datname='dsec'"])
+    if out.stdout.strip() != "1":
+        _as_postgres([os.path.join(bin_dir(), "createdb"), "-h", data_dir, "-p", str(port), "-U", DB_USER, "dsec"])
+
+
+def ready(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def url(host: str, port: int, password: str) -> str:
+    return f"postgresql://{DB_USER}:{password}@{host}:{port}/dsec"
+
+
+class Postgres:
+    """One private server: ``start()`` returns its URL, ``stop()`` ends it (fast shutdown)."""
+
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", port: int = 5433) -> None:
+        self.data_dir, self.host, self.port = data_dir, host, port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str:
+        password = init(self.data_dir)
+        pw = pwd.getpwnam(USER)
+        log_path = self.data_dir.rstrip("/") + ".log"
+        with open(log_path, "ab") as logf:
+            os.chown(log_path, pw.pw_uid, pw.pw_gid)
+            self.proc = subprocess.Popen(argv(self.data_dir, self.host, self.port), user=pw.pw_uid, group=pw.pw_gid,
+                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready(self.host, self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"PostgreSQL did not start; see {log_path}")
+            time.sleep(0.1)
+        create_database(self.data_dir, self.port)
+        return url(self.host, self.port, password)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT: fast shutdown
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

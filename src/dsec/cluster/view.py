@@ -1,0 +1,131 @@
+"""The cluster as one apiserver replica (or the controller) sees it: the edges in the
+registry (a remote client for each active one, a LostEdge for each lost one) and the
+fleet view placement decides on.
+
+The controller's watcher polls every edge once a second and writes what it learns to
+the registry; a replica reads that (one query a second, however many edges) instead of
+polling every edge itself. Should the controller stop writing (it is restarting), a
+replica polls the edges whose stats went stale itself, so placement never goes blind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Mapping
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from dsec.cluster.lost import lost_edge
+from dsec.edge.api import EdgeAPI
+from dsec.edge.remote.client import RemoteEdge, remote_edge
+from dsec.meta.registry import EdgeRow, Registry
+from dsec.wire.models import NodeStats
+
+log = logging.getLogger("dsec.cluster")
+STALE_S = 5.0  # stats older than this are polled afresh (replica) or mark the edge unhealthy
+POLL_TIMEOUT_S = 2.0
+
+
+class ClusterEdges(Mapping[str, EdgeAPI]):
+    """``poll=True`` (the controller): poll every active edge and write the view to the
+    registry. ``poll=False`` (a replica): read the view, polling only stale edges."""
+
+    def __init__(self, registry: Registry, secret: str, poll: bool = False, interval_s: float = 1.0) -> None:
+        self.registry, self.secret, self.poll, self.interval_s = registry, secret, poll, interval_s
+        self._edges: dict[str, EdgeAPI] = {}
+        self._urls: dict[str, str] = {}
+        self.rows: dict[str, EdgeRow] = {}
+        self.view: dict[str, NodeStats] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def __getitem__(self, name: str) -> EdgeAPI:
+        return self._edges[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._edges))
+
+    def __len__(self) -> int:
+        return len(self._edges)
+
+    def active(self) -> dict[str, EdgeAPI]:
+        return {n: e for n, e in self._edges.items() if self.rows[n].state == "active"}
+
+    async def _sync(self, rows: list[EdgeRow]) -> None:
+        """Clients for what the registry now says (an edge that moved gets a new one)."""
+        self.rows = {r.name: r for r in rows if r.state != "removed"}
+        for name in [n for n in self._edges if n not in self.rows]:
+            await self._drop(name)
+        for r in self.rows.values():
+            key = r.url if r.state == "active" else f"lost:{r.reason}"
+            if self._urls.get(r.name) == key:
+                continue
+            await self._drop(r.name)
+            self._edges[r.name] = (remote_edge(r.name, r.url, self.secret) if r.state == "active"
+                                   else lost_edge(r.name, r.reason, self.registry))
+            self._urls[r.name] = key
+
+    async def _drop(self, name: str) -> None:
+        old = self._edges.pop(name, None)
+        self._urls.pop(name, None)
+        if isinstance(old, RemoteEdge):
+            await old.close()
+
+    async def refresh(self) -> dict[str, NodeStats]:
+        try:
+            rows = await asyncio.to_thread(self.registry.edges)
+        except SQLAlchemyError as e:  # the database is away: keep routing by what we knew
+            log.warning("registry not read: %s", e)
+            return self.view
+        await self._sync(rows)
+        now = time.time()
+        view: dict[str, NodeStats] = {}
+        stale: list[str] = []
+        for name, r in self.rows.items():
+            if r.state != "active":
+                continue
+            if not self.poll and r.stats is not None and r.stats_at is not None and now - r.stats_at < STALE_S:
+                view[name] = r.stats
+            else:
+                stale.append(name)
+        polled = await asyncio.gather(*(self._poll(n) for n in stale))
+        fresh = {}
+        for name, st in zip(stale, polled, strict=True):
+            if st is not None:
+                fresh[name] = view[name] = st
+            else:
+                known = self.view.get(name) or self.rows[name].stats
+                if known is not None:
+                    view[name] = known.model_copy(update={"healthy": False})
+        if self.poll:
+            try:
+                await asyncio.to_thread(self.registry.put_stats, {**fresh, **{n: s for n, s in view.items()
+                                                                               if n not in fresh}})
+            except SQLAlchemyError as e:
+                log.warning("fleet view not written: %s", e)
+        self.view = view
+        return view
+
+    async def _poll(self, name: str) -> NodeStats | None:
+        try:
+            return await asyncio.wait_for(self._edges[name].stats(), POLL_TIMEOUT_S)
+        except Exception as e:  # an edge that cannot answer is unhealthy, whatever the cause
+            log.warning("edge %s unhealthy: %s", name, e)
+            return None
+
+    async def _loop(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for name in list(self._edges):
+            await self._drop(name)

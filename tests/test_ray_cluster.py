@@ -1,0 +1,216 @@
+"""dsec on a real multi-node Ray cluster on this machine: three raylets (ray's own
+cluster_utils.Cluster), each with the dsec_edge resource and a dsec-edge-name label, a
+private PostgreSQL and a MooseFS store started here, and `dsec cluster up` (as a
+function) putting an edge daemon on every node and two apiserver replicas in front.
+Nothing is mocked: the edges are real daemons with their own data dirs, cgroup parents,
+subnets and nftables tables, owned by Ray actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import ray
+import websockets
+from ray.cluster_utils import Cluster
+
+import dsec
+from dsec.cluster import ops
+from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE
+from dsec.cluster.postgres import Postgres
+from dsec.layers.store import LayerStore
+from tests.conftest import SHARED_LAYERS, SRC_DATA, _free_port, _seed_vm
+from tests.moosefs import MooseFS
+
+NAMES = ("r1", "r2", "r3")
+
+
+@dataclass
+class RayDsec:
+    ray: Cluster
+    nodes: dict[str, Any]  # edge name -> ray node
+    urls: list[str]
+    token: str
+    db: str
+    root: str
+    store: str
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.urls)
+
+    def client(self, url: str | None = None) -> dsec.AsyncClient:
+        return dsec.AsyncClient(url=url or self.urls[0], token=self.token)
+
+    def add_node(self, name: str) -> Any:
+        _seed_vm(os.path.join(self.root, name))
+        node = self.ray.add_node(num_cpus=1, resources={"dsec_edge": 1}, labels={EDGE_NAME_LABEL: name})
+        self.nodes[name] = node
+        return node
+
+
+def _node_args(name: str) -> dict[str, Any]:
+    return {"num_cpus": 1, "resources": {"dsec_edge": 1}, "labels": {EDGE_NAME_LABEL: name},
+            "object_store_memory": 80 << 20}
+
+
+@pytest.fixture(scope="module")
+def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
+    fs = MooseFS(str(tmp_path_factory.mktemp("ray-moosefs")))
+    fs.start()
+    root = str(tmp_path_factory.mktemp("ray-dsec"))
+    pg_root = tempfile.mkdtemp(prefix="dsec-pg-")  # PostgreSQL runs as its own user: not under pytest's 0700 dirs
+    os.chmod(pg_root, 0o711)
+    pg = Postgres(os.path.join(pg_root, "data"), port=_free_port())
+    cluster: Cluster | None = None
+    try:
+        store = os.path.join(fs.mount, "dsec")
+        os.makedirs(store)
+        LayerStore(store, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS | {"base/fncall:12"})
+        for name in NAMES:
+            _seed_vm(os.path.join(root, name))
+        db = pg.start()
+        cluster = Cluster(initialize_head=True, head_node_args={**_node_args(NAMES[0]), "include_dashboard": False})
+        nodes = {NAMES[0]: cluster.head_node}
+        for name in NAMES[1:]:
+            nodes[name] = cluster.add_node(**_node_args(name))
+        res = ops.up(cluster.address, db, store=store, apiservers=2, data_root=root, listen_host="127.0.0.1",
+                     edge_port=0, api_port=0, log_level="info")
+        yield RayDsec(cluster, nodes, res.apiservers, res.token, db, root, store)
+    finally:  # each step whatever the one before did, so nothing outlives the module
+        steps: list[Callable[[], object]] = []
+        if cluster is not None:
+            address = cluster.address
+            steps += [lambda: ops.down(address, stop_sandboxes=True), ray.shutdown, cluster.shutdown]
+        steps += [pg.remove, lambda: shutil.rmtree(pg_root, ignore_errors=True), lambda: _sweep(root), fs.stop]
+        failed = []
+        for step in steps:
+            try:
+                step()
+            except Exception as e:
+                failed.append(e)
+        assert not failed, failed
+
+
+def _sweep(root: str) -> None:
+    """What a dead edge leaves by design (its lazy layer reader outlives it, for the next
+    start) goes at the end of the module."""
+    subprocess.run(["pkill", "-f", f"lazyfs --mount {root}"], check=False)
+    time.sleep(0.5)
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split()[4] for line in f if root in line]
+    for m in sorted(mounts, reverse=True):
+        subprocess.run(["umount", "-l", m], check=False)
+
+
+def _edge(sandbox_id: str) -> str:
+    return sandbox_id.rsplit("-", 1)[0]
+
+
+async def _until(check: Any, what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_creates_spread_and_any_replica_reaches_any_edge(rc: RayDsec) -> None:
+    async with rc.client(rc.urls[0]) as a, rc.client(rc.urls[1]) as b:
+        assert {n.edge for n in await a.nodes()} == set(NAMES) == {n.edge for n in await b.nodes()}
+        made = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="spread"))
+                                      for c in (a, b) * 6))
+        kids: list[dsec.AsyncSandbox] = []
+        try:
+            assert {_edge(sb.sandbox_id) for sb in made} == set(NAMES)
+            for sb in made[:3]:
+                via_b = await b.connect(sb.sandbox_id)
+                assert (await via_b.exec(["sh", "-c", "echo hi"])).stdout == "hi\n"
+                await via_b.run_shell("cd /tmp && export X=42", session="s1")  # a session keeps its state
+                assert (await sb.run_shell("echo $PWD $X", session="s1")).stdout == "/tmp 42\n"
+                await sb.write_file("/tmp/f.txt", b"data-" + sb.sandbox_id.encode())
+                assert await via_b.read_file("/tmp/f.txt") == b"data-" + sb.sandbox_id.encode()
+            async with websockets.connect(made[1].tty_url(90, 20).replace(rc.urls[0], rc.urls[1]),
+                                          additional_headers={"Authorization": f"Bearer {rc.token}"}) as ws:
+                await ws.send(b"stty size; echo tty-$((6*7))\n")
+                buf = b""
+                while b"tty-42" not in buf:
+                    buf += await asyncio.wait_for(ws.recv(), 10)  # type: ignore[operator]
+                assert b"20 90" in buf
+            listed = {i.sandbox_id for i in await b.list(job="spread")}
+            assert listed == {sb.sandbox_id for sb in made}
+            src = made[0]
+            await src.exec("mkdir -p /work && echo from-$(hostname) > /work/origin")
+            snap = await src.pack_diff(f"ws/ray-fork-{src.sandbox_id}:v1")  # through replica a
+            kids = await b.fork(snap, n=6)  # through replica b, children on every edge
+            assert {_edge(k.sandbox_id) for k in kids} == set(NAMES)
+            for k in kids:
+                assert (await k.exec("cat /work/origin")).stdout == f"from-{src.sandbox_id}\n"
+            r = await a.fncall(dsec.FnCallArgs(language="python", code="print(sum(map(int, input().split())))",
+                                               stdin="2 3\n"))
+            assert r.status == "ok" and r.stdout == "5\n", r
+            assert r.container.rsplit("-", 1)[0] in NAMES
+        finally:
+            await b.stop_many(job="spread")
+            await asyncio.gather(*(k.stop() for k in kids))
+
+
+def test_an_edge_refuses_callers_without_the_cluster_secret(rc: RayDsec) -> None:
+    edges = ops.status(rc.ray.address)["edges"]
+    url = next(e["url"] for e in edges if e["name"] == "r2")
+    assert httpx.post(f"{url}/v1/call/stats", json={}).status_code == 401
+    assert httpx.post(f"{url}/v1/call/stats", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(f"{url}/v1/call/stats", json={},
+                      headers={"Authorization": f"Bearer {rc.token}"}).status_code == 401  # the API token is not it
+
+
+def test_e2b_sdk_through_a_replica(rc: RayDsec, monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import Sandbox
+
+    monkeypatch.setenv("E2B_API_URL", rc.urls[1])
+    monkeypatch.setenv("E2B_SANDBOX_URL", rc.urls[1])
+    monkeypatch.setenv("E2B_API_KEY", rc.token)
+    sbx = Sandbox.create("base/debian:12", timeout=300)
+    try:
+        assert sbx.commands.run("echo hello").stdout == "hello\n"
+        sbx.files.write("/root/x.txt", "hi")
+        assert sbx.files.read("/root/x.txt") == "hi"
+    finally:
+        sbx.kill()
+
+
+async def test_edge_actor_killed_ray_restarts_it_and_it_readopts(rc: RayDsec) -> None:
+    async with rc.client() as c:
+        made = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox")) for _ in range(6)))
+        victim = _edge(made[0].sandbox_id)
+        on_r2 = [sb for sb in made if _edge(sb.sandbox_id) == victim]
+        try:
+            for sb in on_r2:
+                await sb.exec("echo before > /tmp/mark")
+            actor = ray.get_actor(f"edge:{victim}", namespace=NAMESPACE)
+            old_pid = ray.get(actor.info.remote())["pid"]
+            ray.kill(actor, no_restart=False)  # the actor process dies; its daemon with it; Ray restarts both
+
+            async def back() -> bool:
+                try:
+                    return (await on_r2[0].exec("cat /tmp/mark")).stdout == "before\n"
+                except dsec.DsecError:
+                    return False
+            await _until(back, f"{victim}'s sandbox answers again after Ray restarted its edge", 90)
+            assert ray.get(actor.info.remote())["pid"] != old_pid
+            for sb in on_r2:  # re-adopted, state intact
+                assert (await sb.exec("cat /tmp/mark")).stdout == "before\n"
+        finally:
+            await asyncio.gather(*(sb.stop() for sb in made))
