@@ -16,7 +16,8 @@ err = Console(stderr=True)
 StoreOpt = Annotated[str | None, typer.Option(
     "--store", help="shared layer store: a distributed filesystem path mounted on every node (default $DSEC_STORE, "
     "else the local data dir)")]
-UrlOpt = Annotated[str | None, typer.Option("--url", help="apiserver URL (default $DSEC_URL or local)")]
+UrlOpt = Annotated[str | None, typer.Option("--url", help="apiserver URL, or several replicas comma-separated "
+                                             "(default $DSEC_URL or local)")]
 TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (default $DSEC_TOKEN or local file)")]
 
 

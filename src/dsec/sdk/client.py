@@ -13,7 +13,8 @@ import asyncio
 import builtins
 import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,10 +48,32 @@ from dsec.wire.models import (
 )
 
 DEFAULT_URL = "http://127.0.0.1:7777"
+# a replica that failed goes to the back of the queue this long: requests in the meantime
+# go to the others first instead of paying for its failure again, yet one blip never
+# takes it out of service for long
+REPLICA_BACKOFF_S = 5.0
+# with other replicas to go to, a host that swallows SYNs should cost seconds, not the
+# request's whole timeout (two SYNs: the first retransmit comes after 1 s)
+REPLICA_CONNECT_TIMEOUT_S = 3.0
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# the connection never got to carry the request: connect refused, timed out, DNS, TLS
+_NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def default_url() -> str:
     return os.environ.get("DSEC_URL", DEFAULT_URL)
+
+
+def _parse_urls(url: str | Sequence[str]) -> tuple[str, ...]:
+    """The apiserver URLs of ``"http://a:7777,http://b:7777"`` or a list of them, in order."""
+    items = url.split(",") if isinstance(url, str) else url
+    urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in items if u.strip()))
+    if not urls:
+        raise ValueError("no apiserver URL given")
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"apiserver URL {u!r} is not http://HOST:PORT or https://...")
+    return urls
 
 
 def default_token() -> str | None:
@@ -94,8 +117,7 @@ def _call_of(method: str, path: str) -> tuple[str | None, str]:
 
 def _transport_error(e: BaseException, url: str, method: str, path: str, timeout: float | None) -> DsecError:
     """What the SDK raises when no answer came: says which call, on which sandbox, and why."""
-    sid, op = _call_of(method, path)
-    what = f"{op}" + (f" of sandbox {sid}" if sid else "")
+    sid, op, what = _what(method, path)
     if isinstance(e, TimeoutError):
         return DeadlineExceeded(f"{what} got no answer from dsec at {url} within "
                                 f"{timeout if timeout is not None else 'the session'}s timeout "
@@ -103,6 +125,42 @@ def _transport_error(e: BaseException, url: str, method: str, path: str, timeout
                                 sandbox_id=sid, operation=op)
     return EdgeUnavailable(f"{what}: cannot reach dsec at {url}: {e or type(e).__name__}",
                            sandbox_id=sid, operation=op)
+
+
+def _idempotent(method: str, path: str) -> bool:
+    """Whether a request that may have reached one replica may be sent again to another:
+    reads, and stopping one sandbox (a stopped sandbox's record answers a second stop for an
+    hour, and a late duplicate stop can undo no later request). Everything else (create,
+    exec, files, fork, pause, a job-wide stop whose selection could take in sandboxes made
+    since, ...) is never repeated: its outcome is unknown."""
+    if method in _SAFE_METHODS:
+        return True
+    return method == "DELETE" and _call_of(method, path)[1] == "stop"
+
+
+def _what(method: str, path: str) -> tuple[str | None, str, str]:
+    """(sandbox id, operation, how an error message names the call)."""
+    sid, op = _call_of(method, path)
+    return sid, op, op + (f" of sandbox {sid}" if sid else "")
+
+
+def _reason(e: BaseException) -> str:
+    """Why a replica failed, short: "connection refused" rather than aiohttp's paragraph."""
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return "connect timed out"
+    if isinstance(e, aiohttp.ClientConnectorError) and e.os_error.errno:
+        return os.strerror(e.os_error.errno).lower()
+    return str(e) or type(e).__name__
+
+
+def _is_dsec_error(content: bytes) -> bool:
+    """Whether a body is dsec's own error: a 503 carrying one (an edge is down) is an answer
+    every replica would give, a bare one is a proxy's word that this replica is gone."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and "error" in body
 
 
 def _raise_for(resp: Response, method: str = "", path: str = "") -> None:
@@ -174,13 +232,9 @@ class AsyncSandbox:
                           session: str | None = None) -> AsyncIterator[ExecEvent]:
         """Yield stdout/stderr as produced, then a final ``result`` event."""
         req = self._exec_req(cmd, timeout, env, cwd, None, session, None)
-        http = await self._client._session()
-        try:
-            resp = await http.post(f"{self._base}/exec", params={"stream": "true"},
-                                   json=req.model_dump(exclude_none=True),
-                                   timeout=aiohttp.ClientTimeout(total=timeout + 30))
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise _transport_error(e, self._client.url, "POST", f"{self._base}/exec", timeout + 30) from e
+        resp = await self._client._open("POST", f"{self._base}/exec", {
+            "params": {"stream": "true"}, "json": req.model_dump(exclude_none=True),
+            "timeout": aiohttp.ClientTimeout(total=timeout + 30)}, timeout + 30)
         async with resp:
             if resp.status >= 400:
                 _raise_for(Response(resp.status, await resp.read()), "POST", f"{self._base}/exec")
@@ -235,6 +289,8 @@ class AsyncSandbox:
                                            headers=headers, content=content, timeout=timeout, check=False)
 
     def tty_url(self, cols: int = 80, rows: int = 24) -> str:
+        """The TTY websocket on the replica in use, the one that answered last: live a
+        moment ago (a websocket client that is refused may ``refresh`` and ask again)."""
         base = self._client.url.rstrip("/").replace("http", "ws", 1)
         return f"{base}{self._base}/tty?cols={cols}&rows={rows}"
 
@@ -310,19 +366,59 @@ class AsyncSandbox:
         return self.info
 
 
+class _Replicas:
+    """The apiserver replicas of a client given several URLs: which one is in use (the
+    first, then whichever answered last) and which are backing off after a failure."""
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self.urls = urls
+        self.current = 0
+        self.down_until = [0.0] * len(urls)
+
+    def order(self) -> list[int]:
+        """Each replica once, for one request: the current one and those after it, the
+        ones backing off last (still tried: with every replica failing lately, the
+        request is better sent than refused unsent)."""
+        now, n = time.monotonic(), len(self.urls)
+        return sorted(((self.current + k) % n for k in range(n)), key=lambda i: self.down_until[i] > now)
+
+    def failed(self, i: int) -> None:
+        self.down_until[i] = time.monotonic() + REPLICA_BACKOFF_S
+
+    def answered(self, i: int) -> None:
+        self.current = i
+        self.down_until[i] = 0.0
+
+
 class AsyncClient:
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0) -> None:
-        self.url = (url or default_url()).rstrip("/")
+    """``url``: the apiserver, or several replicas of it (a list, or comma-separated; the
+    default is $DSEC_URL, else the local one). With several, requests go to the first
+    until it fails, then to the next (see docs/api.md, "Several apiservers")."""
+
+    def __init__(self, url: str | Sequence[str] | None = None, token: str | None = None,
+                 timeout: float = 60.0) -> None:
+        self.urls = _parse_urls(url or default_url())
+        self._url = self.urls[0]
+        # None with one URL: the request path then is exactly the single-server one
+        self._replicas = _Replicas(self.urls) if len(self.urls) > 1 else None
         self.token = token if token is not None else default_token()
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http: aiohttp.ClientSession | None = None
 
+    @property
+    def url(self) -> str:
+        """The apiserver in use: the URL given, or of several the replica that answered
+        last (the first before any did). ``urls`` has them all."""
+        return self._url if self._replicas is None else self.urls[self._replicas.current]
+
     async def _session(self) -> aiohttp.ClientSession:
         # made on first use: an aiohttp session belongs to the loop that runs it
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(
-                self.url, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
+                # several replicas share one pool; each request names its replica in full
+                self._url if self._replicas is None else None,
+                headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
                 # idle connections are dropped well before the server's keep-alive (65 s) ends
                 # them: reusing one the server is closing fails a request that is not retried
                 connector=aiohttp.TCPConnector(limit=256, force_close=False, keepalive_timeout=30))
@@ -349,14 +445,83 @@ class AsyncClient:
             kw["data"] = content
         if timeout is not None:
             kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
-        try:
-            async with http.request(method, path, **kw) as r:
+        if self._replicas is not None:
+            async with await self._replicated(http, method, path, kw, timeout, buffer=True, ours=check) as r:
                 resp = Response(r.status, await r.read(), dict(r.headers))
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise _transport_error(e, self.url, method, path, timeout) from e
+        else:
+            try:
+                async with http.request(method, path, **kw) as r:
+                    resp = Response(r.status, await r.read(), dict(r.headers))
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise _transport_error(e, self._url, method, path, timeout) from e
         if check:
             _raise_for(resp, method, path)
         return resp
+
+    async def _open(self, method: str, path: str, kw: dict[str, Any], timeout: float) -> aiohttp.ClientResponse:
+        """A response whose headers are in and whose body is the caller's to read (a stream)."""
+        http = await self._session()
+        if self._replicas is not None:
+            return await self._replicated(http, method, path, kw, timeout, buffer=False, ours=True)
+        try:
+            return await http.request(method, path, **kw)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _transport_error(e, self._url, method, path, timeout) from e
+
+    async def _replicated(self, http: aiohttp.ClientSession, method: str, path: str, kw: dict[str, Any],
+                          timeout: float | None, *, buffer: bool, ours: bool) -> aiohttp.ClientResponse:
+        """A response from the first replica that gives one. A request goes on to the next
+        replica when it provably never left (the connection was never made), or when it is
+        idempotent and the replica failed under it (connection dropped, or a bare 502/503
+        from a proxy in front of it). Otherwise whether it was carried out is unknown, and
+        it is not sent again. ``buffer``: the body is read here (and a drop while reading
+        it is a failure like any other); else only the headers. ``ours``: the status is
+        dsec's; else it is a server's in a sandbox (``http``), which may say 502 as it likes
+        and is never taken for a failed replica."""
+        replicas = self._replicas
+        assert replicas is not None
+        total = self.timeout if timeout is None else timeout
+        kw["timeout"] = aiohttp.ClientTimeout(total=total, sock_connect=min(REPLICA_CONNECT_TIMEOUT_S, total))
+        idempotent = _idempotent(method, path)
+        failures: list[str] = []
+        for i in replicas.order():
+            url = replicas.urls[i]
+            try:
+                r = await http.request(method, url + path, **kw)
+                bare = ours and r.status in (502, 503)
+                if buffer or bare:
+                    await r.read()  # closes the response should it fail
+            except _NEVER_SENT as e:
+                replicas.failed(i)
+                failures.append(f"{url} ({_reason(e)})")
+                continue
+            except TimeoutError as e:  # the request's own deadline: every replica would need it again
+                raise _transport_error(e, url, method, path, timeout) from e
+            except aiohttp.ClientError as e:
+                replicas.failed(i)
+                if not idempotent:
+                    raise self._unknown_outcome(method, path, url, f"the connection broke: {_reason(e)}") from e
+                failures.append(f"{url} ({_reason(e)})")
+                continue
+            if bare and not _is_dsec_error(await r.read()):
+                r.release()
+                replicas.failed(i)
+                if not idempotent:
+                    raise self._unknown_outcome(method, path, url, f"a bare HTTP {r.status} came back")
+                failures.append(f"{url} (HTTP {r.status})")
+                continue
+            replicas.answered(i)
+            return r
+        sid, op, what = _what(method, path)
+        raise EdgeUnavailable(f"{what}: no dsec apiserver answered; tried {', '.join(failures)}",
+                              sandbox_id=sid, operation=op)
+
+    @staticmethod
+    def _unknown_outcome(method: str, path: str, url: str, why: str) -> EdgeUnavailable:
+        sid, op, what = _what(method, path)
+        return EdgeUnavailable(f"{what}: dsec at {url} failed after the request was sent ({why}): it may or may "
+                               "not have been carried out, so it was not repeated on another replica; look "
+                               "before trying again", sandbox_id=sid, operation=op)
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
         return (await self._request(method, path, **kw)).json()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from dsec.sdk.client import AsyncClient, AsyncSandbox
@@ -158,17 +158,24 @@ class Sandbox(_Face):
 class Client(_Face):
     """Blocking client; the same methods as :class:`AsyncClient`."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(self, url: str | Sequence[str] | None = None, token: str | None = None,
+                 timeout: float = 60.0) -> None:
         self._portal = _Portal()
         self._inner: AsyncClient = self._portal.call(self._make(url, token, timeout))
 
     @staticmethod
-    async def _make(url: str | None, token: str | None, timeout: float) -> AsyncClient:
+    async def _make(url: str | Sequence[str] | None, token: str | None, timeout: float) -> AsyncClient:
         return AsyncClient(url=url, token=token, timeout=timeout)
 
     @property
     def url(self) -> str:
+        """The apiserver in use (of several replicas, the one that answered last)."""
         return self._inner.url
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every apiserver URL given, in order."""
+        return self._inner.urls
 
     @property
     def token(self) -> str | None:
