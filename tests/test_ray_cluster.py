@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -80,7 +81,11 @@ def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
         for name in NAMES:
             _seed_vm(os.path.join(root, name))
         db = pg.start()
-        cluster = Cluster(initialize_head=True, head_node_args={**_node_args(NAMES[0]), "include_dashboard": False})
+        # Ray declares a node dead after this many missed health checks (default 5 x 3 s):
+        # what an operator who wants node loss seen in seconds sets too (docs/cluster.md)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            **_node_args(NAMES[0]), "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
         nodes = {NAMES[0]: cluster.head_node}
         for name in NAMES[1:]:
             nodes[name] = cluster.add_node(**_node_args(name))
@@ -111,6 +116,18 @@ def _sweep(root: str) -> None:
         mounts = [line.split()[4] for line in f if root in line]
     for m in sorted(mounts, reverse=True):
         subprocess.run(["umount", "-l", m], check=False)
+
+
+def _info(actor: Any) -> dict[str, Any]:
+    info: dict[str, Any] = ray.get(actor.info.remote(), timeout=60)
+    return info
+
+
+async def _restarted(actor: Any, old_pid: int) -> bool:
+    try:
+        return bool(await asyncio.to_thread(lambda: _info(actor)["pid"] != old_pid))
+    except ray.exceptions.RayError:  # restarting
+        return False
 
 
 def _edge(sandbox_id: str) -> str:
@@ -200,17 +217,122 @@ async def test_edge_actor_killed_ray_restarts_it_and_it_readopts(rc: RayDsec) ->
             for sb in on_r2:
                 await sb.exec("echo before > /tmp/mark")
             actor = ray.get_actor(f"edge:{victim}", namespace=NAMESPACE)
-            old_pid = ray.get(actor.info.remote())["pid"]
+            old_pid = _info(actor)["pid"]
             ray.kill(actor, no_restart=False)  # the actor process dies; its daemon with it; Ray restarts both
+
+            await _until(lambda: _restarted(actor, old_pid), f"Ray restarts {victim}'s edge actor and daemon", 90)
 
             async def back() -> bool:
                 try:
                     return (await on_r2[0].exec("cat /tmp/mark")).stdout == "before\n"
                 except dsec.DsecError:
                     return False
-            await _until(back, f"{victim}'s sandbox answers again after Ray restarted its edge", 90)
-            assert ray.get(actor.info.remote())["pid"] != old_pid
+            await _until(back, f"{victim}'s sandbox answers again after Ray restarted its edge", 30)
             for sb in on_r2:  # re-adopted, state intact
                 assert (await sb.exec("cat /tmp/mark")).stdout == "before\n"
         finally:
             await asyncio.gather(*(sb.stop() for sb in made))
+
+
+async def test_replica_killed_mid_burst_the_sdk_fails_over(rc: RayDsec) -> None:
+    actor = ray.get_actor("apiserver:0", namespace=NAMESPACE)
+    pid = _info(actor)["pid"]
+    async with rc.client(rc.url) as c:  # both replicas, the first in use
+        sbs = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="failover"))
+                                     for _ in range(3)))
+        outcomes: list[object] = []
+
+        async def worker(n: int) -> None:
+            for i in range(12):
+                sb = sbs[(n + i) % len(sbs)]
+                try:
+                    outcomes.append((await sb.exec(f"echo {n}-{i}")).stdout)
+                except dsec.EdgeUnavailable as e:  # in flight on the killed replica: not repeated
+                    assert "not repeated" in e.message or "unknown" in e.message, e
+                    outcomes.append(e)
+                await asyncio.sleep(0.02)
+
+        work = asyncio.gather(*(worker(n) for n in range(6)))
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        await work
+        answered = [o for o in outcomes if isinstance(o, str)]
+        assert len(answered) >= len(outcomes) - 6 and len(outcomes) == 72  # at most one per worker in flight
+        assert c.url == rc.urls[1]  # moved to the live replica
+        listed = {i.sandbox_id for i in await c.list(job="failover")}
+        assert listed == {sb.sandbox_id for sb in sbs}
+        await c.stop_many(job="failover")
+
+    await _until(lambda: _restarted(actor, pid), "Ray restarts the killed replica", 90)
+
+
+async def test_node_lost_mid_burst(rc: RayDsec) -> None:
+    async with rc.client(rc.url) as c:
+        pre: list[dsec.AsyncSandbox] = []
+        while not any(_edge(sb.sandbox_id) != NAMES[0] for sb in pre):  # the head node cannot be removed
+            assert len(pre) < 30, "nothing placed on the non-head nodes"
+            pre += await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="pre"))
+                                          for _ in range(3)))
+        victim = next(_edge(sb.sandbox_id) for sb in pre if _edge(sb.sandbox_id) != NAMES[0])
+        lost = [sb for sb in pre if _edge(sb.sandbox_id) == victim]
+        try:
+            burst = [asyncio.create_task(c.run_container(dsec.ContainerArgs(image="base/busybox", job="burst")))
+                     for _ in range(12)]
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(rc.ray.remove_node, rc.nodes.pop(victim), False)  # the raylet dies
+            made = await asyncio.gather(*burst)  # every accepted create ends running: re-placed if it must
+            survivors = [sb for sb in made if _edge(sb.sandbox_id) != victim]
+            lost += [sb for sb in made if _edge(sb.sandbox_id) == victim]  # done before the node died
+
+            async def marked() -> bool:
+                try:
+                    info = await c.connect(lost[0].sandbox_id)
+                except dsec.EdgeUnavailable:  # gone, not yet declared lost
+                    return False
+                return info.info.state == "failed" and "node lost" in (info.info.error or "")
+            t0 = time.monotonic()
+            await _until(marked, "the lost node's sandboxes are reported failed", 30)
+            seen_in = time.monotonic() - t0
+            for sb in lost:
+                info = (await c.connect(sb.sandbox_id)).info
+                assert info.state == "failed" and info.error == "node lost", info
+                with pytest.raises(dsec.EdgeUnavailable, match="lost"):
+                    await sb.exec("true")
+            for sb in survivors:
+                assert (await sb.exec("echo alive")).stdout == "alive\n"
+            by_id = {i.sandbox_id: i for i in await c.list(job="pre")}
+            assert all(by_id[sb.sandbox_id].state == "failed" for sb in lost if sb in pre)
+            fresh = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="burst"))
+                                           for _ in range(6)))
+            assert victim not in {_edge(sb.sandbox_id) for sb in fresh}
+            edges = {e["name"]: e for e in ops.status(rc.ray.address)["edges"]}
+            assert edges[victim]["state"] == "lost" and "node lost" in edges[victim]["reason"]
+            assert seen_in < 20  # Ray's 3 s health check, the controller's 1 s round
+
+        finally:  # the node comes back (also should the test fail: its edge cleans up what is left there)
+            if victim not in rc.nodes:
+                rc.add_node(victim)
+        # the returned node's edge takes what is left there and stops it
+
+        async def cleaned() -> bool:
+            try:
+                info = await c.connect(lost[0].sandbox_id)
+            except dsec.DsecError:
+                return False
+            return info.info.state == "stopped"
+        await _until(cleaned, "the returned edge stops what the cluster reported failed", 90)
+        assert {e["name"]: e["state"] for e in ops.status(rc.ray.address)["edges"]}[victim] == "active"
+        await c.stop_many(job="burst")
+        await c.stop_many(job="pre")
+
+
+async def test_a_node_joining_later_takes_load(rc: RayDsec) -> None:
+    rc.add_node("r4")
+    async with rc.client(rc.url) as c:
+        async def serving() -> bool:
+            return any(n.edge == "r4" and n.healthy for n in await c.nodes())
+        await _until(serving, "an edge on the new node", 90)
+        made = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="join"))
+                                      for _ in range(8)))
+        assert "r4" in {_edge(sb.sandbox_id) for sb in made}
+        await c.stop_many(job="join")
