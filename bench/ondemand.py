@@ -34,7 +34,7 @@ import dsec  # noqa: E402
 from dsec.host.prep import prepare_cgroups  # noqa: E402
 from dsec.layers.base import build_debian  # noqa: E402
 from dsec.layers.store import LayerStore  # noqa: E402
-from tests.moosefs import MooseFS  # noqa: E402
+from dsec.storage.moosefs import MooseFS  # noqa: E402
 
 TOKEN = "bench-token"
 # image -> (packages, task). Tasks do real work on a small part of their image.

@@ -21,7 +21,7 @@ import pytest
 
 import dsec
 from tests.conftest import TOKEN, Cluster, leftovers, own_cluster
-from tests.moosefs import MooseFS
+from dsec.storage.moosefs import MooseFS
 
 REFUSING = ["--admit-max-psi", "-1", "--pause-below-mb", str(1 << 20)]  # any pressure is too much
 

@@ -25,7 +25,7 @@ from dsec.layers.store import LayerStore
 from dsec.storage.lazyfs import LazyClient
 from dsec.wire.models import LayerFetchStats
 from tests.conftest import TOKEN, Platform
-from tests.moosefs import MooseFS
+from dsec.storage.moosefs import MooseFS
 
 MiB = 1 << 20
 

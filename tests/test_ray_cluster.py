@@ -1,7 +1,7 @@
-"""dsec on a real multi-node Ray cluster on this machine: three raylets (ray's own
-cluster_utils.Cluster), each with the dsec_edge resource and a dsec-edge-name label, a
-private PostgreSQL and a MooseFS store started here, and `dsec cluster up` (as a
-function) putting an edge daemon on every node and two apiserver replicas in front.
+"""dsec on a real multi-node Ray cluster on this machine (dsec.cluster.local): three
+raylets, each with the dsec_edge resource and a dsec-edge-name label, a private
+PostgreSQL and a MooseFS store started here, and `dsec cluster up` (as a function)
+putting an edge daemon on every node and two apiserver replicas in front.
 Nothing is mocked: the edges are real daemons with their own data dirs, cgroup parents,
 subnets and nftables tables, owned by Ray actors.
 """
@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,99 +20,44 @@ import httpx
 import pytest
 import ray
 import websockets
-from ray.cluster_utils import Cluster
 
 import dsec
 from dsec.cluster import ops
-from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE
-from dsec.cluster.postgres import Postgres
-from dsec.layers.store import LayerStore
-from tests.conftest import SHARED_LAYERS, SRC_DATA, _free_port, _seed_vm
-from tests.moosefs import MooseFS
+from dsec.cluster.config import NAMESPACE
+from dsec.cluster.local import LocalCluster
+from tests.conftest import SHARED_LAYERS, SRC_DATA, _seed_vm
 
 NAMES = ("r1", "r2", "r3")
 
 
 @dataclass
 class RayDsec:
-    ray: Cluster
-    nodes: dict[str, Any]  # edge name -> ray node
+    local: LocalCluster
     urls: list[str]
     token: str
-    db: str
-    root: str
-    store: str
 
     @property
     def url(self) -> str:
         return ",".join(self.urls)
 
+    @property
+    def address(self) -> str:
+        return self.local.address
+
     def client(self, url: str | None = None) -> dsec.AsyncClient:
         return dsec.AsyncClient(url=url or self.urls[0], token=self.token)
-
-    def add_node(self, name: str) -> Any:
-        _seed_vm(os.path.join(self.root, name))
-        node = self.ray.add_node(num_cpus=1, resources={"dsec_edge": 1}, labels={EDGE_NAME_LABEL: name})
-        self.nodes[name] = node
-        return node
-
-
-def _node_args(name: str) -> dict[str, Any]:
-    return {"num_cpus": 1, "resources": {"dsec_edge": 1}, "labels": {EDGE_NAME_LABEL: name},
-            "object_store_memory": 80 << 20}
 
 
 @pytest.fixture(scope="module")
 def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
-    fs = MooseFS(str(tmp_path_factory.mktemp("ray-moosefs")))
-    fs.start()
-    root = str(tmp_path_factory.mktemp("ray-dsec"))
-    pg_root = tempfile.mkdtemp(prefix="dsec-pg-")  # PostgreSQL runs as its own user: not under pytest's 0700 dirs
-    os.chmod(pg_root, 0o711)
-    pg = Postgres(os.path.join(pg_root, "data"), port=_free_port())
-    cluster: Cluster | None = None
+    local = LocalCluster(str(tmp_path_factory.mktemp("ray-dsec")), NAMES, os.path.join(SRC_DATA, "layers"),
+                         SHARED_LAYERS | {"base/fncall:12"}, seed=_seed_vm)
     try:
-        store = os.path.join(fs.mount, "dsec")
-        os.makedirs(store)
-        LayerStore(store, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS | {"base/fncall:12"})
-        for name in NAMES:
-            _seed_vm(os.path.join(root, name))
-        db = pg.start()
-        # Ray declares a node dead after this many missed health checks (default 5 x 3 s):
-        # what an operator who wants node loss seen in seconds sets too (docs/cluster.md)
-        cluster = Cluster(initialize_head=True, head_node_args={
-            **_node_args(NAMES[0]), "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
-        nodes = {NAMES[0]: cluster.head_node}
-        for name in NAMES[1:]:
-            nodes[name] = cluster.add_node(**_node_args(name))
-        res = ops.up(cluster.address, db, store=store, apiservers=2, data_root=root, listen_host="127.0.0.1",
-                     edge_port=0, api_port=0, log_level="info")
-        yield RayDsec(cluster, nodes, res.apiservers, res.token, db, root, store)
-    finally:  # each step whatever the one before did, so nothing outlives the module
-        steps: list[Callable[[], object]] = []
-        if cluster is not None:
-            address = cluster.address
-            steps += [lambda: ops.down(address, stop_sandboxes=True), ray.shutdown, cluster.shutdown]
-        steps += [pg.remove, lambda: shutil.rmtree(pg_root, ignore_errors=True), lambda: _sweep(root), fs.stop]
-        failed = []
-        for step in steps:
-            try:
-                step()
-            except Exception as e:
-                failed.append(e)
+        up = local.start()
+        yield RayDsec(local, up.apiservers, up.token)
+    finally:
+        failed = local.stop()
         assert not failed, failed
-
-
-def _sweep(root: str) -> None:
-    """What a dead edge leaves by design (its lazy layer reader outlives it, for the next
-    start) goes at the end of the module."""
-    subprocess.run(["pkill", "-f", f"lazyfs --mount {root}"], check=False)
-    time.sleep(0.5)
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if root in line]
-    for m in sorted(mounts, reverse=True):
-        subprocess.run(["umount", "-l", m], check=False)
 
 
 def _info(actor: Any) -> dict[str, Any]:
@@ -185,7 +127,7 @@ async def test_creates_spread_and_any_replica_reaches_any_edge(rc: RayDsec) -> N
 
 
 def test_an_edge_refuses_callers_without_the_cluster_secret(rc: RayDsec) -> None:
-    edges = ops.status(rc.ray.address)["edges"]
+    edges = ops.status(rc.address)["edges"]
     url = next(e["url"] for e in edges if e["name"] == "r2")
     assert httpx.post(f"{url}/v1/call/stats", json={}).status_code == 401
     assert httpx.post(f"{url}/v1/call/stats", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -279,7 +221,7 @@ async def test_node_lost_mid_burst(rc: RayDsec) -> None:
             burst = [asyncio.create_task(c.run_container(dsec.ContainerArgs(image="base/busybox", job="burst")))
                      for _ in range(12)]
             await asyncio.sleep(0.2)
-            await asyncio.to_thread(rc.ray.remove_node, rc.nodes.pop(victim), False)  # the raylet dies
+            await asyncio.to_thread(rc.local.remove_node, victim)  # the raylet dies
             made = await asyncio.gather(*burst)  # every accepted create ends running: re-placed if it must
             survivors = [sb for sb in made if _edge(sb.sandbox_id) != victim]
             lost += [sb for sb in made if _edge(sb.sandbox_id) == victim]  # done before the node died
@@ -305,13 +247,13 @@ async def test_node_lost_mid_burst(rc: RayDsec) -> None:
             fresh = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="burst"))
                                            for _ in range(6)))
             assert victim not in {_edge(sb.sandbox_id) for sb in fresh}
-            edges = {e["name"]: e for e in ops.status(rc.ray.address)["edges"]}
+            edges = {e["name"]: e for e in ops.status(rc.address)["edges"]}
             assert edges[victim]["state"] == "lost" and "node lost" in edges[victim]["reason"]
             assert seen_in < 20  # Ray's 3 s health check, the controller's 1 s round
 
         finally:  # the node comes back (also should the test fail: its edge cleans up what is left there)
-            if victim not in rc.nodes:
-                rc.add_node(victim)
+            if victim not in rc.local.nodes:
+                rc.local.add_node(victim)
         # the returned node's edge takes what is left there and stops it
 
         async def cleaned() -> bool:
@@ -321,13 +263,13 @@ async def test_node_lost_mid_burst(rc: RayDsec) -> None:
                 return False
             return info.info.state == "stopped"
         await _until(cleaned, "the returned edge stops what the cluster reported failed", 90)
-        assert {e["name"]: e["state"] for e in ops.status(rc.ray.address)["edges"]}[victim] == "active"
+        assert {e["name"]: e["state"] for e in ops.status(rc.address)["edges"]}[victim] == "active"
         await c.stop_many(job="burst")
         await c.stop_many(job="pre")
 
 
 async def test_a_node_joining_later_takes_load(rc: RayDsec) -> None:
-    rc.add_node("r4")
+    rc.local.add_node("r4")
     async with rc.client(rc.url) as c:
         async def serving() -> bool:
             return any(n.edge == "r4" and n.healthy for n in await c.nodes())

@@ -1,5 +1,6 @@
-"""A real MooseFS cluster on this machine for the shared layer store tests: a master,
-one chunkserver and the FUSE client (mfsmount), from Debian's moosefs packages.
+"""A real MooseFS cluster on this machine (the shared layer store of the tests, the cluster
+demo and the benchmarks): a master, one chunkserver and the FUSE client (mfsmount), from
+Debian's moosefs packages.
 
 MooseFS refuses loopback addresses for the master<->chunkserver link, so those two
 listen on this host's own first global IPv4 address (nothing outside the host is

@@ -1,0 +1,115 @@
+"""A whole dsec cluster on this one machine, for the cluster demo, the benchmarks and the
+tests: several Ray raylets (ray.cluster_utils), each with the ``dsec_edge`` resource and a
+``dsec-edge-name`` label, a MooseFS store and a private PostgreSQL, then ``dsec cluster up``
+over them. Everything is real; only the machines are one. Each edge gets its own data
+dir (and so run dir, cgroup parent, subnet, nftables table and volume)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from dsec.cluster import ops
+from dsec.cluster.config import EDGE_NAME_LABEL, EDGE_RESOURCE
+from dsec.cluster.daemon import free_port
+from dsec.cluster.postgres import Postgres
+from dsec.layers.store import LayerStore
+from dsec.storage.moosefs import MooseFS
+
+# Ray declares a node dead after this many missed health checks (its default: 5 x 3 s);
+# what an operator who wants node loss seen in seconds sets on the head node too
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
+class LocalCluster:
+    def __init__(self, root: str, names: tuple[str, ...], source_layers: str, layers: set[str],
+                 apiservers: int = 2, seed: Callable[[str], None] | None = None) -> None:
+        """``layers`` of the store at ``source_layers`` are copied onto the shared store;
+        ``seed(data_dir)`` prepares each edge's data dir before its edge starts."""
+        self.root, self.names, self.apiservers = root, names, apiservers
+        self.source_layers, self.layers, self.seed = source_layers, layers, seed
+        self.fs = MooseFS(os.path.join(root, "moosefs"))
+        # PostgreSQL runs as its own user: its dir must be reachable through every parent
+        self.pg_root = tempfile.mkdtemp(prefix="dsec-pg-")
+        os.chmod(self.pg_root, 0o711)
+        self.pg = Postgres(os.path.join(self.pg_root, "data"), port=free_port("127.0.0.1"))
+        self.ray: Cluster | None = None
+        self.nodes: dict[str, Any] = {}  # edge name -> ray node
+        self.store = os.path.join(self.fs.mount, "dsec")
+        self.up: ops.UpResult | None = None
+
+    @staticmethod
+    def node_args(name: str) -> dict[str, Any]:
+        return {"num_cpus": 1, "resources": {EDGE_RESOURCE: 1}, "labels": {EDGE_NAME_LABEL: name},
+                "object_store_memory": 80 << 20}
+
+    def start(self) -> ops.UpResult:
+        self.fs.start()
+        os.makedirs(self.store, exist_ok=True)
+        LayerStore(self.store, "sharedfs").link_from(self.source_layers, self.layers)
+        for name in self.names:
+            self._seed(name)
+        db = self.pg.start()
+        self.ray = Cluster(initialize_head=True, head_node_args={
+            **self.node_args(self.names[0]), "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
+        self.nodes[self.names[0]] = self.ray.head_node
+        for name in self.names[1:]:
+            self.nodes[name] = self.ray.add_node(**self.node_args(name))
+        self.up = ops.up(self.ray.address, db, store=self.store, apiservers=self.apiservers,
+                         data_root=self.root, listen_host="127.0.0.1", edge_port=0, api_port=0)
+        return self.up
+
+    def _seed(self, name: str) -> None:
+        if self.seed is not None:
+            self.seed(os.path.join(self.root, name))
+
+    @property
+    def address(self) -> str:
+        assert self.ray is not None
+        return str(self.ray.address)
+
+    def add_node(self, name: str) -> Any:
+        assert self.ray is not None
+        self._seed(name)
+        self.nodes[name] = self.ray.add_node(**self.node_args(name))
+        return self.nodes[name]
+
+    def remove_node(self, name: str, graceful: bool = False) -> None:
+        """The node dies (``graceful=False``: its raylet is killed, as a machine that goes)."""
+        assert self.ray is not None
+        self.ray.remove_node(self.nodes.pop(name), allow_graceful=graceful)
+
+    def stop(self) -> list[Exception]:
+        """Everything down, each step whatever the one before did; the errors met."""
+        steps: list[Callable[[], object]] = []
+        if self.ray is not None:
+            address, ray_cluster = self.address, self.ray
+            steps += [lambda: ops.down(address, stop_sandboxes=True), ray.shutdown, ray_cluster.shutdown]
+        steps += [self.pg.remove, lambda: shutil.rmtree(self.pg_root, ignore_errors=True), self._sweep, self.fs.stop]
+        failed = []
+        for step in steps:
+            try:
+                step()
+            except Exception as e:
+                failed.append(e)
+        return failed
+
+    def _sweep(self) -> None:
+        """What a dead edge leaves by design (its lazy layer reader outlives it, for the
+        next start) goes with the cluster."""
+        subprocess.run(["pkill", "-f", f"lazyfs --mount {self.root}"], check=False)
+        time.sleep(0.5)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split()[4] for line in f if self.root in line and self.fs.mount not in line]
+        for m in sorted(mounts, reverse=True):
+            with contextlib.suppress(OSError):
+                subprocess.run(["umount", "-l", m], check=False)
