@@ -53,19 +53,26 @@ async def main() -> int:
         results = await asyncio.gather(*(one(client, i, tarball) for i in range(a.n)), return_exceptions=True)
     wall = time.perf_counter() - t0
     table = Table(title=f"{a.n} sandboxes running the {PROJECT} test suite")
-    for col in ("#", "sandbox", "create s", "tests s", "tests", "result"):
+    for col in ("#", "sandbox", "edge", "create s", "tests s", "tests", "result"):
         table.add_column(col)
     failed = 0
     for i, r in enumerate(results):
         if isinstance(r, BaseException):
             failed += 1
-            table.add_row(str(i), "-", "-", "-", "-", f"[red]{type(r).__name__}: {r}[/red]")
+            table.add_row(str(i), "-", "-", "-", "-", "-", f"[red]{type(r).__name__}: {r}[/red]")
             continue
         failed += 0 if r["ok"] else 1
-        table.add_row(str(r["idx"]), str(r["sandbox"]), f"{r['create_s']:.3f}", f"{r['test_s']:.2f}",
+        table.add_row(str(r["idx"]), str(r["sandbox"]), str(r["sandbox"]).rsplit("-", 1)[0], f"{r['create_s']:.3f}",
+                      f"{r['test_s']:.2f}",
                       str(r["tests"]), "[green]OK[/green]" if r["ok"] else f"[red]{r['tail']}[/red]")
     console.print(table)
-    console.print(f"wall time {wall:.1f}s, {a.n - failed}/{a.n} sandboxes passed")
+    per_edge: dict[str, int] = {}
+    for r in results:
+        if not isinstance(r, BaseException):
+            edge = str(r["sandbox"]).rsplit("-", 1)[0]
+            per_edge[edge] = per_edge.get(edge, 0) + 1
+    console.print(f"wall time {wall:.1f}s, {a.n - failed}/{a.n} sandboxes passed; "
+                  f"where they ran: {', '.join(f'{e} {n}' for e, n in sorted(per_edge.items()))}")
     return 1 if failed else 0
 
 

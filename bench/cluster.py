@@ -1,0 +1,213 @@
+"""dsec across Ray nodes, measured on this machine (dsec.cluster.local: raylets, a private
+PostgreSQL, a MooseFS store; every hop is real, every machine is this one).
+
+1. The hop: exec round trip and create to first exec through an apiserver replica to an
+   edge daemon on another Ray node, against the embedded platform (``dsec serve``), in one
+   run, alternating rounds. Targets (issue 17): <= +1 ms per exec, <= +5 ms per create.
+2. Creations/s with 1, 2 and 3 edges (nodes join one by one, as they would), and the CPU
+   time one create costs in each component (replicas, edge daemons with their crun and
+   helpers, the controller, PostgreSQL), read from /proc before and after: on 2 cores the
+   rate is CPU bound, so these costs are what predicts it elsewhere (bench/cluster_model.py
+   takes them as inputs).
+
+    .venv/bin/python bench/cluster.py --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from container import private_server, report  # noqa: E402
+from remote_edge import _create_first_exec, _exec_rtts  # noqa: E402
+
+import dsec  # noqa: E402
+from dsec.cluster.local import LocalCluster  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int, children: bool = True) -> float:
+    """utime + stime (and the reaped children's: crun, mount helpers) of a process, in s."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    return ticks / TICK
+
+
+def pids_matching(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def components(local: LocalCluster) -> dict[str, list[int]]:
+    """The processes of each component of the cluster, by what runs them."""
+    return {
+        "apiserver replicas": pids_matching(f"dsec.cli.main apiserver .*{local.root}"),
+        "edge daemons": pids_matching(f"dsec.cli.main edge serve .*{local.root}"),
+        "lazy layer readers": pids_matching(f"lazyfs --mount {local.root}"),
+        "controller (watcher)": pids_matching("ray::Controller"),
+        "PostgreSQL": pids_matching(f"postgres.*{local.pg_root}") + pids_matching("postgres: "),
+    }
+
+
+def cpu_of(comp: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(cpu_s(p) for p in pids) for name, pids in comp.items()}
+
+
+Samples = dict[str, dict[str, list[float]]]  # setup -> measure -> samples
+
+
+async def hop(urls: dict[str, tuple[str, str]], rounds: int, execs: int, creates: int) -> Samples:
+    res: Samples = {k: {"exec": [], "create": [], "outside": []} for k in urls}
+    clients = {k: dsec.AsyncClient(url=u, token=t) for k, (u, t) in urls.items()}
+    sbs = {k: await c.run_container(dsec.ContainerArgs(image="base/busybox")) for k, c in clients.items()}
+    try:
+        for k, sb in sbs.items():
+            await _exec_rtts(sb, 20)
+            await _create_first_exec(clients[k], 2)
+        for _ in range(rounds):
+            for k in urls:
+                res[k]["exec"] += await _exec_rtts(sbs[k], execs)
+                total, outside = await _create_first_exec(clients[k], creates)
+                res[k]["create"] += total
+                res[k]["outside"] += outside
+    finally:
+        for k, sb in sbs.items():
+            await sb.stop()
+            await clients[k].close()
+    return res
+
+
+async def burst(url: str, token: str, n: int, conc: int) -> tuple[float, int]:
+    """n creates (conc at once), each stopped once made; returns (creations/s, failures)."""
+    gate = asyncio.Semaphore(conc)
+    made: list[dsec.AsyncSandbox] = []
+    failed = 0
+    async with dsec.AsyncClient(url=url, token=token) as c:
+        async def one() -> None:
+            nonlocal failed
+            async with gate:
+                try:
+                    made.append(await c.run_container(dsec.ContainerArgs(image="base/busybox", job="bench-rate")))
+                except dsec.DsecError:
+                    failed += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        rate = len(made) / (time.perf_counter() - t0)
+        await c.stop_many(job="bench-rate")
+    return rate, failed
+
+
+def render(h: Samples, rates: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    med = statistics.median
+    e, c = h["embedded"], h["cluster"]
+
+    def row(name: str, key: str) -> str:
+        x, y = med(e[key]), med(c[key])
+        return f"| {name} | {x:.2f} ms | {y:.2f} ms | {y - x:+.2f} ms | {y / x:.2f}x |"
+
+    lines = [
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}; busybox sandboxes; "
+        f"every node, replica, edge, the database and the store on this one machine (loopback).",
+        "",
+        f"The hop ({a.rounds} rounds alternating the two setups, each {a.execs} execs and {a.creates} creates; "
+        "medians):",
+        "",
+        "| | embedded (`dsec serve`) | cluster (SDK -> replica -> edge on another Ray node) | hop | ratio |",
+        "|---|---|---|---|---|",
+        row("exec round trip (`true`)", "exec"),
+        row("create to first exec", "create"),
+        row("of a create, time outside the edge's own create", "outside"),
+        "",
+        f"Targets: <= +1 ms per exec (measured {med(c['exec']) - med(e['exec']):+.2f} ms), <= +5 ms per create "
+        f"(measured {med(c['outside']) - med(e['outside']):+.2f} ms, read outside the edge's own create, which "
+        "varies by tens of ms from one create to the next).",
+        "",
+        f"Creations/s as edges join ({a.burst} creates of busybox sandboxes, {a.conc} at once, each stopped "
+        "after; CPU seconds per create in each component, from /proc):",
+        "",
+        "| edges | creations/s | failed | " + " | ".join(f"CPU ms/create: {k}" for k in rates[0]["cpu"]) + " |",
+        "|---|---|---|" + "---|" * len(rates[0]["cpu"]),
+    ]
+    for r in rates:
+        lines.append(f"| {r['edges']} | {r['rate']:.1f} | {r['failed']} | "
+                     + " | ".join(f"{v * 1000 / r['made']:.1f}" for v in r["cpu"].values()) + " |")
+    total = [sum(r["cpu"].values()) * 1000 / r["made"] for r in rates]
+    lines += ["", f"All components together: {', '.join(f'{t:.0f}' for t in total)} CPU ms per create with "
+              f"{', '.join(str(r['edges']) for r in rates)} edges. On {os.cpu_count()} cores that bounds the rate "
+              f"at about {os.cpu_count() or 1} / that (the edges' share is the edge daemons, their crun and mount "
+              "helpers and lazy readers; a real node brings its own cores, so the rate scales with the edges while "
+              "the replica share stays per create)."]
+    return "\n".join(lines)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--execs", type=int, default=200)
+    ap.add_argument("--creates", type=int, default=10)
+    ap.add_argument("--burst", type=int, default=48)
+    ap.add_argument("--conc", type=int, default=8)
+    ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
+    a = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="dsec-bench-cluster-")
+    local = LocalCluster(root, ("b1", "b2"), os.path.join(a.data_dir, "layers"), {"base/busybox:latest"},
+                         apiservers=1)
+    emb_proc, emb_url, emb_token, emb_dir = private_server(a.data_dir)
+    rates: list[dict[str, Any]] = []
+    try:
+        up = local.start()
+        # the replica on one node, the sandbox on the other: every create and exec crosses nodes
+        h = await hop({"embedded": (emb_url, emb_token), "cluster": (up.apiservers[0], up.token)},
+                      a.rounds, a.execs, a.creates)
+        emb_proc.send_signal(signal.SIGTERM)
+        emb_proc.wait(timeout=60)
+        local.remove_node("b2", graceful=True)  # the rate series starts at one edge, then nodes join
+        await asyncio.sleep(3)
+        for edges, join in ((1, None), (2, "b2"), (3, "b3")):
+            if join:
+                local.add_node(join)
+                async with dsec.AsyncClient(url=up.apiservers[0], token=up.token) as c:
+                    for _ in range(600):
+                        serving = {n.edge for n in await c.nodes() if n.healthy}
+                        if join in serving and len(serving) >= edges:
+                            break
+                        await asyncio.sleep(0.2)
+            comp = components(local)
+            before = cpu_of(comp)
+            rate, failed = await burst(up.apiservers[0], up.token, a.burst, a.conc)
+            after = cpu_of(comp)
+            rates.append({"edges": edges, "rate": rate, "failed": failed, "made": a.burst - failed,
+                          "cpu": {k: after[k] - before[k] for k in comp}})
+            print(rates[-1], flush=True)
+    finally:
+        if emb_proc.poll() is None:
+            emb_proc.send_signal(signal.SIGTERM)
+            emb_proc.wait(timeout=60)
+        local.stop()
+        shutil.rmtree(emb_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    report(render(h, rates, a), a.write, "cluster.py", "cluster",
+           "Cluster on Ray: the hop and creations/s as edges join (`bench/cluster.py`)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
