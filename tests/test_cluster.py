@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 import dsec
-from tests.conftest import TOKEN, Cluster, leftovers, own_cluster
 from dsec.storage.moosefs import MooseFS
+from tests.conftest import TOKEN, Cluster, leftovers, own_cluster
 
 REFUSING = ["--admit-max-psi", "-1", "--pause-below-mb", str(1 << 20)]  # any pressure is too much
 

@@ -23,9 +23,9 @@ import pytest
 import dsec
 from dsec.layers.store import LayerStore
 from dsec.storage.lazyfs import LazyClient
+from dsec.storage.moosefs import MooseFS
 from dsec.wire.models import LayerFetchStats
 from tests.conftest import TOKEN, Platform
-from dsec.storage.moosefs import MooseFS
 
 MiB = 1 << 20
 

@@ -9,10 +9,11 @@ subnets and nftables tables, owned by Ray actors.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,13 +77,14 @@ def _edge(sandbox_id: str) -> str:
     return sandbox_id.rsplit("-", 1)[0]
 
 
-async def _until(check: Any, what: str, timeout: float = 30.0) -> Any:
+async def _until(check: Any, what: str, timeout: float = 30.0, state: Callable[[], object] | None = None) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         got = await check()
         if got:
             return got
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}" + (f"; state: {state()}" if state else ""))
         await asyncio.sleep(0.2)
 
 
@@ -233,7 +235,8 @@ async def test_node_lost_mid_burst(rc: RayDsec) -> None:
                     return False
                 return info.info.state == "failed" and "node lost" in (info.info.error or "")
             t0 = time.monotonic()
-            await _until(marked, "the lost node's sandboxes are reported failed", 30)
+            await _until(marked, "the lost node's sandboxes are reported failed", 30,
+                         lambda: ops.status(rc.address))
             seen_in = time.monotonic() - t0
             for sb in lost:
                 info = (await c.connect(sb.sandbox_id)).info
@@ -278,3 +281,47 @@ async def test_a_node_joining_later_takes_load(rc: RayDsec) -> None:
                                       for _ in range(8)))
         assert "r4" in {_edge(sb.sandbox_id) for sb in made}
         await c.stop_many(job="join")
+
+
+async def test_a_token_made_on_one_replica_works_on_the_other_and_revocation_reaches_it(rc: RayDsec) -> None:
+    urls = ops.status(rc.address)["apiservers"]  # replica 0 was restarted (on a free port) above
+    a_url, b_url = urls["apiserver:0"], urls["apiserver:1"]
+    async with rc.client(a_url) as admin_a:
+        made = await admin_a.create_token("team-x", "runner", "trainer")
+    assert made.token
+    async with dsec.AsyncClient(url=b_url, token=made.token) as b:
+        sb = await b.run_container(dsec.ContainerArgs(image="base/busybox"))  # at once, on the other replica
+        assert sb.info.labels["dsec.project"] == "team-x"
+        await sb.stop()
+        async with rc.client(a_url) as admin_a:
+            await admin_a.revoke_token(made.id)
+
+        async def refused() -> bool:
+            try:
+                await b.list()
+            except dsec.Unauthorized:
+                return True
+            return False
+        await _until(refused, "the other replica refuses a revoked token", 15)
+
+
+def test_cluster_cli(rc: RayDsec, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "dsec.cli.main"]
+    out = subprocess.run([*cli, "cluster", "status", "--ray-address", rc.address, "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert {e["name"] for e in json.loads(out.stdout)["edges"] if e["state"] == "active"} >= set(NAMES)
+    env = {**os.environ, "DSEC_URL": rc.url, "DSEC_TOKEN": rc.token}
+    out = subprocess.run([*cli, "nodes"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and all(n in out.stdout for n in NAMES), out.stdout + out.stderr
+    bad = subprocess.run([*cli, "cluster", "up", "--ray-address", rc.address], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--store" in bad.stderr
+    key = tmp_path / "k"
+    key.write_text("x" * 32)
+    bad = subprocess.run([*cli, "apiserver", "--secret-file", str(key), "--db", "postgresql://dsec@127.0.0.1:1/dsec",
+                          "--token", "t" * 20], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--db" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
+from sqlalchemy import Engine
 
 from dsec.apiserver.app import Apiserver, build_app
 from dsec.apiserver.core import SandboxIndex
@@ -38,15 +39,20 @@ def data_dir_default() -> str:
     return os.environ.get("DSEC_DATA_DIR", DEFAULT_DATA_DIR)
 
 
-def open_store(data_dir: str, store: str | None = None) -> LayerStore:
+def open_store(data_dir: str, store: str | None = None, db: str | Engine | None = None) -> LayerStore:
     """The layer store: ``store`` (or $DSEC_STORE) is a shared filesystem path mounted on
     every node; without one, the local data dir. $DSEC_CHUNK_SIZE sets the chunk size
-    new layers are indexed with (bytes, default 1 MiB)."""
+    new layers are indexed with (bytes, default 1 MiB). Its catalog is in ``db`` (a
+    cluster's database: its URL, or its engine when the caller has one open) when given,
+    else in the store's own file. Only when given: $DSEC_DB is read by the commands that
+    serve a cluster (their --db), never here, so a variable left in a shell cannot move
+    the catalog of an embedded or hand-run store into some cluster's database."""
     store = store or os.environ.get("DSEC_STORE") or None
     chunk = int(os.environ.get("DSEC_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
+    engine = open_db(db) if isinstance(db, str) else db
     if store:
-        return LayerStore(store, "sharedfs", chunk_size=chunk)
-    return LayerStore(os.path.join(os.path.abspath(data_dir), "layers"), "local", chunk_size=chunk)
+        return LayerStore(store, "sharedfs", chunk_size=chunk, db=engine)
+    return LayerStore(os.path.join(os.path.abspath(data_dir), "layers"), "local", chunk_size=chunk, db=engine)
 
 
 def load_or_create_token(data_dir: str, token: str | None = None) -> str:
@@ -65,10 +71,11 @@ def load_or_create_token(data_dir: str, token: str | None = None) -> str:
 
 
 def build_edge(data_dir: str, edge_name: str = "edge0", edge_cfg: dict[str, Any] | None = None,
-               store: str | None = None) -> Edge:
-    """This node's edge (not started): cgroups prepared, its layer store opened."""
+               store: str | None = None, db: str | None = None) -> Edge:
+    """This node's edge (not started): cgroups prepared, its layer store opened (its
+    catalog in the cluster's database ``db`` when given)."""
     prepare_cgroups()
-    layer_store = open_store(data_dir, store)
+    layer_store = open_store(data_dir, store, db)
     build_busybox(layer_store)  # cheap and always available; base/debian:12 comes from `dsec setup`
     return Edge(EdgeConfig(name=edge_name, data_dir=os.path.abspath(data_dir), **(edge_cfg or {})), layer_store)
 
@@ -153,5 +160,5 @@ def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | 
     engine = open_db(db)
     registry = Registry(engine)
     edges = ClusterEdges(registry, secret)
-    return build_platform(edges, TokenStore(engine, token), open_store(data_dir, store), watcher=edges,
+    return build_platform(edges, TokenStore(engine, token), open_store(data_dir, store, engine), watcher=edges,
                           index=registry)

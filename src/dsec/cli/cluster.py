@@ -33,6 +33,8 @@ def up(ray_address: RayOpt = "auto",
        token_file: Annotated[str | None, typer.Option(help="where to write the admin token (0600)")] = None) -> None:
     """Start dsec on a Ray cluster: an edge on every node with the dsec_edge resource, the
     apiserver replicas, the controller; prints the apiserver URLs."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from dsec.cluster import ops
 
     if store is None and not os.environ.get("DSEC_STORE"):
@@ -42,8 +44,8 @@ def up(ray_address: RayOpt = "auto",
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
                      data_root=data_root, listen_host=listen_host, edge_port=edge_port, api_port=api_port,
                      edge_args=edge_arg or [])
-    except (TimeoutError, RuntimeError, ValueError, ConnectionError) as e:
-        err.print(f"[red]error[/red]: {e}")
+    except (TimeoutError, RuntimeError, ValueError, ConnectionError, SQLAlchemyError) as e:
+        err.print(f"[red]error[/red]: {str(e).splitlines()[0]}")
         raise typer.Exit(2) from None
     path = token_file or os.path.join(data_root, "token")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -135,6 +135,10 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
                secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
                listen: Annotated[str, typer.Option(help="HOST:PORT the daemon listens on")]
                = f"127.0.0.1:{DEFAULT_EDGE_PORT}",
+               db: Annotated[str | None, typer.Option(
+                   envvar="DSEC_DB", help="a cluster's database (postgresql://...; default $DSEC_DB): the layer "
+                                          "catalog lives there, shared by the cluster (what `dsec cluster up` "
+                                          "gives)")] = None,
                **edge: Any) -> None:
     """Run this node's edge daemon until SIGTERM: the edge contract over HTTP and
     WebSocket, for apiservers holding the cluster secret."""
@@ -151,7 +155,7 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
     data_dir, store, cfg = _edge_settings(edge)
     with _errors():
         try:
-            node = build_edge(data_dir, name, cfg, store)
+            node = build_edge(data_dir, name, cfg, store, db)
         except ValueError as e:
             err.print(f"[red]error[/red]: {e}")
             raise typer.Exit(2) from None
@@ -197,11 +201,13 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
         if not token:
             err.print("[red]error[/red]: a replica needs the cluster's admin token (--token or $DSEC_TOKEN)")
             raise typer.Exit(2)
+        from sqlalchemy.exc import SQLAlchemyError
+
         with _errors():
             try:
                 fastapi_app = build_replica(db, secret, token, data_dir or data_dir_default(), store)
-            except ValueError as e:
-                err.print(f"[red]error[/red]: {e}")
+            except (ValueError, SQLAlchemyError) as e:
+                err.print(f"[red]error[/red]: --db: {str(e).splitlines()[0]}")
                 raise typer.Exit(2) from None
     else:
         fastapi_app = build_apiserver(_edge_pairs(edges or ""), secret, data_dir or data_dir_default(), token, store)

@@ -71,8 +71,10 @@ class EdgeActor:
                          "--data-dir", data, "--log-level", self.cfg.log_level,
                          *(["--store", self.cfg.store] if self.cfg.store else []),
                          *self.cfg.edge_args, *self.cfg.edge_args_by_name.get(name, []))
+        # the layer catalog's database through the environment, not argv: its URL has a password
         self.daemon = Daemon(argv, os.path.join(data, "edge.log"),
-                             http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}))
+                             http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}),
+                             env={"DSEC_DB": self.cfg.db})
         Registry(open_db(self.cfg.db, migrate=False)).register(name, self.url, self.node_id)
 
     def info(self) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """A service process owned by a Ray actor: started with the actor, healthy before the
 actor's constructor returns, and tied to it both ways. Should the process exit on its
 own, the actor process exits too, so Ray restarts the actor and with it the service;
-should the actor process die, the kernel kills the service (PR_SET_PDEATHSIG). One
+should the actor process die, the kernel kills the service (PR_SET_PDEATHSIG, set by
+setpriv). One
 owner, Ray's restart semantics, no orphan holding a port."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pwd
@@ -22,15 +22,15 @@ import urllib.request
 from collections.abc import Callable
 
 log = logging.getLogger("dsec.cluster")
-PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 120.0  # an edge's first start builds its volume and network: tens of seconds at worst
 STOP_GRACE_S = 30.0
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    os.setsid()  # its own process group: a signal to the actor's group is not one to it
+def _tied(argv: list[str]) -> list[str]:
+    """``argv`` run through util-linux's setpriv, which sets PR_SET_PDEATHSIG and execs it:
+    Popen's preexec_fn would do the same in Python between fork and exec, which can
+    deadlock in a process with threads (a Ray worker has dozens)."""
+    return ["setpriv", "--pdeathsig", "KILL", "--", *argv]
 
 
 def free_port(host: str) -> int:
@@ -62,9 +62,11 @@ class Daemon:
         with open(log_path, "ab") as logf:
             if user is not None:
                 os.fchown(logf.fileno(), user, -1)
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
-                                         user=user, group=None if user is None else pwd.getpwuid(user).pw_gid)
+            # its own session: a signal to the actor's process group is not one to it
+            self.proc = subprocess.Popen(_tied(argv), stdin=subprocess.DEVNULL, stdout=logf,
+                                         stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                         start_new_session=True, user=user,
+                                         group=None if user is None else pwd.getpwuid(user).pw_gid)
         self._wait_healthy()
         threading.Thread(target=self._watch, name="daemon-watch", daemon=True).start()
 

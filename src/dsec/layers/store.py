@@ -7,7 +7,8 @@ is published as metadata (``<digest>.erofs``: inodes, directories, chunk maps; s
 plus a data blob (``<data>.data``, referenced by the metadata as its blob device) and the
 data blob's chunk index (``<data>.chunks``), so that a node can copy the metadata and
 read data on demand (docs/ondemand.md). Blobs live in a :mod:`dsec.storage.backend`,
-the catalog in a small SQLite file at the store's root. A published name never changes
+the catalog (:mod:`dsec.layers.catalog`) in a small SQLite file at the store's root, or
+in the cluster's database when the store is a cluster's. A published name never changes
 what it points to. A layer made by pack_diff records the stack it was
 taken on top of (``parent_image`` + ``parent_layers``), which is what fork restores.
 """
@@ -19,13 +20,16 @@ import hashlib
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 
+from sqlalchemy import Engine
+from sqlalchemy.engine import RowMapping
+
 from dsec.errors import InvalidRequest, LayerInUse, NotFound
+from dsec.layers.catalog import FILE_NAME, Catalog, JournalMode
 from dsec.storage.backend import BackendKind, BlobBackend, open_backend
 from dsec.storage.chunks import DEFAULT_CHUNK_SIZE, ChunkIndex, check_chunk_size
 from dsec.wire.layers import Layer
@@ -68,32 +72,30 @@ def check_erofs(path: str) -> None:
 
 
 class LayerStore:
-    def __init__(self, root: str, backend: BackendKind | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    """The store at ``root``; its catalog in ``db`` (a cluster's database, which the caller
+    owns) when given, else in ``root``'s own catalog file. A store that had a file before
+    it had a database starts the database's catalog from it."""
+
+    def __init__(self, root: str, backend: BackendKind | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 db: Engine | None = None) -> None:
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
         self.backend: BlobBackend = open_backend(self.root, backend)
         self.chunk_size = check_chunk_size(chunk_size)
         self.blob_dir = os.path.join(self.root, "blobs", "sha256")
-        self._db = sqlite3.connect(os.path.join(self.root, "catalog.db"), check_same_thread=False,
-                                   isolation_level=None, timeout=30)
         # WAL needs shared memory between all users of the file, which a network
         # filesystem cannot give; a rollback journal only needs POSIX locks.
-        self._db.execute("PRAGMA journal_mode=" + ("WAL" if self.backend.kind == "local" else "DELETE"))
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS layers (ref TEXT PRIMARY KEY, kind TEXT NOT NULL,"
-            " digest TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS built (key TEXT PRIMARY KEY, digest TEXT NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS blob_data (meta TEXT PRIMARY KEY, data TEXT NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS access_lists (data TEXT PRIMARY KEY, chunks TEXT NOT NULL,"
-                         " source TEXT NOT NULL, recorded_at REAL NOT NULL)")
-        cols = {r[1] for r in self._db.execute("PRAGMA table_info(layers)")}
-        for col in ("meta",):  # catalogs written before lineage was recorded
-            if col not in cols:
-                self._db.execute(f"ALTER TABLE layers ADD COLUMN {col} TEXT NOT NULL DEFAULT '{{}}'")
+        journal: JournalMode = "WAL" if self.backend.kind == "local" else "DELETE"
+        file = os.path.join(self.root, FILE_NAME)
+        if db is None:
+            self.catalog = Catalog.open_file(file, journal)
+        else:
+            self.catalog = Catalog(db)
+            self.catalog.import_file(file, journal)
 
     def close(self) -> None:
         """Close the catalog (a process must not hold files on a shared store it is done with)."""
-        self._db.close()
+        self.catalog.close()
 
     def blob_path(self, digest: str) -> str:
         """The metadata image (or whole image, for one published as a single file)."""
@@ -104,8 +106,7 @@ class LayerStore:
 
     def data_of(self, digest: str) -> str | None:
         """The data blob an image's metadata refers to; None for a single-file image."""
-        row = self._db.execute("SELECT data FROM blob_data WHERE meta=?", (digest,)).fetchone()
-        return str(row[0]) if row else None
+        return self.catalog.data_of(digest)
 
     def mount_args(self, digest: str) -> tuple[str, str | None]:
         """(source, options) to mount image ``digest`` straight from this store with
@@ -118,54 +119,57 @@ class LayerStore:
         with open(self.backend.path(f"{data}.chunks"), "rb") as f:
             return ChunkIndex.from_bytes(f.read())
 
-    def _row(self, row: tuple[str, str, str, int, float, str]) -> Layer:
-        meta = json.loads(row[5] or "{}")
-        layer = Layer(ref=row[0], kind=row[1], digest=row[2], size=row[3], created_at=row[4], **meta)
-        for b in layer.all_blobs:
-            if d := self.data_of(b):
-                layer.data[b] = d
-                row = self._db.execute("SELECT json_array_length(chunks) FROM access_lists WHERE data=?",
-                                       (d,)).fetchone()
-                layer.prefetch_chunks += int(row[0]) if row else 0
-        return layer
+    def _layers(self, rows: builtins.list[RowMapping]) -> builtins.list[Layer]:
+        """Layers of catalog rows, with their data blobs and prefetch hint sizes (looked up
+        for all rows together: a remote database answers two queries, not two per blob)."""
+        found = [Layer(ref=r["ref"], kind=r["kind"], digest=r["digest"], size=r["size"], created_at=r["created_at"],
+                       **json.loads(r["meta"] or "{}")) for r in rows]
+        data = self.catalog.data_of_many(b for layer in found for b in layer.all_blobs)
+        counts = self.catalog.prefetch_counts(data.values())
+        for layer in found:
+            for b in layer.all_blobs:
+                if d := data.get(b):
+                    layer.data[b] = d
+                    layer.prefetch_chunks += counts.get(d, 0)
+        return found
 
     # ---- access lists (prefetch hints) ------------------------------------------
     def access_list(self, data: str) -> builtins.list[int]:
-        row = self._db.execute("SELECT chunks FROM access_lists WHERE data=?", (data,)).fetchone()
-        return [int(c) for c in json.loads(row[0])] if row else []
+        return self.catalog.access_list(data)
 
     def set_access_list(self, data: str, chunks: builtins.list[int], source: str) -> None:
         """Record the chunks of ``data`` a run touched, in first-touch order. Advisory
         metadata beside the immutable layer: a later recording replaces it."""
-        self._db.execute("INSERT OR REPLACE INTO access_lists VALUES (?,?,?,?)",
-                         (data, json.dumps(chunks), source, time.time()))
-
-    _COLS = "ref, kind, digest, size, created_at, meta"
+        self.catalog.set_access_list(data, chunks, source)
 
     def get(self, ref: str) -> Layer:
         ref = normalize_layer_ref(ref)
-        row = self._db.execute(f"SELECT {self._COLS} FROM layers WHERE ref=?", (ref,)).fetchone()
+        row = self.catalog.layer(ref)
         if row is None:
             raise NotFound(f"unknown layer {ref!r}", field="ref")
-        return self._row(row)
+        return self._layers([row])[0]
 
     def has(self, ref: str) -> bool:
-        return self._db.execute("SELECT 1 FROM layers WHERE ref=?", (normalize_layer_ref(ref),)).fetchone() is not None
+        return self.catalog.has(normalize_layer_ref(ref))
 
     def list(self) -> list[Layer]:
-        return [self._row(r) for r in self._db.execute(f"SELECT {self._COLS} FROM layers ORDER BY ref")]
+        return self._layers(self.catalog.layers())
 
     def link_from(self, other_root: str, refs: set[str] | None = None) -> int:
         """Publish every layer (or those of ``refs``) of the store at ``other_root`` here,
         hard-linking blobs (copying across filesystems). Returns how many layers were added."""
         other = LayerStore(other_root)
+        try:
+            layers = other.list()
+        finally:
+            other.close()
         added = 0
-        for layer in other.list():
+        for layer in layers:
             if self.has(layer.ref) or (refs is not None and layer.ref not in refs):
                 continue
             for blob in layer.all_blobs:
                 names = [f"{blob}.erofs"]
-                if data := other.data_of(blob):
+                if data := layer.data.get(blob):
                     names += [f"{data}.data", f"{data}.chunks"]
                 for name in names:
                     dest = self.backend.path(name)
@@ -175,7 +179,7 @@ class LayerStore:
                         except OSError:
                             shutil.copy2(other.backend.path(name), dest)
                 if data:
-                    self._db.execute("INSERT OR REPLACE INTO blob_data VALUES (?,?)", (blob, data))
+                    self.catalog.set_data(blob, data)
             self._publish(layer)
             added += 1
         return added
@@ -227,9 +231,9 @@ class LayerStore:
             for path, name in ((data, f"{data_digest}.data"), (index, f"{data_digest}.chunks"),
                                (meta, f"{digest}.erofs")):
                 self.backend.put(path, name)
-            self._db.execute("INSERT OR REPLACE INTO blob_data VALUES (?,?)", (digest, data_digest))
+            self.catalog.set_data(digest, data_digest)
             if opts.content_key:
-                self._db.execute("INSERT OR REPLACE INTO built VALUES (?,?)", (opts.content_key, digest))
+                self.catalog.set_built(opts.content_key, digest)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return digest
@@ -242,8 +246,8 @@ class LayerStore:
 
     def built_blob(self, content_key: str) -> str | None:
         """The blob an earlier build of the same input produced, if it is still stored."""
-        row = self._db.execute("SELECT digest FROM built WHERE key=?", (content_key,)).fetchone()
-        return str(row[0]) if row and os.path.exists(self.blob_path(row[0])) else None
+        digest = self.catalog.built(content_key)
+        return digest if digest and os.path.exists(self.blob_path(digest)) else None
 
     def publish_blobs(self, ref: str, digests: builtins.list[str], source: str = "") -> Layer:
         """Publish already-built blobs (bottom to top) as one layer ``ref``."""
@@ -269,14 +273,12 @@ class LayerStore:
     def _publish(self, layer: Layer) -> Layer:
         meta = {"parent_image": layer.parent_image, "parent_layers": layer.parent_layers, "source": layer.source,
                 "blobs": layer.blobs}
-        try:
-            self._db.execute("INSERT INTO layers (ref, kind, digest, size, created_at, meta) VALUES (?,?,?,?,?,?)",
-                             (layer.ref, layer.kind, layer.digest, layer.size, layer.created_at, json.dumps(meta)))
-        except sqlite3.IntegrityError:
+        if not self.catalog.add_layer(ref=layer.ref, kind=layer.kind, digest=layer.digest, size=layer.size,
+                                      created_at=layer.created_at, meta=json.dumps(meta)):
             existing = self.get(layer.ref)
             if existing.digest != layer.digest:
                 raise InvalidRequest(f"layer {layer.ref!r} is already published with another content; "
-                                     "layers are immutable, publish a new version", field="ref") from None
+                                     "layers are immutable, publish a new version", field="ref")
             return existing
         return layer
 
@@ -289,7 +291,7 @@ class LayerStore:
             if layer.ref == other.parent_image or layer.ref in other.parent_layers:
                 raise LayerInUse(f"layer {layer.ref!r} is the parent of {other.ref!r}; remove that first",
                                  field="ref")
-        self._db.execute("DELETE FROM layers WHERE ref=?", (layer.ref,))
+        self.catalog.remove_layer(layer.ref)
         return layer
 
     def gc(self, in_use: set[str]) -> builtins.list[str]:
@@ -303,8 +305,7 @@ class LayerStore:
                 self.backend.remove(name)
                 if ext != "chunks":
                     removed.append(digest)
-        marks = ",".join("?" * len(live))
-        self._db.execute(f"DELETE FROM blob_data WHERE meta NOT IN ({marks})", tuple(live))
+        self.catalog.keep_data_of(live)
         return removed
 
 
