@@ -41,6 +41,7 @@ from dsec.meta.registry import Registry
 log = logging.getLogger("dsec.cluster")
 CONTROLLER = "controller"
 RECONCILE_S = 1.0
+CLEAN_TIMEOUT_S = 30.0  # stopping what a returned edge still holds: bounded like any call
 
 
 def _secret_file(directory: str, secret: str) -> str:
@@ -146,6 +147,7 @@ class Controller:
         self.apiservers: dict[int, Any] = {}
         self.events: list[dict[str, Any]] = []
         self.last_error = ""
+        self.round: dict[str, float] = {}  # when the last round ended, and what each step took
         self._stop = threading.Event()
         self._view: ClusterEdges | None = None
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
@@ -164,7 +166,7 @@ class Controller:
                           "stats": st.model_dump() if st else None})
         return {"edges": edges,
                 "apiservers": self.registry.settings_like("apiserver:"), "events": self.events[-50:],
-                "last_error": self.last_error}
+                "last_error": self.last_error, "round": self.round}
 
     def shutdown(self, stop_sandboxes: bool = False) -> dict[str, Any]:
         """Stop the loop, then the replicas, then the edges (their sandboxes stopped first
@@ -216,9 +218,14 @@ class Controller:
         try:
             while not self._stop.is_set():
                 try:
+                    t0 = time.monotonic()
                     await asyncio.to_thread(self._reconcile)
+                    t1 = time.monotonic()
                     await self._view.refresh()
-                    await self._clean_returned()
+                    t2 = time.monotonic()
+                    await asyncio.wait_for(self._clean_returned(), CLEAN_TIMEOUT_S)
+                    self.round = {"at": time.time(), "ray_s": t1 - t0, "watch_s": t2 - t1,
+                                  "clean_s": time.monotonic() - t2}
                     self.last_error = ""
                 except Exception as e:  # keep going: the next round may find the database or Ray back
                     self.last_error = f"{type(e).__name__}: {e}"

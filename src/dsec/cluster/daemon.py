@@ -27,10 +27,12 @@ STOP_GRACE_S = 30.0
 
 
 def _tied(argv: list[str]) -> list[str]:
-    """``argv`` run through util-linux's setpriv, which sets PR_SET_PDEATHSIG and execs it:
-    Popen's preexec_fn would do the same in Python between fork and exec, which can
-    deadlock in a process with threads (a Ray worker has dozens)."""
-    return ["setpriv", "--pdeathsig", "KILL", "--", *argv]
+    """``argv`` run through util-linux's setpriv, which sets PR_SET_PDEATHSIG and execs it
+    (Popen's preexec_fn would do the same in Python between fork and exec, which can
+    deadlock in a process with threads: a Ray worker has dozens), at niceness 0: Ray runs
+    its workers at a raised niceness (worker_niceness), which every sandbox an edge
+    starts would inherit, and a replica's and an edge's latency with it."""
+    return ["nice", "-n", str(-os.nice(0)), "setpriv", "--pdeathsig", "KILL", "--", *argv]
 
 
 def free_port(host: str) -> int:

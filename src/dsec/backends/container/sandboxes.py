@@ -12,7 +12,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from dsec.agent.initclient import InitClient
+from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.edge import memory
 from dsec.errors import DsecError, InvalidRequest, SandboxError
@@ -102,7 +102,13 @@ class ContainerSandboxes:
         its children join, and whether they run SCHED_IDLE)."""
         init = InitClient(self.sock_path(sb.id))
         try:
-            await init.connect()
+            try:
+                await init.connect()
+            except ChannelLost as e:  # say whether init is gone or only silent: they are different faults
+                pid = sb.rec.init_pid
+                alive = pid is not None and os.path.exists(f"/proc/{pid}")
+                raise ChannelLost(f"{e.message} (init pid {pid} {'alive' if alive else 'gone'}; "
+                                  f"{self._init_cgroup_state(sb.id)})") from None
             if workload is not None:
                 await init.configure(*workload)
             await self.host.bind_agent(sb, init, None)
@@ -112,6 +118,15 @@ class ContainerSandboxes:
         finally:
             for fd in workload[0] if workload else []:
                 os.close(fd)
+
+    def _init_cgroup_state(self, sid: str) -> str:
+        """What the sandbox's cgroup says of it: processes left, OOM kills (for an error)."""
+        cg = self.cgroup_path(sid)
+        try:
+            procs = len(Cgroup(cg).procs())
+        except OSError:
+            procs = -1
+        return f"{procs} processes in its cgroup, {memory.oom_kills(cg)} OOM kills"
 
     async def freeze(self, sb: Sandbox) -> None:
         await self.runtime.pause(sb.id)
