@@ -42,6 +42,7 @@ log = logging.getLogger("dsec.cluster")
 CONTROLLER = "controller"
 RECONCILE_S = 1.0
 CLEAN_TIMEOUT_S = 30.0  # stopping what a returned edge still holds: bounded like any call
+DOWN_WAIT_S = 60.0  # `down --stop-sandboxes` waits this long for edges still starting
 
 
 def _secret_file(directory: str, secret: str) -> str:
@@ -190,9 +191,18 @@ class Controller:
 
     async def _stop_sandboxes(self) -> int:
         view = ClusterEdges(self.registry, self.cfg.secret)
-        await view.refresh()
         n = 0
         try:
+            # an edge still starting (Ray restarting it, a node just back) is waited for, bounded:
+            # its sandboxes are stopped too rather than left to outlive the cluster
+            owned = {name for name, _ in self.edges.values()}
+            deadline = time.monotonic() + DOWN_WAIT_S
+            while True:
+                await view.refresh()
+                serving = {name for name, st in view.view.items() if st.healthy}
+                if owned <= serving or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
             for edge in view.active().values():
                 with contextlib.suppress(DsecError, OSError, TimeoutError):
                     infos = await asyncio.wait_for(edge.list_sandboxes(), 30)
