@@ -34,8 +34,21 @@ NAMES = ("r1", "r2", "r3")
 @dataclass
 class RayDsec:
     local: LocalCluster
-    urls: list[str]
     token: str
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas where they are now: Ray restarts one that died (a killed replica, or
+        one on a node that went) on a free port, as dsec.cluster.local runs them."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                found = ops.status(self.address)["apiservers"]
+                return [found[k] for k in sorted(found)]
+            except ray.exceptions.RayError:  # the controller is being restarted
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     @property
     def url(self) -> str:
@@ -55,7 +68,7 @@ def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
                          SHARED_LAYERS | {"base/fncall:12"}, seed=_seed_vm)
     try:
         up = local.start()
-        yield RayDsec(local, up.apiservers, up.token)
+        yield RayDsec(local, up.token)
     finally:
         failed = local.stop()
         assert not failed, failed
@@ -64,6 +77,15 @@ def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
 def _info(actor: Any) -> dict[str, Any]:
     info: dict[str, Any] = ray.get(actor.info.remote(), timeout=60)
     return info
+
+
+def _brief(rc: RayDsec) -> str:
+    """The cluster as the controller and Ray see it, for a failure message."""
+    st = ops.status(rc.address)
+    edges = [(e["name"], e["node_id"][:8], e["state"], e["healthy"], e["reason"]) for e in st["edges"]]
+    nodes = [(n["NodeID"][:8], n["Alive"]) for n in ray.nodes()]
+    return (f"edges {edges}; ray nodes {nodes}; round {st['round']}; error {st['last_error']!r}; "
+            f"events {st['events'][-8:]}")
 
 
 async def _restarted(actor: Any, old_pid: int) -> bool:
@@ -89,7 +111,8 @@ async def _until(check: Any, what: str, timeout: float = 30.0, state: Callable[[
 
 
 async def test_creates_spread_and_any_replica_reaches_any_edge(rc: RayDsec) -> None:
-    async with rc.client(rc.urls[0]) as a, rc.client(rc.urls[1]) as b:
+    urls = rc.urls
+    async with rc.client(urls[0]) as a, rc.client(urls[1]) as b:
         assert {n.edge for n in await a.nodes()} == set(NAMES) == {n.edge for n in await b.nodes()}
         made = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="spread"))
                                       for c in (a, b) * 6))
@@ -103,7 +126,7 @@ async def test_creates_spread_and_any_replica_reaches_any_edge(rc: RayDsec) -> N
                 assert (await sb.run_shell("echo $PWD $X", session="s1")).stdout == "/tmp 42\n"
                 await sb.write_file("/tmp/f.txt", b"data-" + sb.sandbox_id.encode())
                 assert await via_b.read_file("/tmp/f.txt") == b"data-" + sb.sandbox_id.encode()
-            async with websockets.connect(made[1].tty_url(90, 20).replace(rc.urls[0], rc.urls[1]),
+            async with websockets.connect(made[1].tty_url(90, 20).replace(urls[0], urls[1]),
                                           additional_headers={"Authorization": f"Bearer {rc.token}"}) as ws:
                 await ws.send(b"stty size; echo tty-$((6*7))\n")
                 buf = b""
@@ -140,8 +163,9 @@ def test_an_edge_refuses_callers_without_the_cluster_secret(rc: RayDsec) -> None
 def test_e2b_sdk_through_a_replica(rc: RayDsec, monkeypatch: pytest.MonkeyPatch) -> None:
     from e2b import Sandbox
 
-    monkeypatch.setenv("E2B_API_URL", rc.urls[1])
-    monkeypatch.setenv("E2B_SANDBOX_URL", rc.urls[1])
+    url = rc.urls[1]
+    monkeypatch.setenv("E2B_API_URL", url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", url)
     monkeypatch.setenv("E2B_API_KEY", rc.token)
     sbx = Sandbox.create("base/debian:12", timeout=300)
     try:
@@ -181,7 +205,8 @@ async def test_edge_actor_killed_ray_restarts_it_and_it_readopts(rc: RayDsec) ->
 async def test_replica_killed_mid_burst_the_sdk_fails_over(rc: RayDsec) -> None:
     actor = ray.get_actor("apiserver:0", namespace=NAMESPACE)
     pid = _info(actor)["pid"]
-    async with rc.client(rc.url) as c:  # both replicas, the first in use
+    urls = rc.urls
+    async with rc.client(",".join(urls)) as c:  # both replicas, the first in use
         sbs = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="failover"))
                                      for _ in range(3)))
         outcomes: list[object] = []
@@ -202,7 +227,7 @@ async def test_replica_killed_mid_burst_the_sdk_fails_over(rc: RayDsec) -> None:
         await work
         answered = [o for o in outcomes if isinstance(o, str)]
         assert len(answered) >= len(outcomes) - 6 and len(outcomes) == 72  # at most one per worker in flight
-        assert c.url == rc.urls[1]  # moved to the live replica
+        assert c.url == urls[1]  # moved to the live replica
         listed = {i.sandbox_id for i in await c.list(job="failover")}
         assert listed == {sb.sandbox_id for sb in sbs}
         await c.stop_many(job="failover")
@@ -234,8 +259,7 @@ async def test_node_lost_mid_burst(rc: RayDsec) -> None:
                 except dsec.EdgeUnavailable:  # gone, not yet declared lost
                     return False
                 return info.info.state == "failed" and "node lost" in (info.info.error or "")
-            await _until(marked, "the lost node's sandboxes are reported failed", 60,
-                         lambda: ops.status(rc.address))
+            await _until(marked, "the lost node's sandboxes are reported failed", 60, lambda: _brief(rc))
             for sb in lost:
                 info = (await c.connect(sb.sandbox_id)).info
                 assert info.state == "failed" and info.error == "node lost", info
@@ -272,9 +296,10 @@ async def test_controller_killed_ray_restarts_it_and_it_rebuilds_its_view(rc: Ra
     """The controller holds nothing it cannot rebuild from Ray and the registry: killed, it is
     restarted by Ray, finds every edge again, and (the next test) still starts an edge on a
     node that joins after."""
+    url = rc.url
     ctl = ray.get_actor("controller", namespace=NAMESPACE)
     ray.kill(ctl, no_restart=False)
-    async with rc.client(rc.url) as c:
+    async with rc.client(url) as c:
         sb = await c.run_container(dsec.ContainerArgs(image="base/busybox"))  # the replicas do not need it
         assert (await sb.exec("echo ok")).stdout == "ok\n"
         await sb.stop()

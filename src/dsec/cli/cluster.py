@@ -22,6 +22,9 @@ def up(ray_address: RayOpt = "auto",
        = None,
        store: StoreOpt = None,
        apiservers: Annotated[int, typer.Option(help="apiserver replicas to run")] = 2,
+       apiserver_resource: Annotated[str | None, typer.Option(
+           help="a Ray resource the replicas require, to keep them on the nodes that have it "
+                "(default: spread over every node)")] = None,
        data_root: Annotated[str, typer.Option(help="each node's edge keeps its state in DATA_ROOT/NAME")]
        = "/var/lib/dsec/cluster",
        listen_host: Annotated[str | None, typer.Option(help="address the daemons bind (default: each node's IP)")]
@@ -42,6 +45,7 @@ def up(ray_address: RayOpt = "auto",
         raise typer.Exit(2)
     try:
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
+                     apiserver_resource=apiserver_resource,
                      data_root=data_root, listen_host=listen_host, edge_port=edge_port, api_port=api_port,
                      edge_args=edge_arg or [])
     except (TimeoutError, RuntimeError, ValueError, ConnectionError, SQLAlchemyError) as e:

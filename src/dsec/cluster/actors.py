@@ -277,10 +277,11 @@ class Controller:
             self._event("edge_actor_started", edge=name, node=node_id[:12])
         for i in range(self.cfg.apiservers):
             if i not in self.apiservers:
+                where = ({"resources": {self.cfg.apiserver_resource: 0.001}} if self.cfg.apiserver_resource
+                         else {"scheduling_strategy": "SPREAD"})
                 self.apiservers[i] = ray.remote(ApiserverActor).options(  # type: ignore[attr-defined]
                     name=f"apiserver:{i}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                    max_restarts=-1, max_task_retries=0, num_cpus=0, scheduling_strategy="SPREAD").remote(
-                        self.cfg.model_dump(), i)
+                    max_restarts=-1, max_task_retries=0, num_cpus=0, **where).remote(self.cfg.model_dump(), i)
 
     async def _clean_returned(self) -> None:
         """An edge back after its node was lost may still hold sandboxes the cluster has

@@ -20,6 +20,9 @@ class ClusterConfig(BaseModel):
     edge_port: int = Field(default=7801, description="each edge daemon's port (0: a free one)")
     api_port: int = Field(default=7777, description="replica i listens on API_PORT + i (0: free ports)")
     apiservers: int = Field(default=2, ge=1, le=64)
+    apiserver_resource: str | None = Field(
+        default=None, description="a Ray resource replicas require (a sliver each): keeps them on the nodes that "
+                                  "have it; default: spread over every node")
     edge_args: list[str] = Field(default_factory=list, description="more `dsec edge serve` options, every edge")
     edge_args_by_name: dict[str, list[str]] = Field(default_factory=dict, description="... for one edge")
     resource: str = EDGE_RESOURCE

@@ -27,6 +27,7 @@ from dsec.storage.moosefs import MooseFS
 
 # Ray declares a node dead after this many missed health checks (its default: 5 x 3 s);
 # what an operator who wants node loss seen in seconds sets on the head node too
+REPLICA_RESOURCE = "dsec_apiserver"
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
@@ -59,13 +60,18 @@ class LocalCluster:
         for name in self.names:
             self._seed(name)
         db = self.pg.start()
+        head = self.node_args(self.names[0])
+        # the replicas live on the head node, which is never removed: a node taken away to
+        # test node loss takes an edge, not the replicas the test talks through
+        head["resources"] = {**head["resources"], REPLICA_RESOURCE: 1}
         self.ray = Cluster(initialize_head=True, head_node_args={
-            **self.node_args(self.names[0]), "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
+            **head, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
         self.nodes[self.names[0]] = self.ray.head_node
         for name in self.names[1:]:
             self.nodes[name] = self.ray.add_node(**self.node_args(name))
         self.up = ops.up(self.ray.address, db, store=self.store, apiservers=self.apiservers,
-                         data_root=self.root, listen_host="127.0.0.1", edge_port=0, api_port=0)
+                         data_root=self.root, listen_host="127.0.0.1", edge_port=0, api_port=0,
+                         apiserver_resource=REPLICA_RESOURCE)
         return self.up
 
     def _seed(self, name: str) -> None:

@@ -10,7 +10,6 @@ replica polls the edges whose stats went stale itself, so placement never goes b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -21,6 +20,7 @@ from dsec.cluster.lost import lost_edge
 from dsec.edge.api import EdgeAPI
 from dsec.edge.remote.client import RemoteEdge, remote_edge
 from dsec.meta.registry import EdgeRow, Registry
+from dsec.watcher.watcher import Refresher, poll_stats
 from dsec.wire.models import NodeStats
 
 log = logging.getLogger("dsec.cluster")
@@ -28,7 +28,7 @@ STALE_S = 5.0  # stats older than this are polled afresh (replica) or mark the e
 POLL_TIMEOUT_S = 2.0
 
 
-class ClusterEdges(Mapping[str, EdgeAPI]):
+class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
     """``poll=True`` (the controller): poll every active edge and write the view to the
     registry. ``poll=False`` (a replica): read the view, polling only stale edges."""
 
@@ -38,7 +38,6 @@ class ClusterEdges(Mapping[str, EdgeAPI]):
         self._urls: dict[str, str] = {}
         self.rows: dict[str, EdgeRow] = {}
         self.view: dict[str, NodeStats] = {}
-        self._task: asyncio.Task[None] | None = None
 
     def __getitem__(self, name: str) -> EdgeAPI:
         return self._edges[name]
@@ -89,7 +88,7 @@ class ClusterEdges(Mapping[str, EdgeAPI]):
                 view[name] = r.stats
             else:
                 stale.append(name)
-        polled = await asyncio.gather(*(self._poll(n) for n in stale))
+        polled = await asyncio.gather(*(poll_stats(n, self._edges[n], POLL_TIMEOUT_S) for n in stale))
         fresh = {}
         for name, st in zip(stale, polled, strict=True):
             if st is not None:
@@ -107,25 +106,7 @@ class ClusterEdges(Mapping[str, EdgeAPI]):
         self.view = view
         return view
 
-    async def _poll(self, name: str) -> NodeStats | None:
-        try:
-            return await asyncio.wait_for(self._edges[name].stats(), POLL_TIMEOUT_S)
-        except Exception as e:  # an edge that cannot answer is unhealthy, whatever the cause
-            log.warning("edge %s unhealthy: %s", name, e)
-            return None
-
-    async def _loop(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await super().close()
         for name in list(self._edges):
             await self._drop(name)
