@@ -248,6 +248,7 @@ class Controller:
         nodes = ray.nodes()
         alive = {n["NodeID"]: n for n in nodes if n["Alive"] and n["Resources"].get(self.cfg.resource, 0) >= 1}
         dead = {n["NodeID"] for n in nodes if not n["Alive"]}
+        known = {n["NodeID"] for n in nodes}
         rows = {r.name: r for r in self.registry.edges()}
         # nodes gone: their edges are lost, their sandboxes failed
         for node_id in [n for n in self.edges if n not in alive]:
@@ -255,8 +256,7 @@ class Controller:
             ray.kill(actor, no_restart=True)
             self._event("edge_actor_removed", edge=name, node=node_id[:12])
         for r in rows.values():
-            if r.state == "active" and (r.node_id in dead or r.node_id not in alive and r.node_id not in
-                                        {n["NodeID"] for n in nodes}):
+            if r.state == "active" and (r.node_id in dead or r.node_id not in known):
                 reason = f"node lost: Ray node {r.node_id[:12]} is gone"
                 self.registry.mark(r.name, "lost", reason)
                 n = self.registry.mark_lost(r.name, "node lost")

@@ -89,18 +89,16 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
             else:
                 stale.append(name)
         polled = await asyncio.gather(*(poll_stats(n, self._edges[n], POLL_TIMEOUT_S) for n in stale))
-        fresh = {}
         for name, st in zip(stale, polled, strict=True):
             if st is not None:
-                fresh[name] = view[name] = st
+                view[name] = st
             else:
                 known = self.view.get(name) or self.rows[name].stats
                 if known is not None:
                     view[name] = known.model_copy(update={"healthy": False})
         if self.poll:
             try:
-                await asyncio.to_thread(self.registry.put_stats, {**fresh, **{n: s for n, s in view.items()
-                                                                               if n not in fresh}})
+                await asyncio.to_thread(self.registry.put_stats, view)
             except SQLAlchemyError as e:
                 log.warning("fleet view not written: %s", e)
         self.view = view
