@@ -190,9 +190,14 @@ async def test_edge_actor_killed_ray_restarts_it_and_it_readopts(rc: RayDsec) ->
 
             await _until(lambda: _restarted(actor, old_pid), f"Ray restarts {victim}'s edge actor and daemon", 90)
 
-            async def back() -> bool:
+            async def back() -> bool:  # through every replica: each reads the edge's new address
                 try:
-                    return (await on_r2[0].exec("cat /tmp/mark")).stdout == "before\n"
+                    for url in rc.urls:
+                        async with rc.client(url) as via:
+                            sb = await via.connect(on_r2[0].sandbox_id)
+                            if (await sb.exec("cat /tmp/mark")).stdout != "before\n":
+                                return False
+                    return True
                 except dsec.DsecError:
                     return False
             await _until(back, f"{victim}'s sandbox answers again after Ray restarted its edge", 30)
