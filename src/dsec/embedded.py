@@ -105,6 +105,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
         try:
             yield
         finally:
+            await app.state.template_builder.close()  # builds of this process fail; their builders stop
             refresher.cancel()
             await view.close()
             await stop()

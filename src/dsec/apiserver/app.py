@@ -3,6 +3,8 @@ the routes of every resource (apiserver/routes/)."""
 
 from __future__ import annotations
 
+import os
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -11,12 +13,16 @@ from dsec.apiserver.auth import BearerAuth
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.apiserver.routes import MODULES
 from dsec.e2b import api as e2b_api
-from dsec.e2b import envd
+from dsec.e2b import envd, templates_api
 from dsec.e2b.ports import PortProxy
 from dsec.errors import (
     DsecError,
     InvalidRequest,
 )
+from dsec.templates.builder import Builder
+from dsec.templates.catalog import TemplateCatalog
+from dsec.templates.context import Contexts
+from dsec.templates.images import Images
 from dsec.wire.models import (
     BACKEND_TAGS,
 )
@@ -43,8 +49,17 @@ def build_app(api: Apiserver) -> FastAPI:
     # outermost: a request for a sandbox's own port carries that sandbox's token, not a bearer
     app.add_middleware(PortProxy, edge_for=api.edge_for, envd_token=lambda sid: api.tokens.derive("envd", sid),
                        traffic_token=lambda sid: api.tokens.derive("traffic", sid))
-    e2b_api.mount(app, e2b_api.E2BApi(api, lambda sid: api.tokens.derive("envd", sid),
-                                      lambda sid: api.tokens.derive("traffic", sid)))
+    catalog = TemplateCatalog(api.tokens.db)
+    images = Images.from_env(api.layers)
+    contexts = Contexts(api.layers.root)
+    builder = Builder(api, catalog, images, contexts, templates_api.runner_name())
+    app.state.template_builder = builder  # the lifespan stops its builds
+    source = templates_api.TemplateSource(catalog, images, os.environ.get("DSEC_E2B_IMAGE_METADATA_KEY", "image"))
+    e2b = e2b_api.E2BApi(api, lambda sid: api.tokens.derive("envd", sid),
+                         lambda sid: api.tokens.derive("traffic", sid), source)
+    templates_api.mount(app, templates_api.TemplatesApi(
+        catalog, builder, contexts, lambda h: api.tokens.derive("template-files", h), e2b.delete_snapshot))
+    e2b_api.mount(app, e2b)
     envd.mount(app, envd.Envd(api.edge_for))
     for module in MODULES:
         app.include_router(module.routes(api))

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
+from dsec.e2b.templates_api import FILES_PATH, signed_upload
 from dsec.errors import (
     DsecError,
     Forbidden,
@@ -48,6 +49,11 @@ class BearerAuth:
         headers = dict(scope["headers"])
         if scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
             return await self._signed_file(scope, headers)
+        if scope["path"].startswith(FILES_PATH):  # a build context upload: signed for its files hash
+            if signed_upload(scope["path"], scope.get("query_string", b""),
+                             lambda h: self.api.tokens.derive("template-files", h)):
+                return None
+            return Unauthorized("missing or wrong signature on this upload URL", field="signature")
         if scope["path"].startswith(ENVD_PREFIXES) or scope["path"] in ENVD_PATHS:  # E2B's envd: per-sandbox token
             sid = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
             given = headers.get(b"x-access-token", b"").decode(errors="replace")

@@ -18,25 +18,24 @@ import json
 import secrets
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from dsec.e2b.accounts import load as load_accounts
+from dsec.e2b import startup
 from dsec.e2b.envd import ENVD_VERSION
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
+from dsec.e2b.templates_api import TemplateSource
 from dsec.edge.api import EdgeAPI
-from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxError
+from dsec.errors import DsecError, InvalidRequest, NotFound
 from dsec.layers.store import Layer, LayerStore
-from dsec.wire.edge import ProcOutput, ProcSpec
 from dsec.wire.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
-TEMPLATE_READY_S = 90.0
 METRICS_BUCKET_S = 5
 TEMPLATE_LABEL = "e2b.template"
 
@@ -166,8 +165,9 @@ def _error(e: DsecError) -> JSONResponse:
 
 class E2BApi:
     def __init__(self, platform: Platform, access_token: Callable[[str], str],
-                 traffic_token: Callable[[str], str]) -> None:
+                 traffic_token: Callable[[str], str], templates: TemplateSource | None = None) -> None:
         self.platform, self.access_token, self.traffic_token = platform, access_token, traffic_token
+        self.templates = templates
         self.edge_for = platform.edge_for
 
     async def list_all(self) -> list[SandboxInfo]:
@@ -187,14 +187,27 @@ class E2BApi:
                 "metadata": {k: v for k, v in info.labels.items() if not k.startswith(("e2b.", "dsec."))},
                 "state": "paused" if info.state == SandboxState.paused else "running"}
 
+    async def _template(self, body: NewSandbox) -> Template:
+        if self.templates is not None:
+            found = await self.templates.from_metadata(body.templateID, body.metadata) or \
+                await self.templates.lookup(body.templateID)
+            if found is not None:
+                return found
+        return await asyncio.to_thread(resolve, body.templateID, self.platform.layers)
+
     async def create(self, body: NewSandbox) -> dict[str, Any]:
-        template = resolve(body.templateID, self.platform.layers)
+        template = await self._template(body)
+        sizes: dict[str, Any] = {}
+        if template.cpu_count:
+            sizes["cpu_cores_limit"] = template.cpu_count
+        if template.memory_mb:
+            sizes["memory_limit_mb"] = template.memory_mb
         try:
-            args = ContainerArgs(image=template.image, layers=template.layers, env=body.envVars,
+            args = ContainerArgs(image=template.image, layers=template.layers, env={**template.envs, **body.envVars},
                                  labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
                                  max_lifetime_s=max(1, body.timeout or DEFAULT_TIMEOUT_S), ttl_running_stop=None,
                                  on_expiry="pause" if body.autoPause else "stop",
-                                 ttl_running_pause=None, workdir="/root")
+                                 ttl_running_pause=None, workdir=template.workdir or "/root", **sizes)
         except ValidationError as e:
             raise InvalidRequest(f"templateID/metadata/envVars: {e.errors()[0]['msg']}", field="templateID") from None
         try:
@@ -203,48 +216,14 @@ class E2BApi:
             if isinstance(e, InvalidRequest) and e.field not in ("image", "layers", "args.image"):
                 raise
             raise NotFound(f"template {body.templateID!r} not found: {e.message}", field="templateID") from None
-        if template.start:
+        if template.start or template.start_cmd:
             try:
-                await self._start(info.sandbox_id, template)
+                await startup.start(self.edge_for(info.sandbox_id), info.sandbox_id, template)
             except BaseException:
                 await self.edge_for(info.sandbox_id).stop(info.sandbox_id)
                 await self.platform.stopped(info.sandbox_id)
                 raise
         return self._sandbox(info)
-
-    async def _start(self, sandbox_id: str, template: Template) -> None:
-        """Run the template's start command as its default user, in the background, and
-        wait (bounded) until its port answers."""
-        assert template.start is not None
-        edge = self.edge_for(sandbox_id)
-        user = (await load_accounts(edge, sandbox_id)).user(None)
-        spec = ProcSpec(cmd=template.start[0], args=template.start[1:], envs=user.env(), cwd=user.home,
-                        tag="template-start", owner=user.owner)
-        stream = edge.proc_start(sandbox_id, spec)
-        try:
-            await anext(stream)  # started
-            if template.ready_port is None:
-                return
-            ended = asyncio.ensure_future(_end_of(stream))
-            deadline = time.monotonic() + TEMPLATE_READY_S
-            try:
-                while time.monotonic() < deadline:
-                    if ended.done():
-                        raise SandboxError(f"the template's start command ended ({ended.result()}) before port "
-                                           f"{template.ready_port} answered")
-                    with contextlib.suppress(SandboxError):
-                        if (await edge.http(sandbox_id, template.ready_port, "GET", "/health", [], b"",
-                                            5)).status == 200:
-                            return
-                    await asyncio.sleep(0.1)
-            finally:
-                ended.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await ended
-            raise SandboxError(f"the template's server did not answer on port {template.ready_port} "
-                               f"within {TEMPLATE_READY_S:g} s")
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]  # the process runs on; we stop listening
 
     async def _live(self, sandbox_id: str) -> tuple[EdgeAPI, SandboxInfo]:
         edge = self.edge_for(sandbox_id)
@@ -455,10 +434,6 @@ def mount(app: FastAPI, api: E2BApi) -> None:
                                     _parse_token(q["nextToken"]) if q.get("nextToken") else None)
         return JSONResponse(page, headers={"x-next-token": token} if token else None)
 
-    async def delete_template(request: Request, template_id: str) -> Response:
-        await api.delete_snapshot(template_id)
-        return Response(status_code=204)
-
     async def fork(request: Request, sandbox_id: str) -> Response:
         raw = await request.body()
         body = ForkBody.model_validate_json(raw) if raw.strip() else ForkBody()
@@ -484,15 +459,9 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         ("/sandboxes/{sandbox_id}/resume", connect, "POST"), ("/sandboxes/{sandbox_id}/connect", connect, "POST"),
         ("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
         ("/sandboxes/{sandbox_id}/snapshots", snapshot, "POST"), ("/snapshots", snapshots, "GET"),
-        ("/templates/{template_id}", delete_template, "DELETE"), ("/sandboxes/{sandbox_id}/fork", fork, "POST"),
+("/sandboxes/{sandbox_id}/fork", fork, "POST"),
         ("/sandboxes/{sandbox_id}/metrics", metrics, "GET")]
     for path, fn, method in routes:
         app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)
 
 
-async def _end_of(stream: AsyncIterator[ProcOutput]) -> str:
-    """How a process's stream ends (its status), reading past its output."""
-    async for ev in stream:
-        if ev.kind == "end":
-            return ev.status
-    return "the sandbox ended"

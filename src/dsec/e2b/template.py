@@ -6,7 +6,8 @@ files and /etc/skel). ``code-interpreter-v1`` (the e2b-code-interpreter SDK's de
 adds a layer with ipykernel, jupyter_client and dsec's own code interpreter server
 (dsec.e2b.interpreter_server), which the sandbox starts as ``user`` when it is created.
 A snapshot id, or any layer taken from a sandbox, means the stack it was taken on plus
-it; any other template name is a dsec layer ref, used alone.
+it; a template built through E2B's template API (dsec.templates) is found by name, id,
+``name:tag`` or ``name:buildID``; any other template name is a dsec layer ref, used alone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from dsec.errors import DsecError
 from dsec.host import linux
 from dsec.layers.store import Layer, LayerStore
+from dsec.templates.models import BuiltTemplate
 
 BASE_IMAGE = "base/debian:12"
 USER_LAYER = "tk/e2b-user:1"
@@ -49,6 +51,22 @@ class Template:
     layers: list[str] = field(default_factory=list)
     start: list[str] | None = None  # run as the template's user when a sandbox is created
     ready_port: int | None = None  # ... and the sandbox is handed out once this port answers /health
+    # a built template: its ENV, WORKDIR and USER, its start and ready commands (shell), resources
+    envs: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    cpu_count: int | None = None
+    memory_mb: int | None = None
+    template_id: str | None = None
+
+    @classmethod
+    def built(cls, template_id: str, result: BuiltTemplate, cpu_count: int, memory_mb: int) -> Template:
+        c = result.config
+        return cls(result.image, list(result.layers), envs=dict(c.envs), workdir=c.workdir, user=c.user,
+                   start_cmd=c.start_cmd, ready_cmd=c.ready_cmd, cpu_count=cpu_count, memory_mb=memory_mb,
+                   template_id=template_id)
 
 
 TEMPLATES = {

@@ -60,7 +60,9 @@ def permission_for(method: str, path: str) -> str:
     writes = method not in ("GET", "HEAD")
     if writes and (path.startswith("/v1/layers") or path.endswith("/pack_diff")):
         return "layers:write"
-    if path.startswith(("/v1/sandboxes", "/v1/fork", "/v1/fncall")):
+    if writes and path.startswith(("/v3/templates", "/v2/templates", "/templates")):
+        return "layers:write"  # E2B's template builds publish layers
+    if path.startswith(("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/sandboxes", "/v2/sandboxes")):
         return "sandbox"
     if not writes:
         return "read"
@@ -124,6 +126,11 @@ class TokenStore:
                 await asyncio.to_thread(self._load)
             except SQLAlchemyError as e:
                 log.warning("tokens not refreshed: %s", e)
+
+    @property
+    def db(self) -> Engine:
+        """The metadata database the tokens are in (other catalogs share it)."""
+        return self._db
 
     def derive(self, purpose: str, value: str) -> str:
         """A secret bound to ``value`` (say, one sandbox's envd access token), derived from

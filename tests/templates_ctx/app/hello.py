@@ -1,0 +1,3 @@
+import six
+
+print("hello from the template", six.__version__)

@@ -1,0 +1,190 @@
+"""E2B template builds through the official E2B SDK (PyPI ``e2b``, unmodified) against
+dsec: steps run in a builder sandbox whose egress is the package registries (pip installs
+from the node's configured index), the result published as a layer, its start and ready
+commands run at each create; the step cache, failing steps, Dockerfiles as the SDK parses
+them, FROM resolution, tags, listing and deleting, and what the apiserver refuses."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import TOKEN, Platform
+from e2b import BuildException, Sandbox, Template, TemplateBase
+from e2b.template.main import TemplateBuilder
+
+CTX = os.path.join(os.path.dirname(__file__), "templates_ctx")
+PKG = "six==1.16.0"  # small, pure python, on every index
+
+
+@pytest.fixture
+def e2b_env(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("E2B_API_URL", platform.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", platform.url)
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    yield
+
+
+def _steps(marker: str) -> TemplateBuilder:
+    return (Template(file_context_path=CTX).from_image("debian:12")
+            .run_cmd(f"pip install --break-system-packages --no-cache-dir {PKG} && echo {marker}")
+            .copy("app/", "/app")
+            .set_envs({"GREETING": "hi there"})
+            .set_workdir("/app")
+            .run_cmd("id -un > /app/built-by && pwd > /app/built-in")
+            .set_user("user"))
+
+
+def _template(marker: str) -> TemplateBase:
+    return _steps(marker).set_start_cmd("echo started > /tmp/started; sleep 3600", "test -f /tmp/started")
+
+
+def test_build_then_create(e2b_env: None, platform: Platform) -> None:
+    logs: list[str] = []
+    t0 = time.monotonic()
+    info = Template.build(_template("cold"), "tpl-basic", cpu_count=1, memory_mb=1024,
+                          on_build_logs=lambda e: logs.append(e.message))
+    cold = time.monotonic() - t0
+    text = "\n".join(logs)
+    assert "Successfully installed six" in text and "cold" in text, text[-2000:]
+    assert info.template_id and info.build_id
+    sbx = Sandbox.create("tpl-basic", timeout=120)
+    try:
+        r = sbx.commands.run("python3 /app/hello.py; cat /app/data.txt /app/built-by /app/built-in; echo $GREETING; "
+                             "cat /tmp/started; stat -c %U /app/hello.py", user="user")
+        assert r.stdout.splitlines() == ["hello from the template 1.16.0", "context file", "root", "/app",
+                                         "hi there", "started", "root"], r.stdout
+        got = httpx.get(f"{platform.url}/v1/sandboxes/{sbx.sandbox_id}",
+                        headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert (got["cpu_cores_limit"], got["memory_limit_mb"]) == (1, 1024)  # the build's resources
+    finally:
+        sbx.kill()
+    # the same steps again: every step comes from the cache, no builder runs
+    logs.clear()
+    t0 = time.monotonic()
+    again = Template.build(_template("cold"), "tpl-basic", cpu_count=1, memory_mb=1024,
+                           on_build_logs=lambda e: logs.append(e.message))
+    warm = time.monotonic() - t0
+    assert again.build_id != info.build_id
+    assert not any("Starting the builder" in m for m in logs), logs
+    assert sum("CACHED" in m for m in logs) >= 6, logs
+    assert warm < cold, (warm, cold)
+    # more steps after cached ones: the cached build is the base, only the new step runs
+    logs.clear()
+    changed = _steps("cold").run_cmd("echo extra-step")
+    Template.build(changed, "tpl-basic-2", on_build_logs=lambda e: logs.append(e.message))
+    text = "\n".join(logs)
+    assert "Starting the builder" in text and "extra-step" in text and "Successfully installed six" not in text
+
+
+def test_failing_step_publishes_nothing(e2b_env: None, platform: Platform) -> None:
+    good = Template().from_image("debian:12").run_cmd("echo first > /first")
+    Template.build(good, "tpl-fail")
+    before = httpx.get(f"{platform.url}/templates/tpl-fail/tags", headers={"X-API-Key": TOKEN}).json()
+    logs: list[str] = []
+    bad = Template().from_image("debian:12").run_cmd("echo about to fail; exit 3")
+    with pytest.raises(BuildException) as e:
+        Template.build(bad, "tpl-fail", on_build_logs=lambda x: logs.append(x.message))
+    assert "exit status 3" in str(e.value)
+    assert "about to fail" in "\n".join(logs)
+    after = httpx.get(f"{platform.url}/templates/tpl-fail/tags", headers={"X-API-Key": TOKEN}).json()
+    assert after == before  # the default tag still names the good build
+    sbx = Sandbox.create("tpl-fail", timeout=60)
+    try:
+        assert sbx.commands.run("cat /first").stdout == "first\n"
+    finally:
+        sbx.kill()
+    # no builder sandbox is left behind
+    listed = httpx.get(f"{platform.url}/v1/sandboxes", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert not [s for s in listed if s["labels"].get("dsec-role") == "template-builder" and s["state"] == "running"]
+
+
+def test_dockerfile_as_the_sdk_parses_it(e2b_env: None) -> None:
+    dockerfile = """
+FROM debian:12
+ARG VERSION=1.16.0
+ENV APP_HOME=/srv/app
+RUN pip install --break-system-packages --no-cache-dir six==$VERSION
+COPY app/hello.py $APP_HOME/
+WORKDIR $APP_HOME
+RUN echo 'runner:x:1001:1001::/home/runner:/bin/bash' >> /etc/passwd && chown 1001 /srv/app
+USER runner
+RUN echo "built as $(id -un) in $(pwd)" > /srv/app/note
+CMD ["sh", "-c", "echo cmd-ran > /tmp/cmd; sleep 3600"]
+"""
+    t = Template(file_context_path=CTX).from_dockerfile(dockerfile)
+    Template.build(t, "tpl-dockerfile")
+    sbx = Sandbox.create("tpl-dockerfile", timeout=120)
+    try:
+        r = sbx.commands.run("cat /srv/app/note; python3 /srv/app/hello.py; echo $APP_HOME; cat /tmp/cmd",
+                             user="root")
+        assert r.stdout.splitlines() == ["built as runner in /srv/app", "hello from the template 1.16.0",
+                                         "/srv/app", "cmd-ran"], r.stdout
+    finally:
+        sbx.kill()
+
+
+def test_unknown_image_fails_the_build(e2b_env: None) -> None:
+    with pytest.raises(BuildException) as e:
+        Template.build(Template().from_image("nosuch/image:1").run_cmd("true"), "tpl-noimage")
+    assert "nosuch/image:1" in str(e.value) and "alias" in str(e.value)
+
+
+def test_templates_listed_tagged_deleted(e2b_env: None, platform: Platform) -> None:
+    t = Template().from_image("debian:12").run_cmd("echo v1 > /v")
+    Template.build(t, "tpl-tags:v1")
+    assert Template.exists("tpl-tags")
+    assert not Template.exists("tpl-nosuch")
+    assert Template.build(Template().from_image("debian:12").run_cmd("echo v2 > /v"), "tpl-tags:v2")
+    tags = {x.tag for x in Template.get_tags("tpl-tags")}
+    assert tags == {"v1", "v2"}
+    for tag, want in (("v1", "v1"), ("v2", "v2")):
+        sbx = Sandbox.create(f"tpl-tags:{tag}", timeout=60)
+        try:
+            assert sbx.commands.run("cat /v").stdout.strip() == want
+        finally:
+            sbx.kill()
+    Template.assign_tags("tpl-tags:v1", ["stable"])
+    assert {x.tag for x in Template.get_tags("tpl-tags")} == {"v1", "v2", "stable"}
+    Template.remove_tags("tpl-tags", ["v2"])
+    assert {x.tag for x in Template.get_tags("tpl-tags")} == {"v1", "stable"}
+    h = {"X-API-Key": TOKEN}
+    listed = httpx.get(f"{platform.url}/templates", headers=h).json()
+    mine = [x for x in listed if x["names"] == ["tpl-tags"]]
+    assert mine and mine[0]["buildStatus"] == "ready" and mine[0]["buildCount"] == 2
+    tid = mine[0]["templateID"]
+    got = httpx.get(f"{platform.url}/templates/{tid}", headers=h).json()
+    assert len(got["builds"]) == 2
+    assert httpx.delete(f"{platform.url}/templates/{tid}", headers=h).status_code == 204
+    assert not Template.exists("tpl-tags")
+    assert httpx.get(f"{platform.url}/templates/{tid}", headers=h).status_code == 404
+
+
+def test_refusals(platform: Platform) -> None:
+    h = {"X-API-Key": TOKEN}
+    r = httpx.post(f"{platform.url}/v3/templates", headers=h, json={"name": "Bad Name!"})
+    assert r.status_code == 400 and "name" in r.json()["message"]
+    r = httpx.post(f"{platform.url}/v3/templates", headers=h, json={"name": "tpl-refusals", "cpuCount": 0})
+    assert r.status_code == 400 and "cpuCount" in r.json()["message"]
+    req = httpx.post(f"{platform.url}/v3/templates", headers=h, json={"name": "tpl-refusals"}).json()
+    tid, bid = req["templateID"], req["buildID"]
+    start = f"{platform.url}/v2/templates/{tid}/builds/{bid}"
+    r = httpx.post(start, headers=h, json={"steps": []})
+    assert r.status_code == 400 and "fromImage" in r.json()["message"]
+    r = httpx.post(start, headers=h, json={"fromImage": "debian:12", "steps": [{"type": "COPY", "args": ["a", "/a"],
+                                                                               "filesHash": "0" * 64}]})
+    assert r.status_code == 400 and "uploaded" in r.json()["message"]
+    r = httpx.post(start, headers=h, json={"fromImage": "debian:12", "steps": [{"type": "RUN"}]})
+    assert r.status_code == 400 and "RUN" in r.json()["message"]
+    up = httpx.get(f"{platform.url}/templates/{tid}/files/{'1' * 64}", headers=h).json()
+    assert up["present"] is False and "signature=" in up["url"]
+    assert httpx.put(up["url"].split("?")[0], content=b"x").status_code == 401
+    assert httpx.put(up["url"] + "0", content=b"x").status_code == 401
+    assert httpx.put(up["url"], content=b"x").status_code == 200
+    assert httpx.get(f"{platform.url}/templates/{tid}/files/{'1' * 64}", headers=h).json()["present"] is True
+    assert httpx.get(f"{platform.url}/templates/{tid}/builds/nosuch/status", headers=h).status_code == 404
+    assert httpx.get(f"{platform.url}/templates/aliases/tpl-nosuch", headers=h).status_code == 404
+    assert httpx.post(f"{platform.url}/v3/templates", json={"name": "x"}).status_code == 401
