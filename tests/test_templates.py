@@ -12,9 +12,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import TOKEN, Platform
+from conftest import TOKEN, Platform, own_platform
 from e2b import BuildException, Sandbox, Template, TemplateBase
 from e2b.template.main import TemplateBuilder
+from tests.test_oci import Image, push, registry  # noqa: F401  (registry: a fixture)
 
 CTX = os.path.join(os.path.dirname(__file__), "templates_ctx")
 PKG = "six==1.16.0"  # small, pure python, on every index
@@ -188,3 +189,75 @@ def test_refusals(platform: Platform) -> None:
     assert httpx.get(f"{platform.url}/templates/{tid}/builds/nosuch/status", headers=h).status_code == 404
     assert httpx.get(f"{platform.url}/templates/aliases/tpl-nosuch", headers=h).status_code == 404
     assert httpx.post(f"{platform.url}/v3/templates", json={"name": "x"}).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def registry_platform(tmp_path_factory: pytest.TempPathFactory, registry: str) -> Iterator[Platform]:
+    """A platform that pulls a FROM image it does not have from a registry on loopback
+    (Debian's docker-registry, started by test_oci's fixture)."""
+    yield from own_platform(tmp_path_factory, "tpl-oci", env={"DSEC_OCI_REGISTRIES": f"http://{registry}",
+                                                               "DSEC_IMAGE_ALIASES": "mybase=base/busybox"})
+
+
+def test_from_an_oci_registry_and_an_alias(registry_platform: Platform, registry: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in (("E2B_API_URL", registry_platform.url), ("E2B_SANDBOX_URL", registry_platform.url),
+                 ("E2B_API_KEY", TOKEN)):
+        monkeypatch.setenv(k, v)
+    push(registry, "dsec/app", "v1", Image())
+    logs: list[str] = []
+    Template.build(Template().from_image("dsec/app:v1").run_cmd("echo built > /etc/built"), "tpl-oci",
+                   on_build_logs=lambda e: logs.append(e.message))
+    assert any("base/oci-" in m for m in logs), logs  # pulled and imported once, as a base layer
+    sbx = Sandbox.create("tpl-oci", timeout=60)
+    try:  # a busybox image: no bash for commands, so read files through envd
+        assert sbx.files.read("/etc/built", user="root") == "built\n"
+        assert sbx.files.read("/etc/base.txt", user="root") == "overridden\n"  # the image's own layers
+        assert "user:x:1000" in sbx.files.read("/etc/passwd", user="root")  # E2B's user, provisioned
+    finally:
+        sbx.kill()
+    Template.build(Template().from_image("mybase").run_cmd("echo aliased > /aliased"), "tpl-alias")
+    with pytest.raises(BuildException) as e:
+        Template.build(Template().from_image("dsec/nosuch:v1").run_cmd("true"), "tpl-oci-missing")
+    assert "could not be pulled" in str(e.value) and "dsec/nosuch" in str(e.value)
+
+
+def test_image_in_metadata_and_long_timeouts(e2b_env: None) -> None:
+    """slime's way: no template, the image under a metadata key; and Harbor's 24 h timeouts."""
+    sbx = Sandbox.create(metadata={"image": "debian:12"}, timeout=24 * 3600)
+    try:
+        assert sbx.commands.run("cat /etc/debian_version").stdout.startswith("12.")
+        end = Sandbox.get_info(sbx.sandbox_id).end_at.timestamp()
+        assert end - time.time() > 23.9 * 3600
+    finally:
+        sbx.kill()
+    with pytest.raises(Exception) as e:
+        Sandbox.create(metadata={"image": "nosuch/image:9"}, timeout=60)
+    assert "nosuch/image:9" in str(e.value)
+
+
+@pytest.fixture
+def crash_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    yield from own_platform(tmp_path_factory, "tpl-crash")
+
+
+def test_build_of_a_dead_apiserver_fails_and_its_builder_stops(crash_platform: Platform) -> None:
+    url, h = crash_platform.url, {"X-API-Key": TOKEN}
+    req = httpx.post(f"{url}/v3/templates", headers=h, json={"name": "tpl-crash"}).json()
+    tid, bid = req["templateID"], req["buildID"]
+    r = httpx.post(f"{url}/v2/templates/{tid}/builds/{bid}", headers=h, json={
+        "fromImage": "debian:12", "steps": [{"type": "RUN", "args": ["echo started; sleep 600"]}]})
+    assert r.status_code == 202, r.text
+    status = f"{url}/templates/{tid}/builds/{bid}/status"
+    deadline = time.monotonic() + 60
+    while "started" not in str(httpx.get(status, headers=h).json()["logEntries"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    builders = [s["sandbox_id"] for s in httpx.get(f"{url}/v1/sandboxes", headers=auth).json()
+                if s["labels"].get("dsec.template-build") == bid]
+    assert len(builders) == 1
+    crash_platform.restart(crash=True)
+    st = httpx.get(status, headers=h).json()
+    assert st["status"] == "error" and "runner" in st["reason"]["message"], st
+    assert httpx.get(f"{url}/v1/sandboxes/{builders[0]}", headers=auth).json()["state"] != "running"

@@ -100,6 +100,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
         await start()
         await view.refresh()
         view.start()
+        await app.state.template_builder.reap(at_start=True)  # builds an earlier process here left running
         refresher = asyncio.create_task(tokens.refresh_forever())
         log.info("dsec ready: edges %s", ", ".join(sorted(edges)) or "none yet")
         try:

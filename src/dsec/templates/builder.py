@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shlex
 import time
 from collections.abc import AsyncIterator, Callable
@@ -113,11 +114,19 @@ class Builder:
         elif builder:
             await self._stop(builder)
 
-    async def reap(self) -> None:
-        """Fail builds whose runner went quiet, and stop their builder sandboxes."""
-        for b in await asyncio.to_thread(self.catalog.reap):
+    async def reap(self, at_start: bool = False) -> None:
+        """Fail builds whose runner went quiet, and stop their builder sandboxes. At start,
+        also those an earlier process on this host ran (it is gone, so are its builds)."""
+        dead = self._gone if at_start else None
+        for b in await asyncio.to_thread(self.catalog.reap, None, dead):
             if b.builder:
                 await self._stop(b.builder)
+
+    def _gone(self, runner: str) -> bool:
+        host, _, pid = runner.rpartition(":")
+        if host != self.runner.rpartition(":")[0] or not pid.isdigit() or runner == self.runner:
+            return False
+        return not os.path.exists(f"/proc/{pid}")
 
     async def _run(self, build_id: str, spec: TemplateSpec) -> None:
         out = _Log(self.catalog, build_id)

@@ -9,6 +9,7 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, delete, func, insert, select, update
@@ -243,13 +244,14 @@ class TemplateCatalog:
                 (template_builds.c.id == build_id) & template_builds.c.status.in_(("waiting", "building"))).values(
                 status="error", reason=json.dumps(reason), finished_at=now, updated_at=now))
 
-    def reap(self, now: float | None = None) -> list[BuildRow]:
-        """Builds whose runner went quiet (its apiserver died): failed, returned so the
-        caller stops their builder sandboxes."""
+    def reap(self, now: float | None = None, dead: Callable[[str], bool] | None = None) -> list[BuildRow]:
+        """Builds whose runner went quiet (its apiserver died), or that ``dead`` says of
+        their runner: failed, returned so the caller stops their builder sandboxes."""
         cutoff = (now or time.time()) - RUNNER_LOST_S
         with self.db.connect() as c:
             stale = [_build(r) for r in c.execute(select(template_builds).where(
-                (template_builds.c.status == "building") & (template_builds.c.heartbeat_at < cutoff)))]
+                template_builds.c.status == "building"))]
+        stale = [b for b in stale if (b.heartbeat_at or 0) < cutoff or (dead is not None and dead(b.runner or ""))]
         for b in stale:
             self.fail(b.id, f"the build's runner ({b.runner}) stopped answering; build it again")
         return stale
