@@ -47,6 +47,7 @@ fi
 
 echo "== dsec setup (cgroups, dsec-init, base layers)"
 .venv/bin/dsec setup
+echo "== Harbor for tests/test_harbor.py (a Debian trixie root with harbor[e2b]: Harbor needs Python >= 3.12)"; bash scripts/harbor-env.sh >/dev/null
 
 DEMO_DIR="${DSEC_DATA_DIR:-/var/lib/dsec}/demo"
 if [ ! -f "$DEMO_DIR/more-itertools-10.5.0.tar.gz" ]; then
