@@ -5,6 +5,7 @@ sandboxes that are still running."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -46,6 +47,19 @@ async def test_workload_crash_is_contained(platform: Platform, client: dsec.Asyn
     assert (await sb.exec("echo alive")).stdout == "alive\n"
     await sb.stop()
     assert leftovers(platform, sb.sandbox_id) == []
+
+
+async def test_session_shell_killed_from_inside(platform: Platform, client: dsec.AsyncClient) -> None:
+    """The sandbox kills its session's shell between two commands: the next command's write
+    hits a pipe with no reader. The service takes the EPIPE (it once died of SIGPIPE)."""
+    sb = await client.run_container(dsec.ContainerArgs(image="base/debian:12"))
+    await sb.run_shell("(sleep 0.3; kill -9 $$) >/dev/null 2>&1 &")
+    await asyncio.sleep(1.0)
+    with contextlib.suppress(dsec.SandboxError):
+        await sb.run_shell("echo hi")  # the shell is gone: an error, or a new shell
+    assert (await sb.run_shell("echo again")).stdout == "again\n"
+    assert platform.proc is not None and platform.proc.poll() is None
+    await sb.stop()
 
 
 async def test_idle_ttl_stops_and_releases(platform: Platform, client: dsec.AsyncClient) -> None:

@@ -15,6 +15,7 @@ import pytest
 from conftest import TOKEN, Platform, own_platform
 from e2b import BuildException, Sandbox, Template, TemplateBase
 from e2b.template.main import TemplateBuilder
+
 from tests.test_oci import Image, push, registry  # noqa: F401  (registry: a fixture)
 
 CTX = os.path.join(os.path.dirname(__file__), "templates_ctx")
@@ -192,14 +193,15 @@ def test_refusals(platform: Platform) -> None:
 
 
 @pytest.fixture(scope="module")
-def registry_platform(tmp_path_factory: pytest.TempPathFactory, registry: str) -> Iterator[Platform]:
+def registry_platform(tmp_path_factory: pytest.TempPathFactory, registry: str  # noqa: F811
+                      ) -> Iterator[Platform]:
     """A platform that pulls a FROM image it does not have from a registry on loopback
     (Debian's docker-registry, started by test_oci's fixture)."""
     yield from own_platform(tmp_path_factory, "tpl-oci", env={"DSEC_OCI_REGISTRIES": f"http://{registry}",
                                                                "DSEC_IMAGE_ALIASES": "mybase=base/busybox"})
 
 
-def test_from_an_oci_registry_and_an_alias(registry_platform: Platform, registry: str,
+def test_from_an_oci_registry_and_an_alias(registry_platform: Platform, registry: str,  # noqa: F811
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in (("E2B_API_URL", registry_platform.url), ("E2B_SANDBOX_URL", registry_platform.url),
                  ("E2B_API_KEY", TOKEN)):

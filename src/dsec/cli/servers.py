@@ -77,6 +77,9 @@ def _edge_settings(edge: dict[str, Any]) -> tuple[str, str | None, dict[str, Any
 def _prepare_process(log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to stderr
+    # the CLI dies quietly on a closed pipe (`dsec ... | head`); a service must not: a write to a
+    # pipe whose reader died (a sandbox's shell killed from inside) is an EPIPE to handle
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     # a sandbox holds a few fds in the edge (init socket, session pipes): thousands need more than 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
