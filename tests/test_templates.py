@@ -6,7 +6,9 @@ them, FROM resolution, tags, listing and deleting, and what the apiserver refuse
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -263,3 +265,14 @@ def test_build_of_a_dead_apiserver_fails_and_its_builder_stops(crash_platform: P
     st = httpx.get(status, headers=h).json()
     assert st["status"] == "error" and "runner" in st["reason"]["message"], st
     assert httpx.get(f"{url}/v1/sandboxes/{builders[0]}", headers=auth).json()["state"] != "running"
+
+
+def test_js_sdk_builds(platform: Platform) -> None:
+    """The E2B JS SDK (npm e2b, in tests/e2b_js) builds a template and starts a sandbox from it."""
+    here = os.path.join(os.path.dirname(__file__), "e2b_js")
+    env = {**os.environ, "E2B_API_URL": platform.url, "E2B_SANDBOX_URL": platform.url, "E2B_API_KEY": TOKEN,
+           "CTX": CTX}
+    r = subprocess.run(["node", "template.mjs"], cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"built": True, "logged": True, "files": "built-by-js\ncontext file\nyes\n", "exists": True}, out
