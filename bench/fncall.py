@@ -29,8 +29,9 @@ import dsec  # noqa: E402
 from dsec.host import linux  # noqa: E402
 from dsec.host.prep import prepare_cgroups  # noqa: E402
 from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.wire.models import FNCALL_IMAGE  # noqa: E402
 
-IMAGE = "base/fncall:12"
+IMAGE = FNCALL_IMAGE
 PY_HELLO = "print('hello')"
 CPP = '#include <cstdio>\nint main(){std::printf("hello\\n");}\n'
 

@@ -1,4 +1,4 @@
-"""FnCall against the real platform: pooled crun containers on base/fncall:12 with warm
+"""FnCall against the real platform: pooled crun containers on the default FnCall image with warm
 worker processes, real compilers, real limits."""
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import dsec
 from dsec.cluster import ops
 from dsec.cluster.config import NAMESPACE
 from dsec.cluster.local import LocalCluster
+from dsec.wire.models import FNCALL_IMAGE
 from tests.conftest import SHARED_LAYERS, SRC_DATA, _seed_vm
 
 NAMES = ("r1", "r2", "r3")
@@ -65,7 +66,7 @@ class RayDsec:
 @pytest.fixture(scope="module")
 def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
     local = LocalCluster(str(tmp_path_factory.mktemp("ray-dsec")), NAMES, os.path.join(SRC_DATA, "layers"),
-                         SHARED_LAYERS | {"base/fncall:12"}, seed=_seed_vm)
+                         SHARED_LAYERS | {FNCALL_IMAGE}, seed=_seed_vm)
     try:
         up = local.start()
         yield RayDsec(local, up.token)

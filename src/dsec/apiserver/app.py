@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from dsec import swerex
+from dsec import sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.apiserver.routes import MODULES
@@ -51,6 +51,7 @@ def build_app(api: Apiserver) -> FastAPI:
     app.add_middleware(PortProxy, edge_for=api.edge_for, envd_token=lambda sid: api.tokens.derive("envd", sid),
                        traffic_token=lambda sid: api.tokens.derive("traffic", sid))
     swerex.mount(app, api)  # outermost too: SWE-ReX's X-API-Key may be one sandbox's own token
+    sandboxfusion.mount(app, api)  # outermost too: its token rides in the URL, cut out before logging
     catalog = TemplateCatalog(api.tokens.db)
     images = Images.from_env(api.layers)
     contexts = Contexts(api.layers.root)

@@ -20,6 +20,7 @@ from rich.table import Column, Table
 
 from dsec.cli.common import StoreOpt, TokenOpt, UrlOpt, _errors, console, err
 from dsec.sdk import Client
+from dsec.wire.models import FNCALL_IMAGE
 
 app = typer.Typer(help="dsec: elastic sandboxes for agentic RL", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -344,7 +345,7 @@ def layer_gc(url: UrlOpt = None, token: TokenOpt = None) -> None:
 
 
 @fncall_app.command("languages")
-def fncall_languages(image: str = "base/fncall:12", url: UrlOpt = None, token: TokenOpt = None) -> None:
+def fncall_languages(image: str = FNCALL_IMAGE, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Languages the FnCall image has toolchains for."""
     with _api(url, token) as c:
         print("\n".join(c.fncall_languages(image)))
@@ -353,7 +354,7 @@ def fncall_languages(image: str = "base/fncall:12", url: UrlOpt = None, token: T
 @fncall_app.command("run")
 def fncall_run(language: str, source: Annotated[str, typer.Argument(help="source file, - for stdin")],
                stdin_file: Annotated[str | None, typer.Option("--stdin", help="file fed to the program")] = None,
-               time_limit: float = 5.0, memory_mb: int = 256, image: str = "base/fncall:12",
+               time_limit: float = 5.0, memory_mb: int = 256, image: str = FNCALL_IMAGE,
                url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Run a source file once; prints its output, exits with its exit code (3 on a limit)."""
     from dsec.wire.models import FnCallArgs

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 
 from dsec.layers.store import Layer, LayerStore
+from dsec.wire.models import FNCALL_IMAGE
 
 DEBIAN_PACKAGES = [
     "bash", "coreutils", "python3", "python3-pip", "python3-venv", "python3-pytest", "git", "curl",
@@ -76,7 +77,11 @@ def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "b
         subprocess.run(
             ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(packages or DEBIAN_PACKAGES)}",
              "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
-             "--dpkgopt=path-exclude=/usr/share/locale/*", suite, root, host_apt_sources()],
+             "--dpkgopt=path-exclude=/usr/share/locale/*",
+             # the man dirs the excludes leave out: the JDK's postinst links its man pages there
+             # through update-alternatives, which fails if the directory is missing
+             '--setup-hook=mkdir -p "$1/usr/share/man/man1"',
+             suite, root, host_apt_sources()],
             check=True)
         for residue in ("var/cache/apt/archives", "var/lib/apt/lists"):
             p = os.path.join(root, residue)
@@ -88,10 +93,12 @@ def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "b
         return store.import_dir(root, ref)
 
 
-# the FnCall image: the Debian base plus compilers for the worker's compiled languages
-FNCALL_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev", "make"]
+# the FnCall image: the Debian base plus the toolchains of the worker's languages
+# (changing this list takes a new FNCALL_IMAGE revision: layers are immutable)
+FNCALL_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev", "make",
+                   "default-jdk-headless", "golang-go", "nodejs", "rustc"]
 
 
 def ensure_base_layers(store: LayerStore) -> list[Layer]:
     return [build_busybox(store), build_debian(store),
-            build_debian(store, "base/fncall:12", packages=FNCALL_PACKAGES)]
+            build_debian(store, FNCALL_IMAGE, packages=FNCALL_PACKAGES)]

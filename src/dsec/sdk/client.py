@@ -24,6 +24,7 @@ from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavail
 from dsec.wire.iam import TokenInfo
 from dsec.wire.layers import Layer
 from dsec.wire.models import (
+    FNCALL_IMAGE,
     AuditRecord,
     ClickRequest,
     ContainerArgs,
@@ -612,7 +613,7 @@ class AsyncClient:
 
         return list(await asyncio.gather(*(one(a) for a in calls)))
 
-    async def fncall_languages(self, image: str = "base/fncall:12") -> builtins.list[str]:
+    async def fncall_languages(self, image: str = FNCALL_IMAGE) -> builtins.list[str]:
         return list(await self._json("GET", "/v1/fncall/languages", params={"image": image}))
 
     async def storage_stats(self) -> builtins.list[StorageStats]:

@@ -7,6 +7,7 @@ names it.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from enum import StrEnum
@@ -518,6 +519,10 @@ class NodeStats(BaseModel):
 FnCallStatus = Literal["ok", "compile_error", "time_limit", "memory_limit", "runtime_error", "output_limit"]
 Verdict = Literal["accepted", "wrong_answer", "time_limit", "memory_limit", "runtime_error", "output_limit"]
 MAX_FNCALL_INPUT = 16 * 1024 * 1024
+# The default FnCall image. Layers are immutable, so a change to its package list
+# (dsec.layers.base.FNCALL_PACKAGES) takes a new revision here: `dsec setup` then builds it
+# on machines that already hold an older one. r2: Java, Go, Node.js and Rust added.
+FNCALL_IMAGE = "base/fncall:12-r2"
 
 
 class TestCase(Strict):
@@ -534,6 +539,12 @@ class FnCallArgs(Strict):
     code: str = Field(min_length=1, max_length=1024 * 1024)
     stdin: str = Field(default="", max_length=MAX_FNCALL_INPUT)
     files: dict[str, str] = Field(default_factory=dict, description="relative path -> text, put in the scratch dir")
+    binary_files: dict[str, str] = Field(default_factory=dict,
+                                         description="relative path -> base64 content, put in the scratch dir")
+    fetch_files: list[Annotated[str, Field(min_length=1, max_length=255)]] = Field(
+        default_factory=list, max_length=1000,
+        description="relative paths read back after the (last) run: base64 in the result's files, "
+                    "16 MiB in all; missing ones are left out")
     tests: list[TestCase] = Field(default_factory=list, max_length=256,
                                   description="run against each (compiled once); stdin is then ignored")
     time_limit_s: Annotated[float, Field(gt=0, le=60)] = 5.0
@@ -541,26 +552,50 @@ class FnCallArgs(Strict):
     pids_limit: Annotated[int, Field(ge=1, le=1024)] = 32
     output_limit_kb: Annotated[int, Field(ge=1, le=64 * 1024)] = 1024
     compile_time_limit_s: Annotated[float, Field(gt=0, le=120)] = 30.0
+    time_limit_kind: Literal["cpu", "wall"] = Field(
+        default="cpu", description="cpu: the verdict compares CPU time and the wall clock allows 2 x the limit "
+        "+ 1 s (a judge's rule); wall: the limits are on wall-clock time (SandboxFusion's rule)")
     comparator: Literal["exact", "whitespace", "float"] = "whitespace"
     float_tolerance: Annotated[float, Field(ge=0, le=1)] = 1e-6
-    image: str = Field(default="base/fncall:12", description="FnCall image: a base layer with the toolchains")
+    image: str = Field(default=FNCALL_IMAGE, description="FnCall image: a base layer with the toolchains")
     layers: list[str] = Field(default_factory=list, max_length=8,
                               description="toolkit/workspace layers on the image (e.g. pre-installed libraries)")
     preimport: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")]] = Field(
         default_factory=list, max_length=32, description="Python modules the warm workers import before forking")
 
-    @field_validator("files")
+    @field_validator("files", "binary_files")
     @classmethod
     def _files(cls, v: dict[str, str]) -> dict[str, str]:
         total = 0
         for path, text in v.items():
-            norm = os.path.normpath(path)
-            if not path or path.startswith("/") or norm.startswith("..") or "\0" in path or len(path) > 255:
-                raise ValueError(f"file path {path!r} must be relative and stay inside the scratch dir")
+            _scratch_path(path)
             total += len(text)
         if total > MAX_FNCALL_INPUT or len(v) > 1000:
-            raise ValueError("files: at most 1000 files and 16 MiB in all")
+            raise ValueError("at most 1000 files and 16 MiB in all")
         return v
+
+    @field_validator("binary_files")
+    @classmethod
+    def _base64(cls, v: dict[str, str]) -> dict[str, str]:
+        for path, b64 in v.items():
+            try:
+                base64.b64decode(b64, validate=True)
+            except ValueError:
+                raise ValueError(f"{path!r}: content is not valid base64") from None
+        return v
+
+    @field_validator("fetch_files")
+    @classmethod
+    def _fetch(cls, v: list[str]) -> list[str]:
+        for path in v:
+            _scratch_path(path)
+        return v
+
+
+def _scratch_path(path: str) -> None:
+    norm = os.path.normpath(path)
+    if not path or path.startswith("/") or norm.startswith("..") or "\0" in path or len(path) > 255:
+        raise ValueError(f"file path {path!r} must be relative and stay inside the scratch dir")
 
 
 class FnCallRun(BaseModel):
@@ -596,6 +631,9 @@ class FnCallResult(BaseModel):
     compile: FnCallRun | None = None
     tests: list[TestResult] = Field(default_factory=list)
     container: str = Field(default="", description="the pooled sandbox that ran it")
+    files: dict[str, str] = Field(default_factory=dict, description="fetch_files found: path -> base64")
+    files_left_out: list[str] = Field(default_factory=list,
+                                      description="fetch_files found but past the 16 MiB bound")
 
 
 class SandboxEvent(BaseModel):

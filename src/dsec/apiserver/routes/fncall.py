@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from dsec.apiserver.core import MAX_EXEC_BODY, Apiserver, parse_body, read_body
 from dsec.wire.models import (
+    FNCALL_IMAGE,
     FnCallArgs,
     FnCallResult,
 )
@@ -25,6 +26,6 @@ def routes(api: Apiserver) -> APIRouter:
         return Response(res.model_dump_json(), media_type="application/json")
 
     @router.get("/v1/fncall/languages")
-    async def fncall_languages(image: str = "base/fncall:12") -> list[str]:
+    async def fncall_languages(image: str = FNCALL_IMAGE) -> list[str]:
         return await api.fncall_edge(image).fncall_languages(image)
     return router

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import random
 import struct
 import time
 from collections import OrderedDict, deque
@@ -33,6 +34,10 @@ WORKER_SRC = os.path.join(os.path.dirname(__file__), "worker.py")
 WORKER_PATH = "/opt/dsec-fncall/worker.py"
 WORKERS = 2
 BASE_UID = 20000
+# RLIMIT_NPROC counts a uid's processes and threads host-wide (pool containers share the
+# host's user namespace), so each container's workers get uids of their own: one call's
+# threads (a JVM starts a dozen) never count against a call in another container
+UID_BLOCKS = 20000  # uids 20000-59999: clear of nobody (65534)
 SLOT_MEMORY_MB = 2048
 ARTIFACT_CACHE_BYTES = 256 << 20  # compiled binaries kept per edge, by sha256 of what was compiled
 PREIMPORT = ["json", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "decimal",
@@ -175,6 +180,7 @@ class FnCallService:
         self.artifact_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._uid_block = random.randrange(UID_BLOCKS)  # another edge on this host starts elsewhere
         with open(WORKER_SRC, "rb") as f:
             self._worker_src = f.read()
 
@@ -198,9 +204,10 @@ class FnCallService:
             labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, workdir="/",
             qos="latency_sensitive"))  # a caller waits on every call: not work to run in idle time
         c = _Container(info.sandbox_id)
+        block, self._uid_block = self._uid_block, (self._uid_block + 1) % UID_BLOCKS
         try:
             for i in range(WORKERS):
-                uid = BASE_UID + i
+                uid = BASE_UID + block * WORKERS + i
                 reader, writer = await self.edge.spawn_worker(
                     c.sandbox_id, ["python3", "-I", WORKER_PATH, str(uid), *PREIMPORT, *key.preimport],
                     {WORKER_PATH: self._worker_src} if i == 0 else {})
@@ -251,11 +258,13 @@ class FnCallService:
         pool = self.pool(PoolKey(args.image, tuple(args.layers), tuple(args.preimport)))
         stdins = [t.stdin for t in args.tests] if args.tests else [args.stdin]
         limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": args.memory_limit_mb,
-                  "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb}
+                  "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb,
+                  "time_limit_kind": args.time_limit_kind}
         req = {"language": args.language, "code": args.code, "files": args.files, "stdins": stdins,
+               "binary_files": args.binary_files, "fetch_files": args.fetch_files,
                "limits": limits, "compile_time_limit_s": args.compile_time_limit_s}
-        ckey = hashlib.sha256(json.dumps([args.image, args.layers, args.language, args.code, args.files],
-                                         sort_keys=True).encode()).hexdigest()
+        ckey = hashlib.sha256(json.dumps([args.image, args.layers, args.language, args.code, args.files,
+                                          args.binary_files], sort_keys=True).encode()).hexdigest()
         if (artifact := self.artifacts.get(ckey)) is not None:
             self.artifacts.move_to_end(ckey)
             req["artifact"] = artifact
@@ -279,7 +288,9 @@ class FnCallService:
             if out["error"].startswith("ValueError"):
                 raise InvalidRequest(out["error"].split(": ", 1)[-1], field="files")
             raise SandboxError(f"FnCall worker: {out['error']}")
-        return _result(args, out, w.container.sandbox_id)
+        res = _result(args, out, w.container.sandbox_id)
+        res.files, res.files_left_out = out.get("files", {}), out.get("files_left_out", [])
+        return res
 
 
     def _keep_artifact(self, key: str, art: str) -> None:
