@@ -209,6 +209,15 @@ def stop_all(p: Platform | Cluster) -> None:
 
 
 @pytest.fixture
+def e2b_env(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The E2B SDKs pointed at the session's platform (their environment variables)."""
+    monkeypatch.setenv("E2B_API_URL", platform.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", platform.url)
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    yield
+
+
+@pytest.fixture
 async def client(platform: Platform) -> dsec.AsyncClient:  # type: ignore[misc]
     async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:
         yield c

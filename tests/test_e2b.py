@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 from conftest import TOKEN, Platform
@@ -22,14 +21,6 @@ from e2b import (
     Sandbox,
     SandboxException,
 )
-
-
-@pytest.fixture
-def e2b_env(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("E2B_API_URL", platform.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", platform.url)
-    monkeypatch.setenv("E2B_API_KEY", TOKEN)
-    yield
 
 
 def test_the_issue_example(e2b_env: None) -> None:

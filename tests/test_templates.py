@@ -24,14 +24,6 @@ CTX = os.path.join(os.path.dirname(__file__), "templates_ctx")
 PKG = "six==1.16.0"  # small, pure python, on every index
 
 
-@pytest.fixture
-def e2b_env(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("E2B_API_URL", platform.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", platform.url)
-    monkeypatch.setenv("E2B_API_KEY", TOKEN)
-    yield
-
-
 def _steps(marker: str) -> TemplateBuilder:
     return (Template(file_context_path=CTX).from_image("debian:12")
             .run_cmd(f"pip install --break-system-packages --no-cache-dir {PKG} && echo {marker}")

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from dsec.e2b import startup
 from dsec.e2b.envd import ENVD_VERSION
+from dsec.e2b.routing import add_routes
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.e2b.templates_api import TemplateSource
 from dsec.edge.api import EdgeAPI
@@ -154,13 +155,6 @@ def _reported(ts: float) -> float:
 
 def _iso(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")
-
-
-def _error(e: DsecError) -> JSONResponse:
-    status = e.status
-    if isinstance(e, InvalidRequest) and e.field == "sandbox_id":
-        status = 404  # a malformed id names no sandbox, as far as the SDK is concerned
-    return JSONResponse({"code": status, "message": e.message}, status_code=status)
 
 
 class E2BApi:
@@ -364,18 +358,6 @@ class DsecConflict(DsecError):
 
 
 def mount(app: FastAPI, api: E2BApi) -> None:
-    def guarded(fn: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            try:
-                return await fn(request, **request.path_params)
-            except DsecError as e:
-                return _error(e)
-            except ValidationError as e:
-                err = e.errors()[0]
-                return _error(InvalidRequest(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"))
-        route.__name__ = fn.__name__
-        return route
-
     async def create(request: Request) -> Response:
         body = NewSandbox.model_validate_json(await request.body())
         return JSONResponse(await api.create(body), status_code=201)
@@ -461,7 +443,6 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         ("/sandboxes/{sandbox_id}/snapshots", snapshot, "POST"), ("/snapshots", snapshots, "GET"),
 ("/sandboxes/{sandbox_id}/fork", fork, "POST"),
         ("/sandboxes/{sandbox_id}/metrics", metrics, "GET")]
-    for path, fn, method in routes:
-        app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)
+    add_routes(app, routes)
 
 

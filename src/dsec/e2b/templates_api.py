@@ -19,12 +19,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
 from dsec.e2b.envd import ENVD_VERSION
+from dsec.e2b.routing import add_routes
 from dsec.e2b.template import Template
-from dsec.errors import DsecError, InvalidRequest, NotFound
+from dsec.errors import InvalidRequest, NotFound
 from dsec.iam import current_principal
 from dsec.templates.builder import Builder
 from dsec.templates.catalog import LOG_PAGE, BuildRow, LogRow, TemplateCatalog, TemplateRow
@@ -232,20 +233,6 @@ def signed_upload(path: str, query: bytes, sign: Callable[[str], str]) -> bool:
 
 
 def mount(app: FastAPI, api: TemplatesApi) -> None:
-    def guarded(fn: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            try:
-                return await fn(request, **request.path_params)
-            except DsecError as e:
-                return JSONResponse({"code": e.status, "message": e.message}, status_code=e.status)
-            except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(x) for x in err["loc"])
-                return JSONResponse({"code": 400, "message": f"{where}: {err['msg']}" if where else err["msg"]},
-                                    status_code=400)
-        route.__name__ = fn.__name__
-        return route
-
     def offset(request: Request, name: str, default: int, most: int) -> int:
         raw = request.query_params.get(name)
         if raw is None or raw == "":
@@ -318,5 +305,4 @@ def mount(app: FastAPI, api: TemplatesApi) -> None:
         ("/v2/templates/{template_id}", patch, "PATCH"),
         ("/templates/{template_id}/tags", tags, "GET"),
     ]
-    for path, fn, method in routes:
-        app.router.add_route(path, guarded(fn), methods=[method], include_in_schema=False)
+    add_routes(app, routes)
