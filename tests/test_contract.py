@@ -39,7 +39,6 @@ from tests.test_api import (  # noqa: F401
 )
 from tests.test_density import test_pause_and_resume_a_job, test_pause_pushes_memory_out_and_resume_brings_it_back  # noqa: F401
 from tests.test_e2b import (  # noqa: F401
-    e2b_env,
     test_code_interpreter,
     test_commands,
     test_file_metadata_and_watch_entries,

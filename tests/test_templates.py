@@ -268,3 +268,32 @@ def test_js_sdk_builds(platform: Platform) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"built": True, "logged": True, "files": "built-by-js\ncontext file\nyes\n", "exists": True}, out
+
+
+def test_project_tokens_on_the_e2b_face(platform: Platform) -> None:
+    """A project's runner token creates sandboxes through E2B's API, and cannot see, extend
+    or kill another project's by id; a runner may not build templates (builders may)."""
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    made = {}
+    for project, role in (("e2b-a", "runner"), ("e2b-b", "runner"), ("e2b-a", "builder")):
+        r = httpx.post(f"{platform.url}/v1/tokens", headers=admin, json={"project": project, "role": role})
+        assert r.status_code in (200, 201), r.text
+        made[(project, role)] = {"X-API-Key": r.json()["token"]}
+    a, b = made[("e2b-a", "runner")], made[("e2b-b", "runner")]
+    r = httpx.post(f"{platform.url}/sandboxes", headers=a, json={"templateID": "base", "timeout": 60})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    try:
+        assert httpx.get(f"{platform.url}/sandboxes/{sid}", headers=b).status_code == 404
+        assert httpx.post(f"{platform.url}/sandboxes/{sid}/timeout", headers=b, json={"timeout": 5}).status_code == 404
+        assert httpx.delete(f"{platform.url}/sandboxes/{sid}", headers=b).status_code == 404
+        assert httpx.get(f"{platform.url}/sandboxes/{sid}", headers=a).status_code == 200
+    finally:
+        assert httpx.delete(f"{platform.url}/sandboxes/{sid}", headers=a).status_code == 204
+    r = httpx.post(f"{platform.url}/v3/templates", headers=a, json={"name": "tpl-by-a-runner"})
+    assert r.status_code == 403
+    r = httpx.post(f"{platform.url}/v3/templates", headers=made[("e2b-a", "builder")], json={"name": "tpl-by-a"})
+    assert r.status_code == 202, r.text
+    tid = r.json()["templateID"]
+    assert httpx.get(f"{platform.url}/templates/{tid}", headers=b).status_code == 404  # another project's
+    assert httpx.get(f"{platform.url}/templates/{tid}", headers=a).status_code == 200

@@ -27,7 +27,8 @@ from dsec.wire.models import (
     SandboxState,
 )
 
-_SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([^/]+-[^/]+)(?:/|$)")
+# a sandbox's own routes, dsec's and E2B's: a project's token reaches its project's sandboxes only
+_SANDBOX_PATH = re.compile(r"^(?:/v1|/v2)?/sandboxes/([^/]+-[^/]+)(?:/|$)")
 
 
 class BearerAuth:
