@@ -36,7 +36,8 @@ from tests.conftest import _free_port
 
 CATALOG_TABLES = {"layers", "built", "blob_data", "access_lists"}
 TEMPLATE_TABLES = {"templates", "template_builds", "template_build_logs", "template_tags", "template_cache"}
-HEAD = "0003"  # the newest revision under dsec/meta/migrations/versions
+JOB_TABLES = {"jobs"}
+HEAD = "0004"  # the newest revision under dsec/meta/migrations/versions
 
 # the catalog file as the code before SQLAlchemy made it (git show f82f9c5:src/dsec/layers/store.py)
 OLD_DDL = [
@@ -289,11 +290,11 @@ def test_open_store_with_a_database(tmp_path: str, db_url: str, opened: Opened, 
     assert opened.store(os.path.join(tmp_path, "layers"), "local", db_url).has("ws/x:v1")
     with opened.engine(db_url).connect() as c:
         assert c.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == HEAD
-        assert CATALOG_TABLES | TEMPLATE_TABLES <= set(inspect(c).get_table_names())
+        assert CATALOG_TABLES | TEMPLATE_TABLES | JOB_TABLES <= set(inspect(c).get_table_names())
 
 
 def test_embedded_metadata_gets_the_catalog_revision(tmp_path: str, opened: Opened) -> None:
     engine = opened.engine(sqlite_url(tmp_path))
     with engine.connect() as c:
         assert c.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == HEAD
-        assert CATALOG_TABLES | TEMPLATE_TABLES <= set(inspect(c).get_table_names())
+        assert CATALOG_TABLES | TEMPLATE_TABLES | JOB_TABLES <= set(inspect(c).get_table_names())

@@ -2,23 +2,30 @@
 
 from dsec.errors import (
     AdmissionRejected,
+    CommandForgotten,
     DeadlineExceeded,
     DsecError,
     EdgeUnavailable,
     Forbidden,
     InsufficientStorage,
     InvalidRequest,
+    JobExists,
+    JobNotActive,
+    KeyConflict,
     LayerInUse,
     NotFound,
     PayloadTooLarge,
+    QuotaExceeded,
     SandboxBusy,
     SandboxError,
     SandboxNotRunning,
     Unauthorized,
 )
-from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
+from dsec.sdk import AsyncClient, AsyncJob, AsyncSandbox, Client, Job, Sandbox
+from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
 from dsec.wire.layers import Layer
 from dsec.wire.models import (
+    CommandRecord,
     ContainerArgs,
     ExecEvent,
     ExecResult,
@@ -41,4 +48,6 @@ __all__ = [
     "InsufficientStorage", "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",
     "PayloadTooLarge", "Sandbox", "SandboxBusy", "SandboxError", "SandboxInfo", "SandboxNotRunning", "SandboxState",
     "SandboxUsage",     "TestCase", "Unauthorized", "VMArgs", "VMInfo",
+    "CommandForgotten", "CommandRecord", "KeyConflict",
+    "AsyncJob", "Job", "JobAction", "JobExists", "JobInfo", "JobNotActive", "JobQuota", "JobStatus", "QuotaExceeded",
 ]

@@ -1,5 +1,9 @@
 """Typed errors shared by every component; the apiserver maps them to HTTP statuses
-and the SDK maps statuses back to the same classes."""
+and the SDK maps statuses back to the same classes.
+
+Every error says whose it is (``infra``, docs/rl.md): the platform's (a 5xx, a 429
+refusal, the sandbox lost under the call) or the caller's own request (any other 4xx).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,12 @@ class DsecError(Exception):
         # which sandbox and which call, where known (the SDK fills them in from the request)
         self.sandbox_id = sandbox_id
         self.operation = operation
+
+    @property
+    def infra(self) -> bool:
+        """Whether the platform failed, not the caller's request: an RL trainer masks such a
+        rollout out instead of scoring it (docs/rl.md, "Whose failure is it")."""
+        return self.status >= 500 or self.status == 429
 
 
 class InvalidRequest(DsecError):
@@ -44,6 +54,24 @@ class SandboxNotRunning(DsecError):
     status = 409
     code = "sandbox_not_running"
 
+    @property
+    def infra(self) -> bool:  # the sandbox ended (or was lost) under the rollout
+        return True
+
+
+class KeyConflict(DsecError):
+    """A command log key already names a different command (docs/rl.md)."""
+
+    status = 409
+    code = "key_conflict"
+
+
+class CommandForgotten(DsecError):
+    """A command log key whose record was dropped (the log's bound): it is not run again."""
+
+    status = 410
+    code = "command_forgotten"
+
 
 class SandboxBusy(DsecError):
     """The sandbox has requests in flight and cannot be paused now."""
@@ -67,6 +95,25 @@ class AdmissionRejected(DsecError):
 
     status = 429
     code = "admission_rejected"
+
+
+class QuotaExceeded(AdmissionRejected):
+    """The job's quota (its ``field`` names which: quota.sandboxes, quota.cpu_cores,
+    quota.memory_mb) has no room for this sandbox; room comes back as its sandboxes stop."""
+
+    code = "quota_exceeded"
+
+
+class JobExists(DsecError):
+    status = 409
+    code = "job_exists"
+
+
+class JobNotActive(DsecError):
+    """The job is paused or stopped: it takes no new sandboxes until resumed (a stopped job never)."""
+
+    status = 409
+    code = "job_not_active"
 
 
 class EdgeUnavailable(DsecError):
@@ -105,10 +152,15 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Forbidden,
         NotFound,
         SandboxNotRunning,
+        KeyConflict,
+        CommandForgotten,
         SandboxBusy,
         LayerInUse,
         PayloadTooLarge,
         AdmissionRejected,
+        QuotaExceeded,
+        JobExists,
+        JobNotActive,
         EdgeUnavailable,
         SandboxError,
         DeadlineExceeded,

@@ -6,6 +6,7 @@ its edge."""
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextvars
 import logging
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from dsec.errors import (
     SandboxError,
 )
 from dsec.iam import PROJECT_LABEL, TokenStore, current_principal
+from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import LayerStore
 from dsec.placement.engine import Placement
 from dsec.watcher.watcher import FleetView
@@ -79,6 +81,8 @@ class Apiserver:
         self.watcher = watcher
         self.placement = placement
         self.max_file_bytes = max_file_bytes
+        self.job_store = JobStore(tokens.db)
+        self.jobs = JobGate(self.job_store, self.job_sandboxes)
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         try:
@@ -94,8 +98,17 @@ class Apiserver:
     async def create(self, req: CreateRequest) -> SandboxInfo:
         """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere, and
         so does an edge that cannot be reached (its node may be gone). When no edge is
-        left, the caller gets the last edge's own reason."""
-        info = await self._place(req)
+        left, the caller gets the last edge's own reason. A create for a job that has a record
+        is admitted against its state and quota first (dsec.jobs.quota)."""
+        req = self._own(req)
+        job = req.args.job
+        if job is None:
+            info = await self._place(req)
+        else:
+            async with self.jobs.admit(req.args.labels.get(PROJECT_LABEL, "default"), job,
+                                       req.args.cpu_cores_limit, req.args.memory_limit_mb) as admission:
+                info = await self._place(req)
+                admission.made(info)
         if self.index is not None:
             try:
                 await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
@@ -104,18 +117,23 @@ class Apiserver:
         return info
 
     async def stopped(self, sandbox_id: str) -> None:
-        """A sandbox was stopped through this apiserver: the index forgets it."""
+        """A sandbox was stopped through this apiserver: the index forgets it, its job's quota frees its share."""
+        self.jobs.forget(sandbox_id)
         if self.index is not None:
             try:
                 await asyncio.to_thread(self.index.index_drop, [sandbox_id])
             except Exception as e:  # the controller's sweep drops it later
                 log.warning("sandbox %s not dropped from the index: %s", sandbox_id, e)
 
-    async def _place(self, req: CreateRequest) -> SandboxInfo:
+    @staticmethod
+    def _own(req: CreateRequest) -> CreateRequest:
         principal = current_principal.get()
         if not principal.all_projects:  # a project's token makes sandboxes of that project only
             req = req.model_copy(update={"args": req.args.model_copy(
                 update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
+        return req
+
+    async def _place(self, req: CreateRequest) -> SandboxInfo:
         tried: set[str] = set()
         last: AdmissionRejected | EdgeUnavailable | None = None
         refreshed = False
@@ -210,6 +228,13 @@ class Apiserver:
                 items += part
         unreachable.set(tuple(missing))
         return sorted(items, key=lambda i: i.created_at)
+
+    async def job_sandboxes(self, project: str, job: str, usage: bool = False
+                            ) -> tuple[builtins.list[SandboxInfo], tuple[str, ...]]:
+        """A job's sandboxes on every edge (of ``project`` only, whoever asks), and the edges
+        that did not answer."""
+        items = await self.list(job, {}, usage)
+        return [i for i in items if i.labels.get(PROJECT_LABEL, "default") == project], unreachable.get()
 
 
 UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"

@@ -382,6 +382,9 @@ servers.register(app)
 from dsec.cli.cluster import cluster_app  # noqa: E402
 
 app.add_typer(cluster_app, name="cluster")
+from dsec.cli.jobs import job_app  # noqa: E402
+
+app.add_typer(job_app, name="job")
 
 
 if __name__ == "__main__":

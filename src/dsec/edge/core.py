@@ -17,6 +17,7 @@ from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.vm.sandboxes import VMSandboxes
 from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
+from dsec.edge.cmdstore import CommandLog
 from dsec.edge.config import EdgeConfig
 from dsec.edge.interactive import InteractiveOps, Watchers
 from dsec.edge.metrics import EdgeMetrics
@@ -81,6 +82,7 @@ class EdgeCore(InteractiveOps):
         self.run_dir = f"/run/dsec/{tag}-{cfg.name}"
         os.makedirs(os.path.join(self.run_dir, "s"), exist_ok=True)
         self.state = EdgeState(os.path.join(root, "state.db"))
+        self.cmdlog = CommandLog(os.path.join(root, "commands.db"))  # keyed commands (edge/cmdlog.py)
         self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
         self.watchers = Watchers()  # polled directory watchers clients hold here

@@ -28,6 +28,8 @@ class Recovery(EdgeCore):
         """Take back the sandboxes a previous edge left, all at once, each bounded: one that
         cannot be re-adopted in time is torn down as failed with the reason, and never
         holds the others or the edge's start."""
+        if n := self.cmdlog.interrupt_all():
+            log.warning("%d keyed command(s) were running when the edge went down: recorded as interrupted", n)
         live = {r.info.sandbox_id: r for r in self.state.live()}
         known = await self.containers.known() | await self.vm_sandboxes.known()
         gate = asyncio.Semaphore(READOPT_CONCURRENCY)

@@ -34,6 +34,7 @@ from dsec.backends.vm.runtime import VMInstance
 from dsec.edge import memory
 from dsec.edge.auditing import Auditing
 from dsec.edge.capacity import Capacity
+from dsec.edge.cmdlog import KeyedExec
 from dsec.edge.core import ID_ALPHABET
 from dsec.edge.interactive import exec_events
 from dsec.edge.recovery import Recovery
@@ -81,7 +82,7 @@ from dsec.wire.models import (
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
+class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExec):
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
         linux.become_subreaper()  # a container's init is orphaned by crun run -d: the edge reaps it
@@ -108,6 +109,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
         """Stop serving; running sandboxes keep running and are re-adopted next start
         (FnCall pool containers are stopped: they hold no one's state)."""
         await self.fncall_service.close()
+        await self._close_command_log()
         if self._ttl_task:
             self._ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -367,7 +369,13 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing):
         return exec_events(lambda on_data: self._exec(sandbox_id, req, on_data))
 
     async def _exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
+        if req.key is not None:
+            return await self._keyed_exec(sandbox_id, req, on_data)
         sb, agent = await self._ready(sandbox_id)
+        return await self._run_exec(sb, agent, req, on_data)
+
+    async def _run_exec(self, sb: Sandbox, agent: Aether, req: ExecRequest, on_data: OnData | None) -> ExecResult:
+        sandbox_id = sb.id
         cmd = req.cmd if req.cmd is not None else " ".join(req.argv or [])
         self.audit.record(sb.id, "exec", f"[{req.session}] {cmd}" if req.session else cmd)
         self.detectors.command(sb.id, cmd)

@@ -93,6 +93,7 @@ class Sweepers(EdgeCore):
             return
         self._audit_swept = now
         await asyncio.to_thread(self.audit.flush)
+        self.cmdlog.sweep(set(self.sandboxes))  # ended sandboxes' command logs go with their tombstones
         # only sandboxes that served requests since the last sweep: an idle fleet costs
         # nothing here (an audit query runs the detectors of its sandbox in any case)
         for sb in list(self.sandboxes.values()):

@@ -21,12 +21,15 @@ from typing import Any, Literal
 import aiohttp
 
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable
+from dsec.sdk.jobs import AsyncJob
 from dsec.wire.iam import TokenInfo
+from dsec.wire.jobs import JobInfo, JobQuota, JobSpec
 from dsec.wire.layers import Layer
 from dsec.wire.models import (
     FNCALL_IMAGE,
     AuditRecord,
     ClickRequest,
+    CommandRecord,
     ContainerArgs,
     CreateRequest,
     ExecEvent,
@@ -215,24 +218,30 @@ class AsyncSandbox:
 
     async def exec(self, cmd: str | list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None, session: str | None = None,
-                   max_output_bytes: int | None = None) -> ExecResult:
+                   max_output_bytes: int | None = None, key: str | None = None) -> ExecResult:
         """Run one command. A string runs through the sandbox's shell, a list directly.
-        With ``session`` it runs in that persistent shell session."""
-        req = self._exec_req(cmd, timeout, env, cwd, stdin, session, max_output_bytes)
+        With ``session`` it runs in that persistent shell session. With ``key`` it is recorded
+        in the sandbox's command log: the same key again returns the recorded result
+        (``replayed``) and runs nothing (docs/rl.md)."""
+        req = self._exec_req(cmd, timeout, env, cwd, stdin, session, max_output_bytes, key)
         data = await self._client._json("POST", f"{self._base}/exec", json=req.model_dump(exclude_none=True),
                                         timeout=timeout + 30)
         return ExecResult.model_validate(data)
 
     async def run_shell(self, cmd: str, *, session: str = "default", timeout: float = 300.0,
-                        env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
-        """Run ``cmd`` in a persistent shell session: cwd, env and background jobs carry over."""
-        return await self.exec(cmd, session=session, timeout=timeout, env=env, cwd=cwd)
+                        env: dict[str, str] | None = None, cwd: str | None = None,
+                        key: str | None = None) -> ExecResult:
+        """Run ``cmd`` in a persistent shell session: cwd, env and background jobs carry over.
+        ``key``: record it in the command log, as for :meth:`exec`."""
+        return await self.exec(cmd, session=session, timeout=timeout, env=env, cwd=cwd, key=key)
 
     async def exec_stream(self, cmd: str | list[str], *, timeout: float = 300.0,
                           env: dict[str, str] | None = None, cwd: str | None = None,
-                          session: str | None = None) -> AsyncIterator[ExecEvent]:
-        """Yield stdout/stderr as produced, then a final ``result`` event."""
-        req = self._exec_req(cmd, timeout, env, cwd, None, session, None)
+                          session: str | None = None, key: str | None = None) -> AsyncIterator[ExecEvent]:
+        """Yield stdout/stderr as produced, then a final ``result`` event. With ``key``, a
+        recorded result comes back as its output's events and the result, and closing the
+        stream does not end the command (a retry with the key waits for it)."""
+        req = self._exec_req(cmd, timeout, env, cwd, None, session, None, key)
         resp = await self._client._open("POST", f"{self._base}/exec", {
             "params": {"stream": "true"}, "json": req.model_dump(exclude_none=True),
             "timeout": aiohttp.ClientTimeout(total=timeout + 30)}, timeout + 30)
@@ -251,8 +260,10 @@ class AsyncSandbox:
 
     @staticmethod
     def _exec_req(cmd: str | list[str], timeout: float, env: dict[str, str] | None, cwd: str | None,
-                  stdin: str | None, session: str | None, max_output_bytes: int | None) -> ExecRequest:
-        kw: dict[str, Any] = {"timeout_s": timeout, "env": env or {}, "cwd": cwd, "stdin": stdin, "session": session}
+                  stdin: str | None, session: str | None, max_output_bytes: int | None,
+                  key: str | None = None) -> ExecRequest:
+        kw: dict[str, Any] = {"timeout_s": timeout, "env": env or {}, "cwd": cwd, "stdin": stdin, "session": session,
+                              "key": key}
         if max_output_bytes is not None:
             kw["max_output_bytes"] = max_output_bytes
         if isinstance(cmd, str):
@@ -260,6 +271,12 @@ class AsyncSandbox:
         else:
             kw["argv"] = list(cmd)
         return ExecRequest(**kw)
+
+    async def command_log(self, *, after: int = 0, limit: int = 1000) -> builtins.list[CommandRecord]:
+        """The keyed commands run here, in the order they started (``seq`` past ``after``),
+        each with its recorded result (output capped; docs/rl.md)."""
+        data = await self._client._json("GET", f"{self._base}/commands", params={"after": after, "limit": limit})
+        return [CommandRecord.model_validate(x) for x in data]
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         body = data.encode() if isinstance(data, str) else data
@@ -634,3 +651,24 @@ class AsyncClient:
 
     async def nodes(self) -> builtins.list[NodeStats]:
         return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]
+
+    async def create_job(self, name: str, *, quota: JobQuota | None = None, labels: dict[str, str] | None = None,
+                         project: str | None = None) -> AsyncJob:
+        """A job: a named group of sandboxes (those created with ``job=name``) with a quota on
+        their count, CPU cores and memory, paused, resumed and stopped as one. ``project``:
+        admin tokens only (others act in their token's project)."""
+        body = JobSpec(name=name, labels=labels or {}, quota=quota or JobQuota()).model_dump(mode="json")
+        params = {"project": project} if project else None
+        return AsyncJob(self, JobInfo.model_validate(await self._json("POST", "/v1/jobs", json=body, params=params)))
+
+    async def job(self, name: str, *, project: str | None = None) -> AsyncJob:
+        """The handle of an existing job, from any process."""
+        params = {"project": project} if project else None
+        return AsyncJob(self, JobInfo.model_validate(await self._json("GET", f"/v1/jobs/{name}", params=params)))
+
+    async def jobs(self, labels: dict[str, str] | None = None, state: str | None = None,
+                   project: str | None = None) -> builtins.list[JobInfo]:
+        """The jobs of this token's project (an admin token: every project's), those with ``labels``."""
+        params = _filters(None, labels) + ([("state", state)] if state else []) + \
+            ([("project", project)] if project else [])
+        return [JobInfo.model_validate(x) for x in await self._json("GET", "/v1/jobs", params=params)]

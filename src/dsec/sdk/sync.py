@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from dsec.sdk.client import AsyncClient, AsyncSandbox
+from dsec.sdk.jobs import AsyncJob
+from dsec.wire.jobs import JobInfo
 from dsec.wire.models import SandboxInfo
 
 T = TypeVar("T")
@@ -133,6 +135,7 @@ class Sandbox(_Face):
     exec = _blocking(AsyncSandbox.exec)
     run_shell = _blocking(AsyncSandbox.run_shell)
     exec_stream = _iterating(AsyncSandbox.exec_stream)
+    command_log = _blocking(AsyncSandbox.command_log)
     write_file = _blocking(AsyncSandbox.write_file)
     read_file = _blocking(AsyncSandbox.read_file)
     list_dir = _blocking(AsyncSandbox.list_dir)
@@ -153,6 +156,40 @@ class Sandbox(_Face):
     click = _blocking(AsyncSandbox.click)
     usage = _blocking(AsyncSandbox.usage)
     stop = _blocking(AsyncSandbox.stop)
+
+
+def _to_job(fn: Callable[Concatenate[Any, P], Coroutine[Any, Any, AsyncJob]]) -> _Blocking[P, Job]:
+    return _Blocking(fn, "call")
+
+
+class Job(_Face):
+    """Blocking handle to one job; the same methods as :class:`dsec.sdk.jobs.AsyncJob`."""
+
+    def __init__(self, portal: _Portal, inner: AsyncJob) -> None:
+        self._portal = portal
+        self._inner = inner
+
+    @property
+    def name(self) -> str:
+        return str(self._inner.name)
+
+    @property
+    def info(self) -> JobInfo:
+        return self._inner.info  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"<Job {self.name} {self.info.state}>"
+
+    def _wrap(self, x: Any) -> Any:
+        return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
+
+    get = _blocking(AsyncJob.get)
+    status = _blocking(AsyncJob.status)
+    sandboxes = _blocking(AsyncJob.sandboxes)
+    run = _to_sandbox(AsyncJob.run)
+    pause = _blocking(AsyncJob.pause)
+    resume = _blocking(AsyncJob.resume)
+    stop = _blocking(AsyncJob.stop)
 
 
 class Client(_Face):
@@ -194,6 +231,8 @@ class Client(_Face):
     def _wrap(self, x: Any) -> Any:
         if isinstance(x, list):
             return [self._wrap(i) for i in x]
+        if isinstance(x, AsyncJob):
+            return Job(self._portal, x)
         return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
 
     _request = _blocking(AsyncClient._request)
@@ -218,3 +257,6 @@ class Client(_Face):
     tokens = _blocking(AsyncClient.tokens)
     revoke_token = _blocking(AsyncClient.revoke_token)
     nodes = _blocking(AsyncClient.nodes)
+    create_job = _to_job(AsyncClient.create_job)
+    job = _to_job(AsyncClient.job)
+    jobs = _blocking(AsyncClient.jobs)

@@ -29,6 +29,8 @@ def normalize_layer_ref(ref: str) -> str:
 EDGE_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,30}$")
 SANDBOX_ID_RE = re.compile(r"^([a-z][a-z0-9]{0,30})-([a-z0-9]{12})$")
 SESSION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# a command log key (docs/rl.md): "rollout-88/turn-3", "job:step@12+a=b"
+COMMAND_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+=-]{0,255}$")
 
 
 class Strict(BaseModel):
@@ -412,12 +414,21 @@ class ExecRequest(Strict):
     cwd: str | None = None
     stdin: str | None = None
     max_output_bytes: Annotated[int, Field(ge=0, le=1 << 30)] = DEFAULT_MAX_OUTPUT_BYTES
+    key: str | None = Field(default=None, description="record the command under this key in the sandbox's "
+                            "command log; the same key again returns the recorded result (docs/rl.md)")
 
     @field_validator("session")
     @classmethod
     def _session(cls, v: str | None) -> str | None:
         if v is not None and not SESSION_RE.match(v):
             raise ValueError("session must be 1-64 of [A-Za-z0-9_.-]")
+        return v
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and not COMMAND_KEY_RE.match(v):
+            raise ValueError("key must be 1-256 of [A-Za-z0-9_.:/@+=-], starting with a letter or digit")
         return v
 
     @field_validator("cmd", "cwd", "stdin")
@@ -458,6 +469,30 @@ class ExecResult(BaseModel):
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     duration_ms: float = 0.0
+    # whose failure (docs/rl.md): "workload" for a non-zero exit or the command's own timeout,
+    # "infra" when the platform lost the command under it (a keyed command interrupted by an
+    # edge restart); None when it succeeded
+    failure: Literal["workload", "infra"] | None = None
+    replayed: bool = Field(default=False, description="the command log's recorded result: this call ran nothing")
+
+    def model_post_init(self, _ctx: object) -> None:
+        if self.failure is None and (self.exit_code != 0 or self.timed_out):
+            self.failure = "workload"
+
+
+class CommandRecord(BaseModel):
+    """One keyed command in a sandbox's command log (docs/rl.md)."""
+
+    key: str
+    seq: int = Field(description="its place in the log, from 1")
+    cmd: str | None = None
+    argv: list[str] | None = None
+    session: str | None = None
+    cwd: str | None = None
+    state: Literal["running", "done", "interrupted"]
+    started_at: float
+    finished_at: float | None = None
+    result: ExecResult | None = Field(default=None, description="with output capped to the log's bound")
 
 
 class ExecEvent(BaseModel):

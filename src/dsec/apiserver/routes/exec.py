@@ -7,7 +7,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -15,7 +15,7 @@ from dsec.apiserver.core import MAX_EXEC_BODY, Apiserver, parse_body, read_body
 from dsec.edge.interactive import InputBuffer
 from dsec.errors import DsecError
 from dsec.wire.edge import TtyInput
-from dsec.wire.models import ExecRequest
+from dsec.wire.models import CommandRecord, ExecRequest
 
 
 def routes(api: Apiserver) -> APIRouter:
@@ -46,6 +46,13 @@ def routes(api: Apiserver) -> APIRouter:
                 await events.aclose()  # type: ignore[attr-defined]
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    @router.get("/v1/sandboxes/{sandbox_id}/commands")
+    async def commands(sandbox_id: str, after: int = Query(default=0, ge=0),
+                       limit: int = Query(default=1000, ge=1, le=10_000)) -> list[CommandRecord]:
+        """The sandbox's command log: its keyed commands in the order they started (``seq``
+        greater than ``after``), each with its result once it has one (docs/rl.md)."""
+        return await api.edge_for(sandbox_id).command_log(sandbox_id, after, limit)
 
     @router.websocket("/v1/sandboxes/{sandbox_id}/tty")
     async def tty(ws: WebSocket, sandbox_id: str, cols: int = 80, rows: int = 24) -> None:

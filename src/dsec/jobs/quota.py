@@ -1,0 +1,148 @@
+"""Admitting a job's creates against its quota (sandboxes, CPU cores, memory of its live
+sandboxes), without overshooting under concurrent creates.
+
+What a job holds is counted from its sandboxes on every edge (a listing at most
+``SNAPSHOT_TTL_S`` old, running and paused ones), plus what this replica created since
+that listing, plus the creates this replica has admitted and not yet finished (their
+reservations). A job's admissions are serialized by a per-job lock, so within one
+apiserver replica the quota is never exceeded however many creates race. Across
+replicas (cluster mode) each one admits against that same listing, which sees another
+replica's sandboxes once it is refreshed: a job whose creates go through several
+replicas at once may overshoot by what the others admitted in the last
+``SNAPSHOT_TTL_S`` plus a create's duration. A client keeps to one replica (the SDK
+does), which keeps it exact. Nothing here outlives the process: it is a cache of what the
+edges and the job records say."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from dsec.errors import JobNotActive, QuotaExceeded
+from dsec.jobs.store import JobStore
+from dsec.wire.jobs import JobQuota
+from dsec.wire.models import SandboxInfo, SandboxState, parse_sandbox_id
+
+SNAPSHOT_TTL_S = 1.0
+# counted as held: a sandbox still "creating" on an edge is either one of this replica's
+# reservations (counted there) or another replica's (see the module docstring)
+HOLDING = (SandboxState.running, SandboxState.paused)
+# (project, job) -> the job's sandboxes on every edge that answered, and the edges that did not
+Lister = Callable[[str, str], Awaitable[tuple[list[SandboxInfo], tuple[str, ...]]]]
+
+
+@dataclass(frozen=True)
+class Held:
+    cpu_cores: float
+    memory_mb: int
+
+
+@dataclass
+class _Use:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    listed: dict[str, Held] = field(default_factory=dict)
+    listed_at: float = float("-inf")
+    recent: dict[str, tuple[Held, float]] = field(default_factory=dict)  # made here since: (held, done at)
+    inflight: dict[int, Held] = field(default_factory=dict)
+
+    def used(self) -> tuple[int, float, int]:
+        held = {**self.listed, **{sid: h for sid, (h, _) in self.recent.items()}}
+        items = [*held.values(), *self.inflight.values()]
+        return len(items), sum(h.cpu_cores for h in items), sum(h.memory_mb for h in items)
+
+
+class Admission:
+    """One admitted create: ``made`` records the sandbox it produced."""
+
+    def __init__(self) -> None:
+        self.info: SandboxInfo | None = None
+
+    def made(self, info: SandboxInfo) -> None:
+        self.info = info
+
+
+class JobGate:
+    def __init__(self, store: JobStore, lister: Lister) -> None:
+        self.store = store
+        self.lister = lister
+        self._uses: dict[tuple[str, str], _Use] = {}
+        self._tokens = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def admit(self, project: str, job: str, cpu_cores: float, memory_mb: int) -> AsyncIterator[Admission]:
+        """Admit one create of ``job`` (its record's state and quota), holding its share until
+        the body ends; refused with JobNotActive (409) or QuotaExceeded (429). A job with no
+        record is free-form, as a bare label: admitted."""
+        adm = Admission()
+        rec = await asyncio.to_thread(self.store.get, project, job)
+        if rec is None:
+            yield adm
+            return
+        if rec.state != "active":
+            raise JobNotActive(f"job {job!r} is {rec.state}: it takes no new sandboxes"
+                               + (" until it is resumed" if rec.state == "paused" else ""), field="job")
+        q = rec.quota
+        if q.sandboxes is None and q.cpu_cores is None and q.memory_mb is None:
+            yield adm
+            return
+        use = self._uses.setdefault((project, job), _Use())
+        need = Held(cpu_cores, memory_mb)
+        async with use.lock:
+            if time.monotonic() - use.listed_at > SNAPSHOT_TTL_S:
+                await self._refresh(use, project, job)
+            _check(job, q, use.used(), need)
+            token = next(self._tokens)
+            use.inflight[token] = need
+        try:
+            yield adm
+        finally:
+            del use.inflight[token]
+            if adm.info is not None:
+                use.recent[adm.info.sandbox_id] = (need, time.monotonic())
+
+    async def _refresh(self, use: _Use, project: str, job: str) -> None:
+        started = time.monotonic()
+        items, missing = await self.lister(project, job)
+        listed = {i.sandbox_id: Held(i.cpu_cores_limit, i.memory_limit_mb) for i in items if i.state in HOLDING}
+        # an edge that did not answer still holds what it held: keep counting it
+        listed.update({sid: h for sid, h in use.listed.items() if parse_sandbox_id(sid) in missing})
+        use.listed = listed
+        use.listed_at = started
+        # what finished before the listing began is in it (if still alive)
+        use.recent = {sid: v for sid, v in use.recent.items() if v[1] >= started and sid not in listed}
+
+    def forget(self, sandbox_id: str) -> None:
+        """A sandbox was stopped through this replica: its share is free at once."""
+        for use in self._uses.values():
+            use.listed.pop(sandbox_id, None)
+            use.recent.pop(sandbox_id, None)
+
+    def invalidate(self, project: str, job: str) -> None:
+        """The job's sandboxes changed wholesale (stopped, ...): the next admission lists them again."""
+        if (use := self._uses.get((project, job))) is not None:
+            use.listed_at = float("-inf")
+
+    async def drain(self, project: str, job: str, timeout: float) -> None:
+        """Wait (up to ``timeout``) for this replica's admitted creates of the job to finish,
+        so a job-wide pause or stop also reaches the sandboxes they make."""
+        use = self._uses.get((project, job))
+        deadline = time.monotonic() + timeout
+        while use is not None and use.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def _check(job: str, q: JobQuota, used: tuple[int, float, int], need: Held) -> None:
+    n, cpu, mem = used
+    if q.sandboxes is not None and n + 1 > q.sandboxes:
+        raise QuotaExceeded(f"job {job!r} is at its quota of {q.sandboxes} sandboxes ({n} live or starting)",
+                            field="quota.sandboxes")
+    if q.cpu_cores is not None and cpu + need.cpu_cores > q.cpu_cores + 1e-9:
+        raise QuotaExceeded(f"job {job!r}: {need.cpu_cores:g} more CPU cores would exceed its quota of "
+                            f"{q.cpu_cores:g} ({cpu:g} held)", field="quota.cpu_cores")
+    if q.memory_mb is not None and mem + need.memory_mb > q.memory_mb:
+        raise QuotaExceeded(f"job {job!r}: {need.memory_mb} MiB more memory would exceed its quota of "
+                            f"{q.memory_mb} MiB ({mem} MiB held)", field="quota.memory_mb")

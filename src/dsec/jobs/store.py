@@ -1,0 +1,68 @@
+"""Job records in the metadata database (SQLite embedded, PostgreSQL in a cluster):
+create, get, list, state changes. Blocking calls: the apiserver runs them in a thread."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from sqlalchemy import Engine, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from dsec.errors import JobExists
+from dsec.meta.jobs_schema import jobs
+from dsec.wire.jobs import JobInfo, JobQuota, JobSpec, JobState
+
+
+class JobStore:
+    def __init__(self, db: Engine) -> None:
+        self.db = db
+
+    def create(self, project: str, spec: JobSpec) -> JobInfo:
+        info = JobInfo(name=spec.name, project=project, labels=spec.labels, quota=spec.quota, state="active",
+                       created_at=time.time())
+        try:
+            with self.db.begin() as c:
+                c.execute(insert(jobs).values(project=project, name=spec.name, labels=json.dumps(spec.labels),
+                                              quota=spec.quota.model_dump_json(), state="active",
+                                              created_at=info.created_at))
+        except IntegrityError:  # the primary key: the name is taken in this project
+            raise JobExists(f"project {project!r} already has a job {spec.name!r}", field="name") from None
+        return info
+
+    def get(self, project: str, name: str) -> JobInfo | None:
+        with self.db.connect() as c:
+            row = c.execute(select(jobs).where(jobs.c.project == project, jobs.c.name == name)).mappings().first()
+        return _info(row) if row else None
+
+    def list(self, project: str | None, labels: dict[str, str], state: str | None = None) -> list[JobInfo]:
+        """The jobs of ``project`` (None: every project), those carrying all ``labels``."""
+        q = select(jobs).order_by(jobs.c.created_at)
+        if project is not None:
+            q = q.where(jobs.c.project == project)
+        if state is not None:
+            q = q.where(jobs.c.state == state)
+        with self.db.connect() as c:
+            items = [_info(r) for r in c.execute(q).mappings()]
+        return [i for i in items if all(i.labels.get(k) == v for k, v in labels.items())]
+
+    def set_state(self, project: str, name: str, state: JobState) -> JobInfo | None:
+        now = time.time()
+        values: dict[str, Any] = {"state": state}
+        if state == "paused":
+            values["paused_at"] = now
+        elif state == "active":
+            values["paused_at"] = None
+        else:
+            values["stopped_at"] = now
+        with self.db.begin() as c:
+            c.execute(update(jobs).where(jobs.c.project == project, jobs.c.name == name).values(**values))
+        return self.get(project, name)
+
+
+def _info(row: Any) -> JobInfo:
+    r = dict(row)
+    return JobInfo(name=r["name"], project=r["project"], labels=json.loads(r["labels"] or "{}"),
+                   quota=JobQuota.model_validate_json(r["quota"] or "{}"), state=r["state"],
+                   created_at=r["created_at"], paused_at=r["paused_at"], stopped_at=r["stopped_at"])
