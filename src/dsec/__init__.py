@@ -21,7 +21,8 @@ from dsec.errors import (
     SandboxNotRunning,
     Unauthorized,
 )
-from dsec.sdk import AsyncClient, AsyncJob, AsyncSandbox, Client, Job, Sandbox
+from dsec.sdk import AsyncBatch, AsyncClient, AsyncJob, AsyncSandbox, Batch, Client, Job, Sandbox
+from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem, BatchRequest
 from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
 from dsec.wire.layers import Layer
 from dsec.wire.models import (
@@ -50,4 +51,5 @@ __all__ = [
     "SandboxUsage",     "TestCase", "Unauthorized", "VMArgs", "VMInfo",
     "CommandForgotten", "CommandRecord", "KeyConflict",
     "AsyncJob", "Job", "JobAction", "JobExists", "JobInfo", "JobNotActive", "JobQuota", "JobStatus", "QuotaExceeded",
+    "AsyncBatch", "Batch", "BatchCounts", "BatchInfo", "BatchItem", "BatchRequest",
 ]

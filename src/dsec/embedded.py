@@ -101,11 +101,13 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
         await view.refresh()
         view.start()
         await app.state.template_builder.reap(at_start=True)  # builds an earlier process here left running
+        await api.batches.start()  # the queue, and the batches an earlier process left unfinished
         refresher = asyncio.create_task(tokens.refresh_forever())
         log.info("dsec ready: edges %s", ", ".join(sorted(edges)) or "none yet")
         try:
             yield
         finally:
+            await api.batches.close()
             await app.state.template_builder.close()  # builds of this process fail; their builders stop
             refresher.cancel()
             await view.close()

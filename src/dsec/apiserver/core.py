@@ -9,6 +9,8 @@ import asyncio
 import builtins
 import contextvars
 import logging
+import os
+from collections import Counter
 from collections.abc import Mapping
 from typing import Protocol, TypeVar
 
@@ -17,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from dsec.batches import BatchRunner, BatchStore
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -46,6 +49,8 @@ M = TypeVar("M", bound=BaseModel)
 MAX_CREATE_ATTEMPTS = 3
 LIST_TIMEOUT_S = 30.0  # an edge that does not list its sandboxes in this long is unreachable for the list
 MAX_EXEC_BODY = 64 * 1024 * 1024  # a command with its stdin
+# a batch's creates starting at once on one edge (the rest wait in the apiserver's queue)
+BATCH_STARTING_PER_EDGE = int(os.environ.get("DSEC_BATCH_STARTING_PER_EDGE", "8"))
 
 
 async def read_body(request: Request, limit: int, field: str) -> bytes:
@@ -83,6 +88,11 @@ class Apiserver:
         self.max_file_bytes = max_file_bytes
         self.job_store = JobStore(tokens.db)
         self.jobs = JobGate(self.job_store, self.job_sandboxes)
+        # creates starting now per edge (all of them), the most so far, and the bound on a batch's
+        self.starting: Counter[str] = Counter()
+        self.peak_starting: Counter[str] = Counter()
+        self._batch_slots: dict[str, asyncio.Semaphore] = {}
+        self.batches = BatchRunner(self, BatchStore(tokens.db), BATCH_STARTING_PER_EDGE)
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         try:
@@ -95,19 +105,20 @@ class Apiserver:
                            field="sandbox_id")
         return edge
 
-    async def create(self, req: CreateRequest) -> SandboxInfo:
+    async def create(self, req: CreateRequest, bounded: bool = False) -> SandboxInfo:
         """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere, and
         so does an edge that cannot be reached (its node may be gone). When no edge is
         left, the caller gets the last edge's own reason. A create for a job that has a record
-        is admitted against its state and quota first (dsec.jobs.quota)."""
+        is admitted against its state and quota first (dsec.jobs.quota). ``bounded`` (a batch's
+        item) waits for one of the chosen edge's batch slots; a plain create never does."""
         req = self._own(req)
         job = req.args.job
         if job is None:
-            info = await self._place(req)
+            info = await self._place(req, bounded)
         else:
             async with self.jobs.admit(req.args.labels.get(PROJECT_LABEL, "default"), job,
                                        req.args.cpu_cores_limit, req.args.memory_limit_mb) as admission:
-                info = await self._place(req)
+                info = await self._place(req, bounded)
                 admission.made(info)
         if self.index is not None:
             try:
@@ -133,7 +144,7 @@ class Apiserver:
                 update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
         return req
 
-    async def _place(self, req: CreateRequest) -> SandboxInfo:
+    async def _place(self, req: CreateRequest, bounded: bool = False) -> SandboxInfo:
         tried: set[str] = set()
         last: AdmissionRejected | EdgeUnavailable | None = None
         refreshed = False
@@ -150,6 +161,11 @@ class Apiserver:
                     await self.watcher.refresh()
                     continue
                 raise
+            slot = self._batch_slots.setdefault(name, asyncio.Semaphore(self.batches.per_edge_starting))
+            if bounded:
+                await slot.acquire()
+            self.starting[name] += 1
+            self.peak_starting[name] = max(self.peak_starting[name], self.starting[name])
             try:
                 with self.placement.reserve(name, req.args):
                     edge = self.edges.get(name)
@@ -161,6 +177,10 @@ class Apiserver:
                     log.warning("create re-placed: edge %s did not answer: %s", name, e)
                 tried.add(name)
                 last = e
+            finally:
+                self.starting[name] -= 1
+                if bounded:
+                    slot.release()
         assert last is not None
         raise last
 

@@ -21,7 +21,9 @@ from typing import Any, Literal
 import aiohttp
 
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable
+from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.jobs import AsyncJob
+from dsec.wire.batches import BatchInfo
 from dsec.wire.iam import TokenInfo
 from dsec.wire.jobs import JobInfo, JobQuota, JobSpec
 from dsec.wire.layers import Layer
@@ -562,6 +564,21 @@ class AsyncClient:
         body = CreateRequest(args=args).model_dump(mode="json")
         info = SandboxInfo.model_validate(await self._json("POST", "/v1/sandboxes", json=body, timeout=timeout))
         return AsyncSandbox(self, info)
+
+    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, job: str | None = None
+                          ) -> AsyncBatch:
+        """``n`` sandboxes (up to 10,000) of ``args``, made by the platform in the background a
+        bounded number at a time per edge: returns at once with the batch's handle
+        (``progress()``, ``result()`` -> (sandboxes, failures), ``cancel()``)."""
+        # checked by the platform (an n out of range is its InvalidRequest naming ``n``)
+        body = {"args": CreateRequest(args=args).model_dump(mode="json")["args"], "n": n,
+                **({"job": job} if job is not None else {})}
+        return AsyncBatch(self, BatchInfo.model_validate(await self._json("POST", "/v1/batches", json=body)))
+
+    async def batch(self, batch_id: str) -> AsyncBatch:
+        """A handle to an existing batch, from any process."""
+        return AsyncBatch(self, BatchInfo.model_validate(await self._json(
+            "GET", f"/v1/batches/{batch_id}", params={"limit": 0})))
 
     async def connect(self, sandbox_id: str) -> AsyncSandbox:
         """A handle to an existing sandbox, from any process."""

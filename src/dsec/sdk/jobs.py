@@ -11,6 +11,7 @@ from dsec.wire.jobs import JobAction, JobInfo, JobStatus
 from dsec.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, VMArgs
 
 if TYPE_CHECKING:
+    from dsec.sdk.batches import AsyncBatch
     from dsec.sdk.client import AsyncClient, AsyncSandbox
 
 
@@ -55,6 +56,11 @@ class AsyncJob:
         """A sandbox of this job (``args.job`` set to it), counted against its quota."""
         a = (args or ContainerArgs()).model_copy(update={"job": self.name})
         return await self._client._create(a, timeout)
+
+    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int) -> AsyncBatch:
+        """``n`` sandboxes of this job as a batch (``client.create_many``); the quota is checked per
+        item: those past it fail with ``quota_exceeded``, the others are made."""
+        return await self._client.create_many(args, n, job=self.name)
 
     async def _act(self, what: str, timeout: float) -> JobAction:
         r = JobAction.model_validate(await self._client._json("POST", f"{self._base}/{what}", params=self._params,

@@ -12,8 +12,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
+from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.sdk.jobs import AsyncJob
+from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem
 from dsec.wire.jobs import JobInfo
 from dsec.wire.models import SandboxInfo
 
@@ -181,15 +183,51 @@ class Job(_Face):
         return f"<Job {self.name} {self.info.state}>"
 
     def _wrap(self, x: Any) -> Any:
+        if isinstance(x, AsyncBatch):
+            return Batch(self._portal, x)
         return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
 
     get = _blocking(AsyncJob.get)
     status = _blocking(AsyncJob.status)
     sandboxes = _blocking(AsyncJob.sandboxes)
     run = _to_sandbox(AsyncJob.run)
+    create_many: _Blocking[[Any, int], Batch] = _Blocking(AsyncJob.create_many, "call")
     pause = _blocking(AsyncJob.pause)
     resume = _blocking(AsyncJob.resume)
     stop = _blocking(AsyncJob.stop)
+
+
+class Batch(_Face):
+    """Blocking handle to one batch create; the same methods as :class:`dsec.sdk.batches.AsyncBatch`."""
+
+    def __init__(self, portal: _Portal, inner: AsyncBatch) -> None:
+        self._portal = portal
+        self._inner = inner
+
+    @property
+    def id(self) -> str:
+        return str(self._inner.id)
+
+    @property
+    def info(self) -> BatchInfo:
+        return self._inner.info  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"<Batch {self.id} {self.info.state}>"
+
+    def _wrap(self, x: Any) -> Any:
+        if isinstance(x, tuple):
+            return tuple(self._wrap(i) for i in x)
+        if isinstance(x, list):
+            return [self._wrap(i) for i in x]
+        return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
+
+    get = _blocking(AsyncBatch.get)
+    progress: _Blocking[[], Iterator[BatchCounts]] = _iterating(AsyncBatch.progress)
+    wait = _blocking(AsyncBatch.wait)
+    items = _blocking(AsyncBatch.items)
+    result: _Blocking[[], tuple[list[Sandbox], list[BatchItem]]] = _Blocking(AsyncBatch.result, "call")
+    cancel = _blocking(AsyncBatch.cancel)
 
 
 class Client(_Face):
@@ -233,6 +271,8 @@ class Client(_Face):
             return [self._wrap(i) for i in x]
         if isinstance(x, AsyncJob):
             return Job(self._portal, x)
+        if isinstance(x, AsyncBatch):
+            return Batch(self._portal, x)
         return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
 
     _request = _blocking(AsyncClient._request)
@@ -260,3 +300,5 @@ class Client(_Face):
     create_job = _to_job(AsyncClient.create_job)
     job = _to_job(AsyncClient.job)
     jobs = _blocking(AsyncClient.jobs)
+    create_many: _Blocking[[Any, int, str | None], Batch] = _Blocking(AsyncClient.create_many, "call")
+    batch: _Blocking[[str], Batch] = _Blocking(AsyncClient.batch, "call")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -202,21 +203,28 @@ class CrunRuntime:
 
     async def run(self, sandbox_id: str, bundle: str, init_fd: int, sock_fd: int) -> int:
         """Start the container detached; returns dsec-init's host pid."""
-        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         err_path = os.path.join(bundle, "crun.err")
         pid_path = os.path.join(bundle, "init.pid")
-        err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # every source fd above the targets: were the listening socket fd 3 and the binary
+        # fd 4, the dup of the binary onto 3 would replace the socket before its own dup onto
+        # 4, and init would start with no listener (its socket refusing every connect)
+        opened = [os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC),
+                  os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)]
+        null, err, init_src, sock_src = high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+                                                for fd in (*opened, init_fd, sock_fd)]
+        for fd in opened:
+            os.close(fd)
         try:
             pid = os.posix_spawn(  # noqa: ASYNC221 - posix_spawn returns at once; the wait is off-loop
                 self.crun, self._argv("run", "-d", "--preserve-fds", "2", "--pid-file", pid_path,
                                        "--bundle", bundle, sandbox_id),
                 dict(os.environ),
                 file_actions=[(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1),
-                              (os.POSIX_SPAWN_DUP2, err, 2), (os.POSIX_SPAWN_DUP2, init_fd, 3),
-                              (os.POSIX_SPAWN_DUP2, sock_fd, 4)])
+                              (os.POSIX_SPAWN_DUP2, err, 2), (os.POSIX_SPAWN_DUP2, init_src, 3),
+                              (os.POSIX_SPAWN_DUP2, sock_src, 4)])
         finally:
-            os.close(null)
-            os.close(err)
+            for fd in high:
+                os.close(fd)
         status = await _wait_child(pid, CRUN_TIMEOUT_S, f"crun run {sandbox_id}")
         if os.waitstatus_to_exitcode(status) != 0:
             with open(err_path, errors="replace") as f:

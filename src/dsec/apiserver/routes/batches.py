@@ -1,0 +1,74 @@
+"""Batch creates: ``POST /v1/batches`` accepts up to 10,000 sandboxes of one args at once
+(202) and the apiserver's queue makes them a bounded number at a time per edge
+(dsec.batches.runner); progress paged by item, streamed as JSON lines, and cancel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+
+from dsec.apiserver.core import Apiserver
+from dsec.errors import NotFound
+from dsec.iam import PROJECT_LABEL, current_principal
+from dsec.wire.batches import BatchAdmission, BatchInfo, BatchRequest
+from dsec.wire.models import CreateRequest
+
+POLL_S = 0.2
+
+
+def routes(api: Apiserver) -> APIRouter:
+    router = APIRouter()
+    runner = api.batches
+
+    def _mine(info: BatchInfo) -> BatchInfo:
+        p = current_principal.get()
+        if not p.all_projects and info.project != p.project:  # another project's batch does not exist for it
+            raise NotFound(f"no batch {info.id!r}", field="batch_id")
+        return info
+
+    @router.post("/v1/batches", status_code=202)
+    async def create_batch(req: BatchRequest) -> BatchInfo:
+        """Accepted at once; its items are made in the background. Each item's outcome (a sandbox,
+        or the reason it was not made: a job's quota is checked per item) is in GET /v1/batches/{id}."""
+        args = api._own(CreateRequest(args=req.args)).args
+        return await runner.submit(req.model_copy(update={"args": args}), args.labels.get(PROJECT_LABEL, "default"))
+
+    @router.get("/v1/batches/admission")
+    async def admission() -> BatchAdmission:
+        """Creates starting per edge now and the most so far, the per-edge bound, items queued."""
+        return runner.admission()
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, offset: int = Query(default=0, ge=0),
+                        limit: int = Query(default=1000, ge=0, le=10_000)) -> BatchInfo:
+        """Counts by item state, and the items offset..offset+limit (``next_offset`` pages on)."""
+        return _mine(await runner.get(batch_id, offset, limit))
+
+    @router.get("/v1/batches/{batch_id}/events")
+    async def batch_events(batch_id: str) -> StreamingResponse:
+        """The batch (counts only) as JSON lines: now, then each time its counts change, until it ends."""
+        first = _mine(await runner.get(batch_id, 0, 0))
+
+        async def lines() -> AsyncIterator[bytes]:
+            info, last = first, None
+            while True:
+                if info.counts != last:
+                    last = info.counts
+                    yield info.model_dump_json().encode() + b"\n"
+                if info.state != "running" and info.finished_at is not None:
+                    return
+                if info.state != "running" and runner.owns(batch_id) is None:
+                    return  # cancelled on a replica that does not run it
+                await asyncio.sleep(POLL_S)
+                info = await runner.get(batch_id, 0, 0)
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, stop: bool = False) -> BatchInfo:
+        """Queued items are cancelled; made ones stay unless ``stop=true``."""
+        _mine(await runner.get(batch_id, 0, 0))
+        return await runner.cancel(batch_id, stop)
+    return router

@@ -1,0 +1,331 @@
+"""The apiserver's batch queue: a batch's items are made through ``Apiserver.create`` (so a
+job's quota is checked per item) by a dispatcher that keeps at most ``per_edge_starting``
+creates starting per edge (the edge's semaphore in ``Apiserver._place``) and takes items
+round-robin across jobs, then across a job's batches, so one job's 10K burst never starves
+another's batch. A plain ``POST /v1/sandboxes`` does not go through this queue at all: it
+never waits behind a batch.
+
+Every item's outcome is written to the metadata database (a flusher batches the writes),
+and the batch row names the apiserver process running it, with a heartbeat. A batch whose
+owner released it (a clean shutdown) or has not been heard of for ``STALE_S`` (a crash) is
+taken over by the first apiserver that sees it (a compare-and-set on the heartbeat, so one
+does): items with an outcome keep it, a sandbox carrying the label
+``dsec.batch=<id>/<index>`` (made before the crash, outcome not yet written) is taken as that
+item's, and only the rest are made, so none is made twice. A process that finds its batch
+taken over (its heartbeat was late) drops it. Any replica answers a batch's progress from
+the database."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter
+
+from dsec.batches.store import BatchRow, BatchStore
+from dsec.errors import DsecError, NotFound
+from dsec.wire.batches import BATCH_LABEL, BatchAdmission, BatchCounts, BatchInfo, BatchItem, BatchRequest
+from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxState
+
+if TYPE_CHECKING:
+    from dsec.apiserver.core import Apiserver
+
+log = logging.getLogger("dsec.batches")
+FLUSH_S = 0.25
+HEARTBEAT_S = 1.0
+STALE_S = 5.0  # an owner not heard of for this long has crashed: its batches are taken over
+KEEP_FINISHED = 64  # finished batches kept in memory (older ones are answered from the database)
+_ARGS: TypeAdapter[Any] = TypeAdapter(AnySandboxArgs)
+LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
+
+
+@dataclass
+class _Batch:
+    id: str
+    project: str
+    job: str | None
+    n: int
+    args: Any
+    created_at: float
+    state: str = "running"
+    finished_at: float | None = None
+    states: list[str] = field(default_factory=list)
+    sandbox: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
+    queue: deque[int] = field(default_factory=deque)
+    counts: Counter[str] = field(default_factory=Counter)
+    stop_made: bool = False
+    lost: bool = False  # taken over by another apiserver: its outcomes are that one's to finish
+
+    def set(self, i: int, state: str) -> None:
+        self.counts[self.states[i]] -= 1
+        self.states[i] = state
+        self.counts[state] += 1
+
+    def info(self, offset: int, limit: int) -> BatchInfo:
+        items = [BatchItem(index=i, state=self.states[i], sandbox_id=self.sandbox.get(i),  # type: ignore[arg-type]
+                           error=self.errors.get(i, (None, None))[0], reason=self.errors.get(i, (None, None))[1])
+                 for i in range(offset, min(self.n, offset + limit))]
+        nxt = offset + limit if offset + limit < self.n and limit > 0 else None
+        return BatchInfo(id=self.id, project=self.project, job=self.job, n=self.n, state=self.state,  # type: ignore[arg-type]
+                         counts=BatchCounts(**{k: v for k, v in self.counts.items() if v}),
+                         created_at=self.created_at, finished_at=self.finished_at, items=items, next_offset=nxt)
+
+
+class BatchRunner:
+    def __init__(self, api: Apiserver, store: BatchStore, per_edge_starting: int = 8) -> None:
+        self.api = api
+        self.store = store
+        self.per_edge_starting = per_edge_starting
+        self.batches: dict[str, _Batch] = {}
+        self.lanes: OrderedDict[tuple[str, str], deque[str]] = OrderedDict()  # (project, job) -> its batches
+        self.active = 0
+        self._wake = asyncio.Event()
+        self._rows: list[dict[str, Any]] = []
+        self._finished: list[tuple[str, str, float]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._reclaimer: asyncio.Task[None] | None = None
+        self.owner = secrets.token_hex(8)
+
+    @property
+    def slots(self) -> int:
+        return self.per_edge_starting * max(1, len(self.api.edges))
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.create_task(self._dispatch(), context=contextvars.Context())
+        self._flusher = asyncio.create_task(self._flush_forever(), context=contextvars.Context())
+        self._reclaimer = asyncio.create_task(self._reclaim_forever(), context=contextvars.Context())
+
+    async def close(self) -> None:
+        for t in (self._loop, self._flusher, self._reclaimer, *self._tasks):
+            if t is not None:
+                t.cancel()
+        await self._flush()  # what is known so far; the rest is found by label when it is taken over
+        try:  # released: the next apiserver takes them over at once
+            await asyncio.to_thread(self.store.heartbeat, self.owner, self._running(), None)
+        except Exception as e:
+            log.warning("batches not released (taken over in %.0f s): %s", STALE_S, e)
+
+    def _running(self) -> list[str]:
+        return [b.id for b in self.batches.values() if b.finished_at is None]
+
+    async def _reclaim_forever(self) -> None:
+        while True:
+            try:
+                await self._reclaim()
+            except Exception as e:  # the database may be back next time
+                log.warning("orphaned batches not looked for: %s", e)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _reclaim(self) -> None:
+        now = time.time()
+        rows = [r for r in await asyncio.to_thread(self.store.orphans, now - STALE_S) if r.id not in self.batches]
+        claimed = [r for r in rows if await asyncio.to_thread(self.store.claim, r, self.owner, now)]
+        if not claimed:
+            return
+        listed = await self.api.list(None, {})
+        for row in claimed:
+            b = _Batch(id=row.id, project=row.project, job=row.job, n=row.n, args=_ARGS.validate_json(row.args),
+                       created_at=row.created_at, states=["queued"] * row.n)
+            b.counts["queued"] = row.n
+            done = {r.idx: r for r in await asyncio.to_thread(self.store.items, row.id)}
+            for r in done.values():
+                b.set(r.idx, r.state)
+                if r.sandbox_id:
+                    b.sandbox[r.idx] = r.sandbox_id
+                if r.error:
+                    b.errors[r.idx] = (r.error, r.reason or "")
+            for s in listed:  # made before the crash, its outcome not written: it is that item's
+                bid, _, idx = s.labels.get(BATCH_LABEL, "").partition("/")
+                if (bid == row.id and idx.isdigit() and int(idx) < row.n and int(idx) not in done
+                        and s.state in LIVE and b.states[int(idx)] == "queued"):
+                    self._outcome(b, int(idx), "running", s.sandbox_id)
+            b.queue.extend(i for i in range(row.n) if b.states[i] == "queued")
+            log.warning("batch %s taken over: %d of %d items still to make", b.id, len(b.queue), b.n)
+            self._add(b)
+            self._maybe_finish(b)
+
+    # -- the API's calls --------------------------------------------------------------------
+
+    async def submit(self, req: BatchRequest, project: str) -> BatchInfo:
+        job = req.job or req.args.job
+        args = req.args.model_copy(update={"job": job})
+        b = _Batch(id="b-" + secrets.token_hex(8), project=project, job=job, n=req.n, args=args,
+                   created_at=time.time(), states=["queued"] * req.n, queue=deque(range(req.n)))
+        b.counts["queued"] = req.n
+        await asyncio.to_thread(self.store.create, BatchRow(
+            id=b.id, project=project, job=job, n=req.n, args=_ARGS.dump_json(args).decode(), state="running",
+            created_at=b.created_at, finished_at=None, owner=self.owner, heartbeat_at=b.created_at))
+        self._add(b)
+        return b.info(0, 0)
+
+    async def get(self, batch_id: str, offset: int = 0, limit: int = 1000) -> BatchInfo:
+        b = self.batches.get(batch_id)
+        if b is not None:
+            return b.info(offset, limit)
+        row = await asyncio.to_thread(self.store.get, batch_id)
+        if row is None:
+            raise NotFound(f"no batch {batch_id!r}", field="batch_id")
+        counts = await asyncio.to_thread(self.store.counts, batch_id)
+        known = {r.idx: r for r in await asyncio.to_thread(self.store.items, batch_id, offset, limit)}
+        pending = "queued" if row.state == "running" else "cancelled"
+        counts[pending] = counts.get(pending, 0) + row.n - sum(counts.values())
+        items = [BatchItem(index=i, state=known[i].state if i in known else pending,  # type: ignore[arg-type]
+                           sandbox_id=known[i].sandbox_id if i in known else None,
+                           error=known[i].error if i in known else None, reason=known[i].reason if i in known else None)
+                 for i in range(offset, min(row.n, offset + limit))]
+        return BatchInfo(id=row.id, project=row.project, job=row.job, n=row.n, state=row.state,  # type: ignore[arg-type]
+                         counts=BatchCounts(**{k: v for k, v in counts.items() if v}), created_at=row.created_at,
+                         finished_at=row.finished_at, items=items,
+                         next_offset=offset + limit if 0 < limit and offset + limit < row.n else None)
+
+    async def cancel(self, batch_id: str, stop: bool) -> BatchInfo:
+        """Queued items are cancelled; made ones stay, or with ``stop`` are stopped (and so are
+        the ones starting now, once made)."""
+        b = self.batches.get(batch_id)
+        if b is None:
+            await self.get(batch_id)  # 404 if unknown
+            raise NotFound(f"batch {batch_id!r} is not run by this apiserver replica (or has ended)",
+                           field="batch_id")
+        while b.queue:
+            self._outcome(b, b.queue.popleft(), "cancelled", None, ("cancelled", "the batch was cancelled"))
+        if b.state == "running":
+            b.state = "cancelled"
+        if stop:
+            b.stop_made = True
+            await asyncio.gather(*(self._stop(sid) for sid in list(b.sandbox.values())), return_exceptions=True)
+        self._maybe_finish(b)
+        return b.info(0, 0)
+
+    def admission(self) -> BatchAdmission:
+        return BatchAdmission(per_edge_starting=self.per_edge_starting, starting=dict(self.api.starting),
+                              peak_starting=dict(self.api.peak_starting),
+                              queued=sum(len(b.queue) for b in self.batches.values()))
+
+    def owns(self, batch_id: str) -> _Batch | None:
+        return self.batches.get(batch_id)
+
+    # -- the queue --------------------------------------------------------------------------
+
+    def _add(self, b: _Batch) -> None:
+        self.batches[b.id] = b
+        if b.queue:
+            self.lanes.setdefault((b.project, b.job or ""), deque()).append(b.id)
+        self._wake.set()
+        done = [x for x in self.batches.values() if x.finished_at is not None]
+        for old in done[:max(0, len(done) - KEEP_FINISHED)]:
+            del self.batches[old.id]
+
+    def _next(self) -> tuple[_Batch, int] | None:
+        """Round-robin: the next job's lane, the next batch of that job."""
+        while self.lanes:
+            key, lane = next(iter(self.lanes.items()))
+            self.lanes.move_to_end(key)
+            while lane:
+                b = self.batches.get(lane[0])
+                if b is None or not b.queue:
+                    lane.popleft()
+                    continue
+                lane.rotate(-1)
+                return b, b.queue.popleft()
+            del self.lanes[key]
+        return None
+
+    async def _dispatch(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.active < self.slots:
+                nxt = self._next()
+                if nxt is None:
+                    break
+                b, i = nxt
+                b.set(i, "starting")
+                self.active += 1
+                t = asyncio.create_task(self._make(b, i))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _make(self, b: _Batch, i: int) -> None:
+        args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
+        try:
+            info = await self.api.create(CreateRequest(args=args), bounded=True)
+        except DsecError as e:
+            self._outcome(b, i, "failed", None, (e.code, e.message))
+        except Exception as e:  # noqa: BLE001 - an item's failure is reported, never the batch's
+            log.exception("batch %s item %d failed", b.id, i)
+            self._outcome(b, i, "failed", None, ("internal", str(e) or type(e).__name__))
+        else:
+            self._outcome(b, i, "running", info.sandbox_id)
+            if b.stop_made:
+                await self._stop(info.sandbox_id)
+        finally:
+            self.active -= 1
+            self._wake.set()
+            self._maybe_finish(b)
+
+    async def _stop(self, sandbox_id: str) -> None:
+        try:
+            await self.api.edge_for(sandbox_id).stop(sandbox_id)
+            await self.api.stopped(sandbox_id)
+        except DsecError as e:
+            log.warning("batch sandbox %s not stopped: %s", sandbox_id, e)
+
+    def _outcome(self, b: _Batch, i: int, state: str, sandbox_id: str | None,
+                 error: tuple[str, str] | None = None) -> None:
+        b.set(i, state)
+        if sandbox_id:
+            b.sandbox[i] = sandbox_id
+        if error:
+            b.errors[i] = error
+        self._rows.append({"batch_id": b.id, "idx": i, "state": state, "sandbox_id": sandbox_id,
+                           "error": error[0] if error else None, "reason": error[1] if error else None})
+
+    def _maybe_finish(self, b: _Batch) -> None:
+        if not b.lost and b.finished_at is None and not b.queue and not b.counts["starting"] and not b.counts["queued"]:
+            b.finished_at = time.time()
+            if b.state == "running":
+                b.state = "done"
+            self._finished.append((b.id, b.state, b.finished_at))
+
+    async def _flush(self) -> None:
+        rows, self._rows = self._rows, []
+        finished, self._finished = self._finished, []
+        if rows or finished:
+            try:
+                await asyncio.to_thread(self.store.record, rows, finished)
+            except Exception as e:  # kept for the next flush
+                log.warning("batch outcomes not written (will retry): %s", e)
+                self._rows[:0], self._finished[:0] = rows, finished
+
+    async def _flush_forever(self) -> None:
+        beat = 0.0
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            await self._flush()
+            if time.monotonic() - beat >= HEARTBEAT_S:
+                beat = time.monotonic()
+                await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        ids = self._running()
+        try:
+            mine = await asyncio.to_thread(self.store.heartbeat, self.owner, ids, time.time())
+        except Exception as e:  # late: after STALE_S another apiserver may take them over
+            log.warning("batch heartbeat not written: %s", e)
+            return
+        for lost in set(ids) - mine:  # another apiserver took it over: it makes the rest
+            b = self.batches.pop(lost)
+            b.lost = True
+            log.warning("batch %s was taken over by another apiserver: %d queued items left to it", lost, len(b.queue))
+            b.queue.clear()

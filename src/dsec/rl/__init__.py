@@ -1,0 +1,21 @@
+"""dsec for RL: grading rollouts without reward hacking, and a gymnasium environment
+(docs/rl.md). ``SandboxEnv``/``AsyncSandboxEnv`` need the ``gymnasium`` package and are
+imported on first use, so ``dsec.rl`` itself does not."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dsec.rl.grader import Grader, GradeResult, Task
+
+if TYPE_CHECKING:
+    from dsec.rl.env import AsyncSandboxEnv, SandboxEnv
+
+__all__ = ["AsyncSandboxEnv", "GradeResult", "Grader", "SandboxEnv", "Task"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SandboxEnv", "AsyncSandboxEnv"):
+        from dsec.rl import env
+        return getattr(env, name)
+    raise AttributeError(f"module 'dsec.rl' has no attribute {name!r}")
