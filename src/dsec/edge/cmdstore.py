@@ -20,12 +20,11 @@ import asyncio
 import hashlib
 import json
 import os
-import sqlite3
 import time
 from dataclasses import dataclass
 
 from dsec.agent.interfaces import OnData
-from dsec.edge.state import TOMBSTONE_TTL_S
+from dsec.edge.state import TOMBSTONE_TTL_S, open_local_db
 from dsec.wire.models import CommandRecord, ExecRequest, ExecResult
 
 # the record bound is an environment setting only so that tests can reach it quickly
@@ -99,9 +98,7 @@ class CommandLog:
     row) and the commands in flight by key."""
 
     def __init__(self, path: str) -> None:
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db = open_local_db(path)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS commands (sandbox TEXT NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL,"
             " fingerprint TEXT NOT NULL, state TEXT NOT NULL, request TEXT, result TEXT, bytes INTEGER NOT NULL,"

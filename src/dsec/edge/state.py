@@ -23,11 +23,18 @@ class Record:
     digests: list[str]
 
 
+def open_local_db(path: str) -> sqlite3.Connection:
+    """An edge's own SQLite file (autocommit, WAL): its writes are single small rows that
+    must survive the edge's crash, not the node's power loss."""
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    return db
+
+
 class EdgeState:
     def __init__(self, path: str) -> None:
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db = open_local_db(path)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, state TEXT NOT NULL,"
             " info TEXT NOT NULL, args TEXT NOT NULL, init_pid INTEGER NOT NULL, digests TEXT NOT NULL,"

@@ -74,12 +74,10 @@ class _Log:
         self.catalog, self.build_id = catalog, build_id
         self.pending: list[LogRow] = []
         self.step: str | None = None
-        self.tail: list[str] = []
 
     def __call__(self, message: str, level: str = "info") -> None:
         message = message[:MAX_LINE]
         self.pending.append(LogRow(time.time(), level, self.step, message))
-        self.tail = [*self.tail[-19:], message]
 
     async def flush(self) -> None:
         batch, self.pending = self.pending, []

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, delete, func, insert, select, update
+from sqlalchemy import Engine, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.errors import DsecError, NotFound
@@ -330,12 +330,3 @@ class TemplateCatalog:
         with self.db.begin() as c:
             c.execute(delete(template_cache).where(template_cache.c.key == key))
             c.execute(insert(template_cache).values(key=key, result=result.model_dump_json(), created_at=time.time()))
-
-    def cache_drop(self, keys: list[str]) -> None:
-        with self.db.begin() as c:
-            c.execute(delete(template_cache).where(template_cache.c.key.in_(keys)))
-
-    def counts(self) -> dict[str, int]:
-        with self.db.connect() as c:
-            return {r.status: r.n for r in c.execute(select(template_builds.c.status, func.count().label("n"))
-                                                      .group_by(template_builds.c.status))}
