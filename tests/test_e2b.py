@@ -492,3 +492,74 @@ def test_malformed_envd_requests_are_400(e2b_env: None, platform: Platform) -> N
         assert r.status_code == 400 and "metadata" in r.json()["message"], r.text
     finally:
         sbx.kill()
+
+
+def test_command_log_keys(e2b_env: None, platform: Platform) -> None:
+    """``DSEC_COMMAND_KEY`` in a command's envs is a command log key (docs/rl.md): the
+    same key again answers from the record and runs nothing; another command under it is
+    refused naming the key; the process never sees the variable."""
+    import httpx
+    from e2b import InvalidArgumentException, TimeoutException
+
+    sbx = Sandbox.create("base/debian:12", timeout=120)  # root: keyed commands run as root only
+    try:
+        key = f"e2b/{os.urandom(4).hex()}"
+        cmd = 'echo ran >> /root/runs; echo "key=[$DSEC_COMMAND_KEY] x=$X"; echo err >&2'
+        seen: list[str] = []
+        first = sbx.commands.run(cmd, envs={"DSEC_COMMAND_KEY": key, "X": "x"})
+        again = sbx.commands.run(cmd, envs={"DSEC_COMMAND_KEY": key, "X": "x"}, on_stdout=seen.append)
+        assert (first.stdout, first.stderr, first.exit_code) == ("key=[] x=x\n", "err\n", 0)
+        assert (again.stdout, again.stderr, again.exit_code) == (first.stdout, first.stderr, 0)
+        assert "".join(seen) == first.stdout  # a replay streams its recorded output too
+        assert sbx.commands.run("wc -l < /root/runs").stdout == "1\n"
+
+        failing = f"{key}-exit"
+        for _ in range(2):
+            with pytest.raises(CommandExitException) as e:
+                sbx.commands.run("echo ran >> /root/exits; echo no; exit 3", envs={"DSEC_COMMAND_KEY": failing})
+            assert (e.value.exit_code, e.value.stdout) == (3, "no\n")
+        assert sbx.commands.run("wc -l < /root/exits").stdout == "1\n"
+
+        with pytest.raises(SandboxException, match=f"ALREADY_EXISTS: DSEC_COMMAND_KEY: key '{key}'") as conflict:
+            sbx.commands.run("echo other", envs={"DSEC_COMMAND_KEY": key, "X": "x"})
+        assert "different command" in str(conflict.value)
+        with pytest.raises(SandboxException, match=key):  # the envs are part of the command
+            sbx.commands.run(cmd, envs={"DSEC_COMMAND_KEY": key, "X": "y"})
+        with pytest.raises(InvalidArgumentException, match="DSEC_COMMAND_KEY"):
+            sbx.commands.run("true", envs={"DSEC_COMMAND_KEY": "no spaces allowed"})
+        with pytest.raises(InvalidArgumentException, match="PTY"):
+            sbx.pty.create(PtySize(rows=24, cols=80), envs={"DSEC_COMMAND_KEY": f"{key}-pty"})
+        with pytest.raises(InvalidArgumentException, match="stdin"):
+            sbx.commands.run("cat", stdin=True, envs={"DSEC_COMMAND_KEY": f"{key}-stdin"})
+        assert sbx.commands.run("wc -l < /root/runs").stdout == "1\n"
+
+        # the records are the edge's command log, the same one dsec's own exec keys use
+        log = httpx.get(f"{platform.url}/v1/sandboxes/{sbx.sandbox_id}/commands",
+                        headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert {r["key"]: r["result"]["exit_code"] for r in log} == {key: 0, failing: 3}
+
+        # a run cut by its stream's deadline is recorded timed out, and a retry gets that
+        slow = f"{key}-slow"
+        for _ in range(2):
+            with pytest.raises(TimeoutException):
+                sbx.commands.run("sleep 5", timeout=1, envs={"DSEC_COMMAND_KEY": slow})
+    finally:
+        sbx.kill()
+
+
+async def test_command_log_keys_concurrent_and_users(e2b_env: None) -> None:
+    """Concurrent runs under one key run the command once and all get its result; a key
+    on a command that would run as a non-root user is refused (the edge's exec runs as
+    root), and the same command as root takes it."""
+    sbx = await AsyncSandbox.create("base", timeout=120)
+    try:
+        key = f"e2b-par-{os.urandom(4).hex()}"
+        cmd = "sleep 1; echo ran >> /root/par; id -un"
+        results = await asyncio.gather(*[sbx.commands.run(cmd, user="root", envs={"DSEC_COMMAND_KEY": key})
+                                         for _ in range(5)])
+        assert {(r.stdout, r.exit_code) for r in results} == {("root\n", 0)}
+        assert (await sbx.commands.run("wc -l < /root/par", user="root")).stdout == "1\n"
+        with pytest.raises(SandboxException, match="root only"):
+            await sbx.commands.run("id -un", envs={"DSEC_COMMAND_KEY": f"{key}-user"})
+    finally:
+        await sbx.kill()

@@ -21,7 +21,18 @@ from dsec.errors import (
     SandboxNotRunning,
     Unauthorized,
 )
-from dsec.sdk import AsyncBatch, AsyncClient, AsyncJob, AsyncSandbox, Batch, Client, Job, Sandbox
+from dsec.sdk import (
+    AsyncBatch,
+    AsyncClient,
+    AsyncJob,
+    AsyncRollouts,
+    AsyncSandbox,
+    Batch,
+    Client,
+    Job,
+    Rollouts,
+    Sandbox,
+)
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem, BatchRequest
 from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
 from dsec.wire.layers import Layer
@@ -42,6 +53,7 @@ from dsec.wire.models import (
     VMArgs,
     VMInfo,
 )
+from dsec.wire.rollouts import Inference, RolloutCounts, RolloutInfo, RolloutSpec, Step
 
 __all__ = [
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DeadlineExceeded", "DsecError",
@@ -52,4 +64,5 @@ __all__ = [
     "CommandForgotten", "CommandRecord", "KeyConflict",
     "AsyncJob", "Job", "JobAction", "JobExists", "JobInfo", "JobNotActive", "JobQuota", "JobStatus", "QuotaExceeded",
     "AsyncBatch", "Batch", "BatchCounts", "BatchInfo", "BatchItem", "BatchRequest",
+    "AsyncRollouts", "Inference", "RolloutCounts", "RolloutInfo", "RolloutSpec", "Rollouts", "Step",
 ]

@@ -385,6 +385,10 @@ app.add_typer(cluster_app, name="cluster")
 from dsec.cli.jobs import job_app  # noqa: E402
 
 app.add_typer(job_app, name="job")
+from dsec.cli.rollouts import rollout_app, worker  # noqa: E402
+
+app.add_typer(rollout_app, name="rollout")
+app.command("rollout-worker")(worker)
 
 
 if __name__ == "__main__":

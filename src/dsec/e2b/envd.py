@@ -8,6 +8,7 @@ process table (dsec-init underneath), files through the edge's file operations.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import datetime
@@ -38,9 +39,9 @@ from dsec.e2b.connect import (
     unary_error,
 )
 from dsec.edge.api import EdgeAPI
-from dsec.errors import DsecError, InvalidRequest, NotFound, SandboxNotRunning
+from dsec.errors import CommandForgotten, DsecError, InvalidRequest, KeyConflict, NotFound, SandboxNotRunning
 from dsec.wire.edge import FsEvent, ProcOutput, ProcRef, ProcSpec
-from dsec.wire.models import FileStat
+from dsec.wire.models import ExecEvent, ExecRequest, ExecResult, FileStat
 
 ENVD_VERSION = "0.6.4"
 METADATA_HEADER, METADATA_XATTR = "x-metadata-", "user.e2b."
@@ -53,9 +54,17 @@ SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM, 9
 FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
 ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_PATHS = frozenset({"/files", "/health"})
+# E2B's SDKs have no field for it, but every one passes a command's envs through: the
+# command log's key rides there (docs/rl.md) and is taken out before the process sees it
+KEY_ENV = "DSEC_COMMAND_KEY"
+MAX_EXEC_S = 24 * 3600.0  # ExecRequest's own bound: a stream with no deadline runs up to it
 
 
 def _code_of(e: DsecError) -> str:
+    if isinstance(e, KeyConflict):  # the key's record exists, for another command
+        return "already_exists"
+    if isinstance(e, CommandForgotten):
+        return "failed_precondition"
     if isinstance(e, NotFound):
         return "not_found"
     if isinstance(e, InvalidRequest):
@@ -204,15 +213,51 @@ class Envd:
         if not cfg.get("cmd"):
             raise ConnectError("invalid_argument", "process.cmd is required")
         size = ((msg.get("pty") or {}).get("size")) if "pty" in msg else None
+        envs = dict(cfg.get("envs") or {})
+        key = envs.pop(KEY_ENV, None)
         try:
-            spec = ProcSpec(cmd=cfg["cmd"], args=list(cfg.get("args") or []),
-                            envs={**ctx.user.env(), **dict(cfg.get("envs") or {})},
+            spec = ProcSpec(cmd=cfg["cmd"], args=list(cfg.get("args") or []), envs={**ctx.user.env(), **envs},
                             cwd=ctx.path(cfg["cwd"]) if cfg.get("cwd") else ctx.user.home,
                             pty=(int(size.get("cols", 80)), int(size.get("rows", 24))) if size is not None else None,
                             stdin=bool(msg.get("stdin", False)), tag=msg.get("tag"), owner=ctx.user.owner)
         except (ValidationError, TypeError, ValueError, AttributeError) as e:
             raise ConnectError("invalid_argument", f"bad process config: {e}") from None
+        if key is not None:
+            return self._keyed(ctx, _keyed_request(ctx, spec, key, timeout_of(request)))
         return await self._events(ctx.edge.proc_start(ctx.sid, spec))
+
+    def _keyed(self, ctx: Ctx, req: ExecRequest) -> AsyncIterator[dict[str, Any]]:
+        """A keyed command as envd's events, run (or replayed, or waited for) by the edge's
+        keyed exec. The start event goes first, at once: the SDK's background handle
+        returns on it, and a replay or a refusal comes right after it anyway."""
+        stream = ctx.edge.exec_stream(ctx.sid, req)
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            nxt: asyncio.Future[ExecEvent | None] | None = None
+            try:
+                # no pid: the command is not in the process table (the edge's exec runs it)
+                yield {"event": {"start": {"pid": 0}}}
+                while True:
+                    nxt = asyncio.ensure_future(_call(_named_key(anext(stream, None))))
+                    # the exec stream has no keepalives of its own, and a quiet command
+                    # must not look like a dead connection to the SDK or a proxy
+                    while not (await asyncio.wait({nxt}, timeout=KEEPALIVE_S))[0]:
+                        yield {"event": {"keepalive": {}}}
+                    ev, nxt = nxt.result(), None
+                    if ev is None:
+                        raise ConnectError("unavailable", "the connection to the sandbox ended before the stream "
+                                           "completed")
+                    if ev.type in ("stdout", "stderr") and ev.data:
+                        yield {"event": {"data": {ev.type: _b64(ev.data.encode())}}}
+                    elif ev.type == "result" and ev.result is not None:
+                        yield _keyed_end(req, ev.result)
+                        return
+            finally:
+                if nxt is not None:  # the client went away mid-wait: the edge's run goes on, keyed
+                    nxt.cancel()
+                    await asyncio.wait({nxt})
+                await stream.aclose()  # type: ignore[attr-defined]
+        return events()
 
     async def _events(self, stream: AsyncIterator[ProcOutput]) -> AsyncIterator[dict[str, Any]]:
         """The process's stream as envd's events; its first item is awaited here, so a
@@ -468,6 +513,52 @@ class Envd:
                 entry["metadata"] = metadata
             out.append(entry)
         return JSONResponse(out)
+
+
+def _keyed_request(ctx: Ctx, spec: ProcSpec, key: str, timeout: float | None) -> ExecRequest:
+    """The exec a keyed Start is, or why it cannot be one. The command log records a
+    command whose whole input is in its request and whose only handle is its stream (what
+    a retry gets back): a PTY (interactive, no stdout/stderr to record), stdin kept open
+    (input sent later is not part of the record) or a tag (a process to reach later) do
+    not fit, and are refused rather than run unrecorded."""
+    for unfit, why in ((spec.pty is not None, "a PTY"), (spec.stdin, "stdin kept open (stdin=True)"),
+                       (spec.tag is not None, "a tag")):
+        if unfit:
+            raise ConnectError("invalid_argument", f"{KEY_ENV}: a command with {why} cannot be keyed: the command "
+                               "log records a command run to its end on its request alone; start it without the key")
+    if ctx.user.uid != 0:
+        # the edge's exec, which holds the command log, runs as root: a keyed command run
+        # there as another user would silently change whose files it makes
+        raise ConnectError("unimplemented", f"{KEY_ENV}: keyed commands run as root only (this one would run as "
+                           f"{ctx.user.name!r}); run it with user='root', or without the key")
+    try:
+        return ExecRequest(argv=[spec.cmd, *spec.args], env=spec.envs, cwd=spec.cwd, key=key,
+                           timeout_s=min(timeout or MAX_EXEC_S, MAX_EXEC_S))
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors())
+        raise ConnectError("invalid_argument", f"{KEY_ENV}: {bad}") from None
+
+
+async def _named_key(aw: Awaitable[Any]) -> Any:
+    """The edge's refusals of a key, naming where the E2B caller put it."""
+    try:
+        return await aw
+    except DsecError as e:
+        if e.field != "key":
+            raise
+        raise ConnectError(_code_of(e), f"{KEY_ENV}: {e.message}") from None
+
+
+def _keyed_end(req: ExecRequest, res: ExecResult) -> dict[str, Any]:
+    """A keyed command's result as envd's end event, or the error its first run ended with."""
+    if res.failure == "infra":  # recorded interrupted: its outcome is unknown, it is never run again
+        raise ConnectError("aborted", f"{KEY_ENV} {req.key!r}: {res.stderr.strip()}")
+    if res.timed_out:
+        # as the first run's stream ended (its deadline is the command's timeout); a retry
+        # gets the same, since the record is not run again with a longer one
+        raise ConnectError("deadline_exceeded", f"the command under {KEY_ENV} {req.key!r} ran out of its timeout"
+                           + ("; that is its record: use a new key to run it again" if res.replayed else ""))
+    return {"event": {"end": {"exitCode": res.exit_code, "exited": True, "status": f"exit status {res.exit_code}"}}}
 
 
 def file_signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:

@@ -62,7 +62,8 @@ def permission_for(method: str, path: str) -> str:
         return "layers:write"
     if writes and path.startswith(("/v3/templates", "/v2/templates", "/templates")):
         return "layers:write"  # E2B's template builds publish layers
-    if path.startswith(("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/v1/jobs", "/v1/batches", "/sandboxes",
+    if path.startswith(("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/v1/jobs", "/v1/batches", "/v1/rollouts",
+                        "/sandboxes",
                         "/v2/sandboxes")):
         return "sandbox"
     if not writes:

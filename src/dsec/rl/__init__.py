@@ -1,4 +1,4 @@
-"""dsec for RL: grading rollouts without reward hacking, and a gymnasium environment
+"""dsec for RL: grading rollouts without reward hacking, preemption for trainers, and a gymnasium environment
 (docs/rl.md). ``SandboxEnv``/``AsyncSandboxEnv`` need the ``gymnasium`` package and are
 imported on first use, so ``dsec.rl`` itself does not."""
 
@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dsec.rl.grader import Grader, GradeResult, Task
+from dsec.rl.preemption import Preempted, Preemptible, preemptible
 
 if TYPE_CHECKING:
     from dsec.rl.env import AsyncSandboxEnv, SandboxEnv
 
-__all__ = ["AsyncSandboxEnv", "GradeResult", "Grader", "SandboxEnv", "Task"]
+__all__ = ["AsyncSandboxEnv", "GradeResult", "Grader", "Preempted", "Preemptible", "SandboxEnv", "Task",
+           "preemptible"]
 
 
 def __getattr__(name: str) -> Any:

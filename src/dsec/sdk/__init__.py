@@ -3,6 +3,8 @@
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.sdk.jobs import AsyncJob
-from dsec.sdk.sync import Batch, Client, Job, Sandbox
+from dsec.sdk.rollouts import AsyncRollouts
+from dsec.sdk.sync import Batch, Client, Job, Rollouts, Sandbox
 
-__all__ = ["AsyncBatch", "AsyncClient", "AsyncJob", "AsyncSandbox", "Batch", "Client", "Job", "Sandbox"]
+__all__ = ["AsyncBatch", "AsyncClient", "AsyncJob", "AsyncRollouts", "AsyncSandbox", "Batch", "Client", "Job",
+           "Rollouts", "Sandbox"]

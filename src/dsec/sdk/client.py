@@ -23,6 +23,7 @@ import aiohttp
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.jobs import AsyncJob
+from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchInfo
 from dsec.wire.iam import TokenInfo
 from dsec.wire.jobs import JobInfo, JobQuota, JobSpec
@@ -574,6 +575,12 @@ class AsyncClient:
         body = {"args": CreateRequest(args=args).model_dump(mode="json")["args"], "n": n,
                 **({"job": job} if job is not None else {})}
         return AsyncBatch(self, BatchInfo.model_validate(await self._json("POST", "/v1/batches", json=body)))
+
+    @property
+    def rollouts(self) -> AsyncRollouts:
+        """The rollout service (docs/rl.md, "Rollouts that outlive the trainer"): submit agent
+        loops for the platform's workers, stream the finished ones, acknowledge them."""
+        return AsyncRollouts(self)
 
     async def batch(self, batch_id: str) -> AsyncBatch:
         """A handle to an existing batch, from any process."""

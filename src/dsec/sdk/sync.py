@@ -15,9 +15,11 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.sdk.jobs import AsyncJob
+from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem
 from dsec.wire.jobs import JobInfo
 from dsec.wire.models import SandboxInfo
+from dsec.wire.rollouts import RolloutInfo
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -230,6 +232,23 @@ class Batch(_Face):
     cancel = _blocking(AsyncBatch.cancel)
 
 
+class Rollouts(_Face):
+    """Blocking face of the rollout service; the same methods as :class:`dsec.sdk.rollouts.AsyncRollouts`."""
+
+    def __init__(self, portal: _Portal, inner: AsyncRollouts) -> None:
+        self._portal = portal
+        self._inner = inner
+
+    submit = _blocking(AsyncRollouts.submit)
+    get = _blocking(AsyncRollouts.get)
+    list = _blocking(AsyncRollouts.list)
+    counts = _blocking(AsyncRollouts.counts)
+    wait = _blocking(AsyncRollouts.wait)
+    finished: _Blocking[..., Iterator[RolloutInfo]] = _iterating(AsyncRollouts.finished)
+    ack = _blocking(AsyncRollouts.ack)
+    cancel = _blocking(AsyncRollouts.cancel)
+
+
 class Client(_Face):
     """Blocking client; the same methods as :class:`AsyncClient`."""
 
@@ -255,6 +274,11 @@ class Client(_Face):
     @property
     def token(self) -> str | None:
         return self._inner.token
+
+    @property
+    def rollouts(self) -> Rollouts:
+        """The rollout service: submit, stream finished rollouts, ack (docs/rl.md)."""
+        return Rollouts(self._portal, self._inner.rollouts)
 
     def __enter__(self) -> Client:
         return self

@@ -1,5 +1,18 @@
 """The apiserver's routes, a module per resource; each offers ``routes(api) -> APIRouter``."""
 
-from dsec.apiserver.routes import batches, display, exec, files, fncall, jobs, layers, node, ports, sandboxes, tokens
+from dsec.apiserver.routes import (
+    batches,
+    display,
+    exec,
+    files,
+    fncall,
+    jobs,
+    layers,
+    node,
+    ports,
+    rollouts,
+    sandboxes,
+    tokens,
+)
 
-MODULES = (tokens, node, sandboxes, jobs, batches, exec, display, layers, fncall, files, ports)
+MODULES = (tokens, node, sandboxes, jobs, batches, rollouts, exec, display, layers, fncall, files, ports)

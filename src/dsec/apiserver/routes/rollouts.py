@@ -1,0 +1,188 @@
+"""Rollouts (docs/rl.md, "Rollouts that outlive the trainer"): the trainer's side (submit by
+key, list, counts, wait for finished ones, get a trajectory, ack, cancel) and the rollout
+workers' side (claim with a lease, heartbeat, journal a step, record the sandbox, finish).
+Everything is in the metadata database (dsec.rollouts.store), so any replica answers and a
+rollout outlives its trainer, its worker and this process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import APIRouter, Query, Request
+
+from dsec.apiserver.core import Apiserver, parse_labels
+from dsec.errors import DsecError, Forbidden, NotFound, PayloadTooLarge
+from dsec.iam import current_principal
+from dsec.rollouts.store import RolloutStore
+from dsec.wire.rollouts import (
+    FINISHED,
+    MAX_STEP_BYTES,
+    MAX_STEPS,
+    AckRequest,
+    Claimed,
+    ClaimRequest,
+    FinishRequest,
+    HeartbeatRequest,
+    HeartbeatResult,
+    RolloutCounts,
+    RolloutInfo,
+    RolloutState,
+    SandboxRecord,
+    Step,
+    StepRequest,
+    SubmitRequest,
+    SubmitResult,
+)
+
+POLL_S = 0.25
+MAX_WAIT_S = 60.0
+log = logging.getLogger("dsec.rollouts")
+
+
+def _project(project: str | None) -> str:
+    p = current_principal.get()
+    if p.all_projects:
+        return project or "default"
+    if project is not None and project != p.project:
+        raise Forbidden(f"a token of project {p.project!r} may not act in project {project!r}", field="project")
+    return p.project
+
+
+def _scope(project: str | None) -> str | None:
+    """The project a read or a worker is confined to (an admin token: the one named, or all)."""
+    p = current_principal.get()
+    return project if p.all_projects else _project(project)
+
+
+def routes(api: Apiserver) -> APIRouter:
+    router = APIRouter()
+    store = RolloutStore(api.tokens.db)
+
+    async def _get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
+        info = await asyncio.to_thread(store.get, rollout_id, steps=steps, spec=spec)
+        p = current_principal.get()
+        if info is None or (not p.all_projects and info.project != p.project):
+            raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
+        return info
+
+    async def _stop_sandboxes(rollout_ids: list[str]) -> None:
+        """The sandboxes a worker made for rollouts that ended without it (cancelled, or failed
+        after their worker was lost): nobody else stops them."""
+        from dsec.wire.rollouts import ROLLOUT_LABEL
+        for rid in rollout_ids:
+            try:
+                for sb in await api.list(None, {ROLLOUT_LABEL: rid}):
+                    if sb.state.value in ("creating", "running", "paused"):
+                        await api.edge_for(sb.sandbox_id).stop(sb.sandbox_id)
+                        await api.stopped(sb.sandbox_id)
+            except DsecError as e:  # the edge is down: its sandboxes expire there
+                log.warning("sandbox of rollout %s not stopped: %s", rid, e)
+
+    @router.post("/v1/rollouts", status_code=201)
+    async def submit(req: SubmitRequest, project: str | None = None) -> SubmitResult:
+        """Queued for the rollout workers. A spec whose ``key`` the project used before answers
+        that rollout (``created`` counts the new ones): a restarted trainer resubmits safely."""
+        items, created = await asyncio.to_thread(store.submit, _project(project), req.rollouts)
+        return SubmitResult(rollouts=items, created=created)
+
+    @router.get("/v1/rollouts")
+    async def list_rollouts(job: str | None = None, state: list[RolloutState] = Query(default=[]),
+                            consumed: bool | None = None, label: list[str] = Query(default=[]),
+                            after: str | None = None, limit: int = Query(default=1000, ge=1, le=10_000),
+                            project: str | None = None) -> list[RolloutInfo]:
+        """In creation order, ``limit`` at a time; ``after`` (the last id seen) pages on."""
+        return await asyncio.to_thread(store.list, _scope(project), job=job, states=state, consumed=consumed,
+                                       labels=parse_labels(label), after=after, limit=limit)
+
+    @router.get("/v1/rollouts/counts")
+    async def counts(job: str | None = None, project: str | None = None) -> RolloutCounts:
+        return await asyncio.to_thread(store.counts, _scope(project), job)
+
+    @router.get("/v1/rollouts/wait")
+    async def wait(job: str | None = None, limit: int = Query(default=100, ge=1, le=10_000),
+                   timeout: float = Query(default=30.0, ge=0, le=MAX_WAIT_S), since: float = 0.0,
+                   project: str | None = None) -> list[RolloutInfo]:
+        """Finished rollouts not yet acknowledged that finished at ``since`` or later, in the
+        order they finished, as soon as there is one (at most ``timeout`` seconds; an empty list
+        then). Unacknowledged ones come again to a new reader: ack what you used."""
+        scope = _scope(project)
+        deadline = time.monotonic() + timeout
+        while True:
+            items = await asyncio.to_thread(store.list, scope, job=job, states=FINISHED, consumed=False, limit=limit,
+                                            finished_since=since)
+            if items or time.monotonic() >= deadline:
+                return items
+            await asyncio.sleep(POLL_S)
+
+    @router.post("/v1/rollouts/ack")
+    async def ack(req: AckRequest, project: str | None = None) -> dict[str, int]:
+        """Finished rollouts marked consumed: ``wait`` no longer answers them."""
+        return {"acked": await asyncio.to_thread(store.ack, _scope(project), req.ids)}
+
+    @router.post("/v1/rollouts/claim")
+    async def claim(req: ClaimRequest, request: Request, project: str | None = None) -> list[Claimed]:
+        """Up to ``n`` queued rollouts for this worker, leased for ``lease_s`` (renewed by its
+        heartbeats). Expired leases are collected first: their rollouts are queued again."""
+        scope = _scope(project)
+        deadline = time.monotonic() + req.wait_s
+        while True:
+            if await request.is_disconnected():  # a worker that died while it waited claims nothing
+                return []
+            now = time.time()
+            failed = await asyncio.to_thread(store.expire, now)
+            cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, now)
+            if failed or cancelled:
+                await _stop_sandboxes([f.id for f in failed] + cancelled)
+            got = await asyncio.to_thread(store.claim, scope, req.worker, req.n, req.lease_s, now)
+            if got or req.n == 0 or time.monotonic() >= deadline:
+                return got
+            await asyncio.sleep(POLL_S * 4)
+
+    @router.post("/v1/rollouts/heartbeat")
+    async def heartbeat(req: HeartbeatRequest) -> HeartbeatResult:
+        """Renews the leases this worker still holds; says which it lost and which must hold
+        (their job is paused)."""
+        return HeartbeatResult(rollouts=await asyncio.to_thread(
+            store.heartbeat, _scope(None), req.worker, req.ids, req.lease_s, time.time()))
+
+    @router.get("/v1/rollouts/{rollout_id}")
+    async def get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
+        """Its state and outcome; ``steps=true`` adds the trajectory (the journal), ``spec=true`` the spec."""
+        return await _get(rollout_id, steps, spec)
+
+    @router.post("/v1/rollouts/{rollout_id}/cancel")
+    async def cancel(rollout_id: str) -> RolloutInfo:
+        """A queued or running rollout is cancelled and its sandbox stopped; a finished one stays as it is."""
+        await _get(rollout_id)
+        info = await asyncio.to_thread(store.cancel, rollout_id, "cancelled")
+        assert info is not None
+        if info.state == "cancelled":
+            await _stop_sandboxes([rollout_id])
+        return info
+
+    @router.post("/v1/rollouts/{rollout_id}/steps")
+    async def add_step(rollout_id: str, req: StepRequest) -> Step:
+        """Journal one step (the worker's); the step already at that seq, if any, is answered."""
+        await _get(rollout_id)
+        if req.step.seq < 0 or req.step.seq >= MAX_STEPS:
+            raise PayloadTooLarge(f"a rollout has at most {MAX_STEPS} steps", field="step.seq")
+        if len(req.step.model_dump_json()) > MAX_STEP_BYTES:
+            raise PayloadTooLarge(f"a step is at most {MAX_STEP_BYTES} bytes of JSON", field="step")
+        return await asyncio.to_thread(store.add_step, rollout_id, req.worker, req.attempt, req.step)
+
+    @router.post("/v1/rollouts/{rollout_id}/sandbox")
+    async def set_sandbox(rollout_id: str, req: SandboxRecord) -> dict[str, str]:
+        """The sandbox the worker made for it (shown in its info)."""
+        await _get(rollout_id)
+        await asyncio.to_thread(store.set_sandbox, rollout_id, req.worker, req.attempt, req.sandbox_id)
+        return {"sandbox_id": req.sandbox_id}
+
+    @router.post("/v1/rollouts/{rollout_id}/finish")
+    async def finish(rollout_id: str, req: FinishRequest) -> RolloutInfo:
+        """The worker's outcome (409 ``rollout_lost`` if it no longer holds the rollout)."""
+        await _get(rollout_id)
+        return await asyncio.to_thread(store.finish, rollout_id, req)
+    return router
+
