@@ -35,7 +35,7 @@ from dsec.iam import PROJECT_LABEL
 from dsec.rollouts.context import LLM, Journal, RolloutContext
 from dsec.rollouts.store import RolloutLost
 from dsec.sdk.client import AsyncClient, AsyncSandbox
-from dsec.wire.models import SandboxState
+from dsec.wire.models import ContainerArgs, SandboxState
 from dsec.wire.rollouts import (
     ROLLOUT_LABEL,
     Claimed,
@@ -200,7 +200,7 @@ class Worker:
         done: FinishRequest | None = None
         try:
             started = time.monotonic()
-            if spec.args is not None:
+            if spec.wants_sandbox:
                 run.sandbox = await self._sandbox(run)
             llm = LLM(spec.inference, journal, self._http) if spec.inference is not None else None
             ctx = RolloutContext(rollout_id=rid, attempt=c.attempt, task=spec.task, job=spec.job, client=self.client,
@@ -276,19 +276,22 @@ class Worker:
         new one. Waits while the job is paused or its quota is full."""
         c = run.claimed
         rid, spec = c.rollout.id, c.spec
-        assert spec.args is not None
+        base = spec.args or ContainerArgs()
         found = [s for s in await self.client.list(labels={ROLLOUT_LABEL: rid}) if s.state in LIVE]
         if found:
             sb = AsyncSandbox(self.client, found[0])
         elif c.steps:
             raise SandboxLost(f"the sandbox of rollout {rid} is gone: it starts over", field="sandbox")
         else:
-            labels = {**spec.args.labels, ROLLOUT_LABEL: rid, PROJECT_LABEL: c.rollout.project}
-            args = spec.args.model_copy(update={"labels": labels, "job": spec.job or spec.args.job})
+            labels = {**base.labels, ROLLOUT_LABEL: rid, PROJECT_LABEL: c.rollout.project}
+            args = base.model_copy(update={"labels": labels, "job": spec.job or base.job})
             while True:
                 await run.unheld.wait()
                 try:
-                    sb = await self.client.run_container(args)
+                    if spec.snapshot is not None:
+                        (sb,) = await self.client.fork(spec.snapshot, 1, args)
+                    else:
+                        sb = await self.client.run_container(args)
                     break
                 except JobNotActive:  # paused after the claim: hold until the heartbeat says resumed
                     run.unheld.clear()

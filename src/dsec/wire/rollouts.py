@@ -58,6 +58,9 @@ class RolloutSpec(Strict):
                             "job's quota, and it holds while the job is paused")
     args: ContainerArgs | None = Field(default=None, description="the sandbox the worker makes for it (stopped "
                                        "when it ends); None: the agent makes its own, if any")
+    snapshot: str | None = Field(default=None, description="start its sandbox from this pack_diff snapshot, as "
+                                 "fork does (a GRPO group: n rollouts of one snapshot); args then sets limits, "
+                                 "TTLs and labels")
     inference: Inference | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = Field(
@@ -65,6 +68,10 @@ class RolloutSpec(Strict):
     max_attempts: Annotated[int, Field(ge=1, le=20)] = Field(
         default=3, description="runs after a worker or its sandbox was lost, before the rollout is failed as infra")
     keep_sandbox: bool = Field(default=False, description="leave its sandbox running when it ends")
+
+    @property
+    def wants_sandbox(self) -> bool:
+        return self.args is not None or self.snapshot is not None
 
     @field_validator("agent")
     @classmethod
