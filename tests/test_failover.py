@@ -201,6 +201,24 @@ async def test_hang_up_after_sending(replicas: tuple[Service, Service], hangup: 
             await sb.stop()
 
 
+async def test_keyed_exec_retried_past_a_hang_up(replicas: tuple[Service, Service], hangup: FakeReplica) -> None:
+    """An exec with a command-log key is sent again to the next replica after a hang-up: the
+    edge runs it once whoever relays it (here the hung-up replica never passed it on)."""
+    _, b = replicas
+    async with dsec.AsyncClient(url=b.url, token=TOKEN) as direct:
+        sb = await direct.run_container(ARGS)
+        try:
+            async with dsec.AsyncClient(url=[hangup.url, b.url], token=TOKEN) as c:
+                r = await dsec.AsyncSandbox(c, sb.info).exec("echo x >> /tmp/ran; cat /tmp/ran", key="failover/1")
+            assert f"POST /v1/sandboxes/{sb.sandbox_id}/exec HTTP/1.1" in hangup.requests
+            assert r.exit_code == 0 and r.stdout == "x\n" and not r.replayed
+            again = await sb.exec("echo x >> /tmp/ran; cat /tmp/ran", key="failover/1")
+            assert again.replayed and again.stdout == "x\n"
+            assert (await sb.exec("cat /tmp/ran")).stdout == "x\n"  # ran once
+        finally:
+            await sb.stop()
+
+
 async def test_reads_and_stops_retried_past_a_hang_up(replicas: tuple[Service, Service], hangup: FakeReplica) -> None:
     _, b = replicas
     async with dsec.AsyncClient(url=b.url, token=TOKEN) as direct:

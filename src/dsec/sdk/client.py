@@ -138,11 +138,17 @@ def _idempotent(method: str, path: str) -> bool:
     """Whether a request that may have reached one replica may be sent again to another:
     reads, and stopping one sandbox (a stopped sandbox's record answers a second stop for an
     hour, and a late duplicate stop can undo no later request). Everything else (create,
-    exec, files, fork, pause, a job-wide stop whose selection could take in sandboxes made
-    since, ...) is never repeated: its outcome is unknown."""
+    exec without a key, files, fork, pause, a job-wide stop whose selection could take in
+    sandboxes made since, ...) is never repeated: its outcome is unknown."""
     if method in _SAFE_METHODS:
         return True
     return method == "DELETE" and _call_of(method, path)[1] == "stop"
+
+
+def _keyed_exec(method: str, path: str, body: Any) -> bool:
+    """An exec with a command-log key may be sent again: the edge runs it once and answers
+    a repeat with its record (or waits for the run under way), whichever replica relays it."""
+    return method == "POST" and path.endswith("/exec") and isinstance(body, dict) and bool(body.get("key"))
 
 
 def _what(method: str, path: str) -> tuple[str | None, str, str]:
@@ -503,7 +509,7 @@ class AsyncClient:
         assert replicas is not None
         total = self.timeout if timeout is None else timeout
         kw["timeout"] = aiohttp.ClientTimeout(total=total, sock_connect=min(REPLICA_CONNECT_TIMEOUT_S, total))
-        idempotent = _idempotent(method, path)
+        idempotent = _idempotent(method, path) or _keyed_exec(method, path, kw.get("json"))
         failures: list[str] = []
         for i in replicas.order():
             url = replicas.urls[i]
