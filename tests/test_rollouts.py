@@ -38,6 +38,7 @@ class FakeLLM:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.loop = asyncio.new_event_loop()
         self.down = False
+        self.refuse = False
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
 
@@ -51,6 +52,8 @@ class FakeLLM:
     async def _chat(self, req: web.Request) -> web.Response:
         if self.down:
             return web.json_response({"error": "restarting"}, status=503)
+        if self.refuse:
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
         body = await req.json()
         rollout = body["messages"][-1]["content"].split()[0]
         self.calls[rollout] += 1
@@ -233,6 +236,52 @@ def test_inference_endpoint_restarting_is_waited_for(client: dsec.Client, worker
         llm.down = False
     (r,) = _finished(client, [rid])
     assert r.state == "done" and llm.calls[rid] == 1
+
+
+def test_inference_refusal_is_the_workloads(client: dsec.Client, workers: Workers, llm: FakeLLM) -> None:
+    """A request the endpoint refuses (a 400: a prompt past the context) fails the rollout as the
+    workload's at once, not retried as the platform's."""
+    workers.start()
+    llm.refuse = True
+    try:
+        rid = client.rollouts.submit([dsec.RolloutSpec(agent="tests.rollout_agents:turns", task={"turns": 1},
+                                                       args=BUSYBOX, inference=dsec.Inference(base_url=llm.url))])[0].id
+        (r,) = _finished(client, [rid])
+    finally:
+        llm.refuse = False
+    assert r.state == "failed" and r.failure == "workload" and r.attempts == 1
+    assert "HTTP 400" in (r.error or "") and "InferenceRefused" in (r.error or "")
+
+
+def test_a_lost_lease_fences_the_old_worker(client: dsec.Client, platform: Platform) -> None:
+    """The worker protocol over HTTP: once a lease ran out and another worker claimed the
+    rollout, the first one's journal writes and outcome are refused (409 rollout_lost), and
+    only the holder's count."""
+    token = client.create_token(f"ro-cas-{uuid.uuid4().hex[:6]}", "runner").token
+    h = {"Authorization": f"Bearer {token}"}
+    url = f"{platform.url}/v1/rollouts"
+    with dsec.Client(url=platform.url, token=token) as c:
+        rid = c.rollouts.submit([dsec.RolloutSpec(agent="m:f")])[0].id
+    (got,) = httpx.post(f"{url}/claim", headers=h, json={"worker": "wa", "n": 10, "lease_s": 2}).json()
+    assert got["rollout"]["id"] == rid and got["attempt"] == 1
+    step = {"seq": 0, "kind": "note", "request": {"name": "x"}, "response": 1, "digest": "d"}
+    r = httpx.post(f"{url}/{rid}/steps", headers=h, json={"worker": "wb", "attempt": 1, "step": step})
+    assert r.status_code == 409 and r.json()["error"] == "rollout_lost"  # not its rollout
+    assert httpx.post(f"{url}/{rid}/steps", headers=h,
+                      json={"worker": "wa", "attempt": 1, "step": step}).json()["response"] == 1
+    time.sleep(2.5)  # wa's lease runs out without a heartbeat
+    (again,) = httpx.post(f"{url}/claim", headers=h, json={"worker": "wb", "n": 10, "lease_s": 30}).json()
+    assert again["attempt"] == 2 and [s["response"] for s in again["steps"]] == [1]  # the journal carried over
+    late = {"worker": "wa", "attempt": 1, "state": "done", "reward": 1.0}
+    r = httpx.post(f"{url}/{rid}/finish", headers=h, json=late)
+    assert r.status_code == 409 and r.json()["error"] == "rollout_lost"
+    step2 = {**step, "seq": 1}
+    r = httpx.post(f"{url}/{rid}/steps", headers=h, json={"worker": "wa", "attempt": 1, "step": step2})
+    assert r.status_code == 409
+    beat = httpx.post(f"{url}/heartbeat", headers=h, json={"worker": "wa", "ids": [rid]}).json()
+    assert beat["rollouts"] == [{"id": rid, "owned": False, "state": "running", "hold": False}]
+    done = httpx.post(f"{url}/{rid}/finish", headers=h, json={**late, "worker": "wb", "attempt": 2, "reward": 0.5})
+    assert done.status_code == 200 and done.json()["reward"] == 0.5 and done.json()["n_steps"] == 1
 
 
 def test_paused_job_holds_its_rollouts(client: dsec.Client, workers: Workers) -> None:

@@ -143,6 +143,22 @@ class DeadlineExceeded(SandboxError):
     code = "deadline_exceeded"
 
 
+class RolloutLost(DsecError):
+    """A rollout worker no longer holds the rollout: cancelled, finished, or taken by
+    another worker after its lease ran out. It must stop running it."""
+
+    status = 409
+    code = "rollout_lost"
+
+
+class InferenceRefused(DsecError):
+    """The inference endpoint refused the request itself (a 4xx other than 408/429, such as
+    a prompt past the model's context): the workload's failure, not the platform's."""
+
+    status = 422
+    code = "inference_refused"
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -165,5 +181,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         SandboxError,
         DeadlineExceeded,
         InsufficientStorage,
+        RolloutLost,
+        InferenceRefused,
     )
 }

@@ -77,8 +77,12 @@ class Preemptible:
         for sig in self.signals:
             loop.remove_signal_handler(sig)
         if self.preempted:
+            self._main = None  # the pause, finishing, must not cancel this exit
             if self._pausing is not None:
-                await asyncio.shield(self._pausing)
+                try:
+                    await asyncio.shield(self._pausing)
+                except asyncio.CancelledError:
+                    pass  # the signal came while the body was leaving: it was that cancel
             raise Preempted()
 
 

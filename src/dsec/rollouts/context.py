@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from dsec.errors import DsecError, SandboxError
+from dsec.errors import DsecError, InferenceRefused, SandboxError
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.wire.models import ExecResult
 from dsec.wire.rollouts import Inference, Step, StepKind
@@ -39,8 +39,9 @@ class JournalMismatch(DsecError):
 
 
 class InferenceError(DsecError):
-    """The inference endpoint refused the call (a 4xx other than 408/429), or was not back
-    within its ``timeout_s``."""
+    """The inference endpoint was not back within its ``timeout_s`` (down, or answering
+    5xx/429/408 throughout): the platform's side of the run. A request the endpoint refuses
+    outright is :class:`dsec.errors.InferenceRefused` (the workload's)."""
 
     status = 502
     code = "inference_error"
@@ -167,8 +168,8 @@ class LLM:
                                                  field="inference")
                         return data
                     text = (await resp.text())[:500]
-                    if resp.status not in RETRY_STATUSES:
-                        raise InferenceError(f"inference endpoint: HTTP {resp.status}: {text}", field="inference")
+                    if resp.status not in RETRY_STATUSES:  # the request's own fault: asking again gets the same
+                        raise InferenceRefused(f"inference endpoint: HTTP {resp.status}: {text}", field="inference")
                     last = f"HTTP {resp.status}: {text}"
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = f"{type(e).__name__}: {e}"

@@ -18,7 +18,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import IntegrityError
 
-from dsec.errors import DsecError, NotFound
+from dsec.errors import NotFound, RolloutLost
 from dsec.meta.jobs_schema import jobs
 from dsec.meta.rollouts_schema import rollout_steps, rollouts
 from dsec.wire.rollouts import (
@@ -35,20 +35,17 @@ from dsec.wire.rollouts import (
 EXPIRE_BATCH = 200  # leases expired per claim call (the rest at the next one)
 
 
-class RolloutLost(DsecError):
-    """The worker no longer holds the rollout: cancelled, finished, or taken by another
-    worker after its lease ran out. It must stop running it."""
-
-    status = 409
-    code = "rollout_lost"
-
-
 def new_id() -> str:
     return "ro-" + secrets.token_hex(8)
 
 
 def _json(v: Any) -> str | None:
     return None if v is None else json.dumps(v, separators=(",", ":"))
+
+
+def _text(v: str | None) -> str | None:
+    """Text PostgreSQL takes (no NUL: a traceback may quote binary output)."""
+    return None if v is None else v.replace("\x00", "\\0")
 
 
 def _load(v: str | None) -> Any:
@@ -170,14 +167,15 @@ class RolloutStore:
             else:
                 q = q.order_by(rollouts.c.created_at, rollouts.c.id)
             if not labels:
-                q = q.limit(limit)
-            items = [_info(r) for r in c.execute(q).mappings()]
-        if labels:  # labels are JSON: filtered here (a job narrows the scan first)
-            with self.db.connect() as c:
-                lab = dict(c.execute(select(rollouts.c.id, rollouts.c.labels).where(
-                    rollouts.c.id.in_([i.id for i in items]))).all()) if items else {}
-            items = [i for i in items if all(json.loads(lab.get(i.id, "{}")).get(k) == v
-                                             for k, v in labels.items())][:limit]
+                return [_info(r) for r in c.execute(q.limit(limit)).mappings()]
+            # labels are JSON: matched here, row by row as they stream, up to ``limit``
+            items: builtins.list[RolloutInfo] = []
+            for r in c.execution_options(yield_per=1000).execute(q).mappings():
+                have = json.loads(r["labels"] or "{}")
+                if all(have.get(k) == v for k, v in labels.items()):
+                    items.append(_info(r))
+                    if len(items) >= limit:
+                        break
         return items
 
     def counts(self, project: str | None, job: str | None) -> RolloutCounts:
@@ -215,13 +213,16 @@ class RolloutStore:
 
     # --- the workers' side ---
 
-    def expire(self, now: float) -> builtins.list[RolloutInfo]:
-        """Running rollouts whose worker's lease ran out: queued again (the next worker replays
-        the journal), or failed as infra once their attempts are used up. Returns the failed."""
+    def expire(self, project: str | None, now: float) -> builtins.list[RolloutInfo]:
+        """Running rollouts (of ``project``; None: all) whose worker's lease ran out: queued
+        again (the next worker replays the journal), or failed as infra once their attempts
+        are used up. Returns the failed."""
         failed: builtins.list[RolloutInfo] = []
+        q = select(rollouts).where(rollouts.c.state == "running", rollouts.c.lease_until < now)
+        if project is not None:
+            q = q.where(rollouts.c.project == project)
         with self.db.begin() as c:
-            rows = c.execute(select(rollouts).where(rollouts.c.state == "running", rollouts.c.lease_until < now)
-                             .limit(EXPIRE_BATCH)).mappings().all()
+            rows = c.execute(q.limit(EXPIRE_BATCH)).mappings().all()
             for r in rows:
                 cas = update(rollouts).where(rollouts.c.id == r["id"], rollouts.c.state == "running",
                                              rollouts.c.lease_until == r["lease_until"])
@@ -235,13 +236,16 @@ class RolloutStore:
                     c.execute(cas.values(state="queued", worker=None, lease_until=None))
         return failed
 
-    def cancel_stopped_jobs(self, now: float) -> builtins.list[str]:
-        """Queued rollouts of a job that was stopped: nobody will collect them."""
+    def cancel_stopped_jobs(self, project: str | None, now: float) -> builtins.list[str]:
+        """Rollouts (of ``project``; None: all) of a job that was stopped: nobody will collect them."""
         stopped = exists().where(jobs.c.project == rollouts.c.project, jobs.c.name == rollouts.c.job,
                                  jobs.c.state == "stopped")
+        q = select(rollouts.c.id).where(rollouts.c.state.in_(("queued", "running")), rollouts.c.job.is_not(None),
+                                        stopped)
+        if project is not None:
+            q = q.where(rollouts.c.project == project)
         with self.db.begin() as c:
-            ids = [r[0] for r in c.execute(select(rollouts.c.id).where(
-                rollouts.c.state.in_(("queued", "running")), rollouts.c.job.is_not(None), stopped)).all()]
+            ids = [r[0] for r in c.execute(q.limit(EXPIRE_BATCH)).all()]
             if ids:
                 c.execute(update(rollouts).where(rollouts.c.id.in_(ids), rollouts.c.state.in_(("queued", "running")))
                           .values(state="cancelled", finished_at=now, error="its job was stopped", lease_until=None))
@@ -256,9 +260,12 @@ class RolloutStore:
         q = select(rollouts).where(rollouts.c.state == "queued", ~paused)
         if project is not None:
             q = q.where(rollouts.c.project == project)
+        q = q.order_by(rollouts.c.created_at, rollouts.c.id).limit(n * 2)
+        if self.db.dialect.name == "postgresql":  # concurrent claims take different rows, not each other's
+            q = q.with_for_update(skip_locked=True)
         out: builtins.list[Claimed] = []
         with self.db.begin() as c:
-            for r in c.execute(q.order_by(rollouts.c.created_at).limit(n * 2)).mappings().all():
+            for r in c.execute(q).mappings().all():
                 if len(out) >= n:
                     break
                 attempt = r["attempts"] + 1
@@ -270,8 +277,12 @@ class RolloutStore:
                     continue
                 info = _info({**r, "state": "running", "worker": worker, "attempts": attempt,
                               "started_at": r["started_at"] or now})
-                out.append(Claimed(rollout=info, spec=RolloutSpec.model_validate_json(r["spec"]),
-                                   steps=self._steps(c, r["id"]), attempt=attempt))
+                out.append(Claimed(rollout=info, spec=RolloutSpec.model_validate_json(r["spec"]), steps=[],
+                                   attempt=attempt))
+        if out:  # the journals are read after the claim's commit: its locks are not held meanwhile
+            with self.db.connect() as c:
+                for cl in out:
+                    cl.steps = self._steps(c, cl.rollout.id)
         return out
 
     def heartbeat(self, project: str | None, worker: str, ids: builtins.list[str], lease_s: float, now: float
@@ -298,10 +309,16 @@ class RolloutStore:
         return out
 
     def _owner(self, c: Connection, rollout_id: str, worker: str, attempt: int) -> RowMapping:
+        """The row, if ``worker`` still holds this attempt, locked for the transaction: a no-op
+        compare-and-set update first (it takes the row's lock on PostgreSQL and the write lock
+        on SQLite), so a lease expiring meanwhile cannot slip between the check and the write."""
+        held = c.execute(update(rollouts).where(rollouts.c.id == rollout_id, rollouts.c.state == "running",
+                                                rollouts.c.worker == worker, rollouts.c.attempts == attempt)
+                         .values(worker=worker)).rowcount
         r = c.execute(select(rollouts).where(rollouts.c.id == rollout_id)).mappings().first()
         if r is None:
             raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
-        if r["state"] != "running" or r["worker"] != worker or r["attempts"] != attempt:
+        if not held:
             raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
                               f"{r['state']}, attempt {r['attempts']}, worker {r['worker']}", field="worker")
         return r
@@ -332,9 +349,9 @@ class RolloutStore:
             r = self._owner(c, rollout_id, req.worker, req.attempt)
             if req.release:
                 c.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(
-                    state="queued", worker=None, lease_until=None, attempts=r["attempts"] - 1))
+                    state="queued", worker=None, lease_until=None, attempts=rollouts.c.attempts - 1))
             elif req.requeue and req.failure == "infra" and r["attempts"] < r["max_attempts"]:
-                values: dict[str, Any] = dict(state="queued", worker=None, lease_until=None, error=req.error)
+                values: dict[str, Any] = dict(state="queued", worker=None, lease_until=None, error=_text(req.error))
                 if req.reset:  # its sandbox is gone with the state the journal described: start over
                     c.execute(delete(rollout_steps).where(rollout_steps.c.rollout_id == rollout_id))
                     values.update(sandbox_id=None, n_steps=0)
@@ -342,7 +359,7 @@ class RolloutStore:
             else:
                 c.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(
                     state=req.state, finished_at=now, lease_until=None, result=_json(req.result), reward=req.reward,
-                    failure=req.failure, error=req.error))
+                    failure=req.failure, error=_text(req.error)))
         info = self.get(rollout_id)
         assert info is not None
         return info

@@ -30,16 +30,17 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel
 
-from dsec.errors import AdmissionRejected, DsecError, JobNotActive, NotFound, SandboxNotRunning
+from dsec.errors import AdmissionRejected, DsecError, JobNotActive, NotFound, RolloutLost, SandboxNotRunning
 from dsec.iam import PROJECT_LABEL
 from dsec.rollouts.context import LLM, Journal, RolloutContext
-from dsec.rollouts.store import RolloutLost
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.wire.models import ContainerArgs, SandboxState
 from dsec.wire.rollouts import (
     ROLLOUT_LABEL,
     Claimed,
+    ClaimRequest,
     FinishRequest,
+    HeartbeatRequest,
     HeartbeatResult,
     RolloutInfo,
     SandboxRecord,
@@ -50,6 +51,7 @@ from dsec.wire.rollouts import (
 log = logging.getLogger("dsec.rollouts.worker")
 HEARTBEAT_S = 1.0
 CLAIM_WAIT_S = 5.0
+MAX_CLAIM = 1000  # rollouts per claim call (the API's bound)
 ADMISSION_RETRY_S = 2.0
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
 Agent = Callable[[RolloutContext], Awaitable[Any]]
@@ -69,6 +71,7 @@ class _Run:
     unheld: asyncio.Event = field(default_factory=asyncio.Event)
     sandbox: AsyncSandbox | None = None
     lost_state: str | None = None  # set when the platform says this worker no longer holds it
+    held_s: float = 0.0  # time spent holding for a paused job: not counted against timeout_s
 
     def __post_init__(self) -> None:
         self.unheld.set()
@@ -102,6 +105,9 @@ class Worker:
         self.finished = 0
         self._agents: dict[str, Agent] = {}
         self._http: aiohttp.ClientSession | None = None
+        # when the platform last renewed this worker's leases: past lease_s without it, another
+        # worker may hold a rollout by now, so no new step starts
+        self._renewed = time.monotonic()
         for p in paths or []:
             if p not in sys.path:
                 sys.path.insert(0, os.path.abspath(p))
@@ -120,31 +126,37 @@ class Worker:
         stop = stop or asyncio.Event()
         self._http = aiohttp.ClientSession()
         beat = asyncio.create_task(self._heartbeats(stop))
+        stopping = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set():
                 free = self.concurrency - len(self.runs)
                 if free <= 0:
                     tasks = [r.task for r in self.runs.values() if r.task is not None]
-                    await asyncio.wait([*tasks, asyncio.ensure_future(stop.wait())], timeout=1.0,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait([*tasks, stopping], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 try:
-                    from dsec.wire.rollouts import ClaimRequest
                     got = await self._post("/v1/rollouts/claim", ClaimRequest(
-                        worker=self.name, n=free, lease_s=self.lease_s, wait_s=CLAIM_WAIT_S), timeout=CLAIM_WAIT_S + 30)
+                        worker=self.name, n=min(free, MAX_CLAIM), lease_s=self.lease_s, wait_s=CLAIM_WAIT_S),
+                        timeout=CLAIM_WAIT_S + 30)
                 except DsecError as e:
                     log.warning("claim failed: %s", e)
                     await _sleep_or(stop, 1.0)
                     continue
+                self._renewed = time.monotonic()
                 for item in got:
                     c = Claimed.model_validate(item)
                     log.info("rollout %s claimed (attempt %d, %d steps journaled)", c.rollout.id, c.attempt,
                              len(c.steps))
+                    old = self.runs.get(c.rollout.id)
+                    if old is not None and old.task is not None:  # this worker's own earlier attempt, lost
+                        old.lost_state = "requeued"
+                        old.task.cancel()
                     run = _Run(c)
                     self.runs[c.rollout.id] = run
                     run.task = asyncio.create_task(self._run(run), name=f"rollout-{c.rollout.id}")
         finally:
             beat.cancel()
+            stopping.cancel()
             await self._hand_back()
             await self._http.close()
 
@@ -164,16 +176,18 @@ class Worker:
                 log.info("rollout %s not handed back (%s): its lease runs out", r.claimed.rollout.id, e)
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
-        from dsec.wire.rollouts import HeartbeatRequest
         while not stop.is_set():
             await _sleep_or(stop, HEARTBEAT_S)
             ids = list(self.runs)
             if not ids:
+                self._renewed = time.monotonic()
                 continue
             try:
+                sent = time.monotonic()
                 res = HeartbeatResult.model_validate(await self._post(
                     "/v1/rollouts/heartbeat", HeartbeatRequest(worker=self.name, ids=ids, lease_s=self.lease_s)))
-            except DsecError as e:
+                self._renewed = sent
+            except Exception as e:  # never let the heartbeat die: without it every lease runs out
                 log.warning("heartbeat failed: %s", e)
                 continue
             for h in res.rollouts:
@@ -206,8 +220,7 @@ class Worker:
             ctx = RolloutContext(rollout_id=rid, attempt=c.attempt, task=spec.task, job=spec.job, client=self.client,
                                  journal=journal, sandbox=run.sandbox, llm=llm)
             agent = self._agent(spec.agent)
-            left = spec.timeout_s - (time.time() - (c.rollout.started_at or time.time()))
-            out = await asyncio.wait_for(agent(ctx), max(1.0, left))
+            out = await self._within_timeout(run, agent(ctx), started)
             reward, result = _outcome(out)
             done = FinishRequest(worker=self.name, attempt=c.attempt, state="done", reward=reward,
                                  result=_jsonable(result))
@@ -215,12 +228,12 @@ class Worker:
                      journal.seq, journal.replayed)
         except asyncio.CancelledError:
             if run.lost_state is not None:  # the platform took it away: forget it
-                self.runs.pop(rid, None)
+                self._forget(run)
                 if run.lost_state == "cancelled" and run.sandbox is not None and not spec.keep_sandbox:
                     await _stop(run.sandbox)
             raise  # else shutting down: _hand_back hands it back
         except RolloutLost:
-            self.runs.pop(rid, None)
+            self._forget(run)
             return  # another worker holds it now, with the sandbox
         except TimeoutError:
             done = FinishRequest(worker=self.name, attempt=c.attempt, state="failed", failure="workload",
@@ -246,25 +259,53 @@ class Worker:
         if run.sandbox is not None and not spec.keep_sandbox and (ended or done.reset):
             await _stop(run.sandbox)
 
+    async def _within_timeout(self, run: _Run, agent: Awaitable[Any], started: float) -> Any:
+        """The agent's outcome, if this attempt ends within the spec's ``timeout_s``, not counting
+        the time it held for a paused job; else TimeoutError (the agent is cancelled)."""
+        task = asyncio.ensure_future(agent)
+        try:
+            while True:
+                left = run.claimed.spec.timeout_s + run.held_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait([task], timeout=left)
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _forget(self, run: _Run) -> None:
+        rid = run.claimed.rollout.id
+        if self.runs.get(rid) is run:  # not a later attempt of the same rollout on this worker
+            del self.runs[rid]
+
     async def _hold(self, run: _Run) -> None:
-        """Before a step: while the job is paused, wait. A sandbox the job's pause skipped
-        (it was busy with this rollout's last step) is paused here, so the job holds no CPU
-        and its memory is reclaimed; the job's resume resumes it."""
+        """Before a step. Past ``lease_s`` without a renewal, another worker may hold the
+        rollout by now: no step starts (the rollout is left to whoever holds it). While the
+        job is paused, wait; a sandbox the job's pause skipped (it was busy with this
+        rollout's last step) is paused here, so the job holds no CPU and its memory is
+        reclaimed; the job's resume resumes it."""
+        if time.monotonic() - self._renewed > self.lease_s:
+            raise RolloutLost(f"worker {self.name}: no lease renewal for {self.lease_s:g} s", field="worker")
         if run.unheld.is_set():
             return
+        t0 = time.monotonic()
         if run.sandbox is not None:
             try:
                 await run.sandbox.pause()
             except DsecError as e:  # paused already, or gone: the next step finds out
                 log.debug("rollout %s: sandbox not paused: %s", run.claimed.rollout.id, e)
         await run.unheld.wait()
+        run.held_s += time.monotonic() - t0
 
     async def _finish(self, run: _Run, req: FinishRequest) -> RolloutInfo:
         rid = run.claimed.rollout.id
         try:
             return RolloutInfo.model_validate(await self._post(f"/v1/rollouts/{rid}/finish", req))
         finally:
-            self.runs.pop(rid, None)
+            self._forget(run)
 
     async def _record(self, run: _Run, step: Step) -> Step:
         rid = run.claimed.rollout.id
@@ -295,12 +336,19 @@ class Worker:
                     break
                 except JobNotActive:  # paused after the claim: hold until the heartbeat says resumed
                     run.unheld.clear()
+                    t0 = time.monotonic()
                     await asyncio.sleep(ADMISSION_RETRY_S)
+                    run.held_s += time.monotonic() - t0
                 except AdmissionRejected as e:  # the job's quota or the fleet is full: wait for room
                     log.info("rollout %s waits for room: %s", rid, e)
                     await asyncio.sleep(ADMISSION_RETRY_S)
-        await self._post(f"/v1/rollouts/{rid}/sandbox", SandboxRecord(
-            worker=self.name, attempt=c.attempt, sandbox_id=sb.sandbox_id))
+        try:
+            await self._post(f"/v1/rollouts/{rid}/sandbox", SandboxRecord(
+                worker=self.name, attempt=c.attempt, sandbox_id=sb.sandbox_id))
+        except BaseException:
+            if not found and not spec.keep_sandbox:  # made for an attempt that is over: nobody else stops it
+                await asyncio.shield(_stop(sb))
+            raise
         return sb
 
     async def _sandbox_lost(self, run: _Run) -> bool:

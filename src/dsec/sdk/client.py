@@ -187,7 +187,10 @@ def _raise_for(resp: Response, method: str = "", path: str = "") -> None:
         err = DsecError(f"HTTP {resp.status_code}: {resp.text[:500]}", sandbox_id=sid, operation=op)
         err.status = resp.status_code
         raise err from None
-    raise cls(body.get("message", resp.text), field=body.get("field"), sandbox_id=sid, operation=op)
+    err = cls(body.get("message", resp.text), field=body.get("field"), sandbox_id=sid, operation=op)
+    if cls is DsecError:  # a code this SDK does not know: the status still says whose failure it is
+        err.status = resp.status_code
+    raise err
 
 
 def _filters(job: str | None, labels: dict[str, str] | None) -> list[tuple[str, str]]:

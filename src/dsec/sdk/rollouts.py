@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 WAIT_S = 30.0
 SETTLE_S = 10.0
+PAGE = 1000
 
 
 class AsyncRollouts:
@@ -87,12 +88,14 @@ class AsyncRollouts:
         # stamp was seen: each query looks back SETTLE_S, and what it yielded there is skipped
         seen: dict[str, float] = {}
         newest = 0.0
+        crowded = False  # the last page was full of rollouts already yielded: page on, no look-back
         idle_since = time.monotonic()
         while timeout is None or time.monotonic() - idle_since < timeout:
             left = WAIT_S if timeout is None else max(0.0, timeout - (time.monotonic() - idle_since))
-            since = max(0.0, newest - SETTLE_S)
-            page = await self.wait(job=job, limit=1000, timeout=min(WAIT_S, left), since=since)
+            since = newest if crowded else max(0.0, newest - SETTLE_S)
+            page = await self.wait(job=job, limit=PAGE, timeout=min(WAIT_S, left), since=since)
             batch = [r for r in page if r.id not in seen]
+            crowded = len(page) >= PAGE and not batch
             if page:
                 newest = max(newest, *(r.finished_at or 0.0 for r in page))
             if not batch:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
 from dsec.apiserver.core import Apiserver, parse_labels
-from dsec.errors import DsecError, Forbidden, NotFound, PayloadTooLarge
+from dsec.errors import Forbidden, NotFound, PayloadTooLarge
 from dsec.iam import current_principal
 from dsec.rollouts.store import RolloutStore
 from dsec.wire.rollouts import (
@@ -59,6 +61,7 @@ def _scope(project: str | None) -> str | None:
 def routes(api: Apiserver) -> APIRouter:
     router = APIRouter()
     store = RolloutStore(api.tokens.db)
+    cleanups: set[asyncio.Task[None]] = set()
 
     async def _get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
         info = await asyncio.to_thread(store.get, rollout_id, steps=steps, spec=spec)
@@ -77,7 +80,7 @@ def routes(api: Apiserver) -> APIRouter:
                     if sb.state.value in ("creating", "running", "paused"):
                         await api.edge_for(sb.sandbox_id).stop(sb.sandbox_id)
                         await api.stopped(sb.sandbox_id)
-            except DsecError as e:  # the edge is down: its sandboxes expire there
+            except Exception as e:  # an edge down: its sandboxes expire there by their own timeouts
                 log.warning("sandbox of rollout %s not stopped: %s", rid, e)
 
     @router.post("/v1/rollouts", status_code=201)
@@ -131,10 +134,12 @@ def routes(api: Apiserver) -> APIRouter:
             if await request.is_disconnected():  # a worker that died while it waited claims nothing
                 return []
             now = time.time()
-            failed = await asyncio.to_thread(store.expire, now)
-            cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, now)
-            if failed or cancelled:
-                await _stop_sandboxes([f.id for f in failed] + cancelled)
+            # the sweeps take this worker's project only: the sandboxes it then stops are ones its
+            # token sees (an admin worker sweeps, and sees, every project)
+            failed = await asyncio.to_thread(store.expire, scope, now)
+            cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, scope, now)
+            if failed or cancelled:  # in the background: a claim answers within the worker's timeout
+                _background(_stop_sandboxes([f.id for f in failed] + cancelled))
             got = await asyncio.to_thread(store.claim, scope, req.worker, req.n, req.lease_s, now)
             if got or req.n == 0 or time.monotonic() >= deadline:
                 return got
@@ -151,6 +156,11 @@ def routes(api: Apiserver) -> APIRouter:
     async def get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
         """Its state and outcome; ``steps=true`` adds the trajectory (the journal), ``spec=true`` the spec."""
         return await _get(rollout_id, steps, spec)
+
+    def _background(coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        cleanups.add(task)  # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(cleanups.discard)
 
     @router.post("/v1/rollouts/{rollout_id}/cancel")
     async def cancel(rollout_id: str) -> RolloutInfo:
