@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from container import pct, private_server  # noqa: E402
+from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
 
@@ -499,20 +499,6 @@ def mem_total_gb() -> float:
         return next(int(x.split()[1]) for x in f if x.startswith("MemTotal")) / 2**20
 
 
-def append_section(path: str, body: str, cmd: str) -> None:
-    """Replace this benchmark's section (between its markers) or append it at the end."""
-    start, end = "<!-- bench:rl -->", "<!-- /bench:rl -->"
-    text = open(path).read()
-    section = (f"{start}\n## RL co-design (`bench/rl.py`)\n\nCommand: `{cmd}`, "
-               f"run {time.strftime('%Y-%m-%d')}.\n\n{body}\n{end}")
-    if start in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 async def run_parts(a: argparse.Namespace, url: str, token: str, pid: int, parts: list[str]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     async with dsec.AsyncClient(url=url, token=token, timeout=600) as c:
@@ -580,7 +566,7 @@ def main() -> None:
     print(body)
     if a.write:
         cmd = "python " + " ".join(["bench/rl.py", *sys.argv[1:]])
-        append_section(a.write, body, cmd)
+        write_section(a.write, body, cmd, name="rl", title="RL co-design (`bench/rl.py`)")
 
 
 if __name__ == "__main__":
