@@ -6,6 +6,16 @@ and rollouts in published environments but cannot publish or change any. A non-a
 token sees and touches only its project's sandboxes.
 """
 
-from dsec.iam.tokens import ADMIN, PROJECT_LABEL, Principal, TokenStore, current_principal, permission_for
+from dsec.iam.tokens import (
+    ADMIN,
+    PROJECT_LABEL,
+    Principal,
+    TokenStore,
+    acting_project,
+    current_principal,
+    permission_for,
+    project_scope,
+)
 
-__all__ = ["ADMIN", "PROJECT_LABEL", "Principal", "TokenStore", "current_principal", "permission_for"]
+__all__ = ["ADMIN", "PROJECT_LABEL", "Principal", "TokenStore", "acting_project", "current_principal",
+           "permission_for", "project_scope"]

@@ -53,6 +53,23 @@ ADMIN = Principal("admin", "*", "admin")
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("dsec_principal", default=ADMIN)
 
 
+def acting_project(project: str | None) -> str:
+    """The project a request acts in: its token's, or for an admin token the one it names
+    (default "default"). A project token naming another project is refused."""
+    from dsec.errors import Forbidden
+    p = current_principal.get()
+    if p.all_projects:
+        return project or "default"
+    if project is not None and project != p.project:
+        raise Forbidden(f"a token of project {p.project!r} may not act in project {project!r}", field="project")
+    return p.project
+
+
+def project_scope(project: str | None) -> str | None:
+    """The project a read is confined to: the token's; an admin token's, the one named or all (None)."""
+    return project if current_principal.get().all_projects else acting_project(project)
+
+
 def permission_for(method: str, path: str) -> str:
     """The permission a request needs."""
     if path.startswith("/v1/tokens"):

@@ -22,6 +22,12 @@ def check_job_name(v: str) -> str:
     return v
 
 
+def check_labels(v: dict[str, str]) -> dict[str, str]:
+    if len(v) > 64:
+        raise ValueError("at most 64 labels")
+    return v
+
+
 class JobQuota(Strict):
     """Caps on the job's live sandboxes (starting, running or paused), all together; None: no cap."""
 
@@ -43,9 +49,7 @@ class JobSpec(Strict):
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > 64:
-            raise ValueError("at most 64 labels")
-        return v
+        return check_labels(v)
 
 
 class JobInfo(BaseModel):

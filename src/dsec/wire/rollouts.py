@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from dsec.wire.jobs import check_job_name
+from dsec.wire.jobs import check_job_name, check_labels
 from dsec.wire.models import ContainerArgs, Strict
 
 MAX_SUBMIT = 10_000
@@ -95,9 +95,7 @@ class RolloutSpec(Strict):
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > 64:
-            raise ValueError("at most 64 labels")
-        return v
+        return check_labels(v)
 
 
 class SubmitRequest(Strict):

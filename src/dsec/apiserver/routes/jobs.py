@@ -13,23 +13,14 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Query
 
 from dsec.apiserver.core import Apiserver, all_edges_answered, parse_labels
-from dsec.errors import Forbidden, InvalidRequest, JobNotActive, NotFound, SandboxBusy
-from dsec.iam import current_principal
+from dsec.errors import InvalidRequest, JobNotActive, NotFound, SandboxBusy
+from dsec.iam import acting_project, project_scope
 from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobSpec, JobState, JobStatus, JobUsage, check_job_name
 from dsec.wire.models import SandboxInfo, SandboxState
 
 # a job-wide pause or stop first lets this replica's admitted creates of the job finish
 DRAIN_S = 30.0
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
-
-
-def _project(project: str | None) -> str:
-    p = current_principal.get()
-    if p.all_projects:
-        return project or "default"
-    if project is not None and project != p.project:
-        raise Forbidden(f"a token of project {p.project!r} may not act in project {project!r}", field="project")
-    return p.project
 
 
 def _name(name: str) -> str:
@@ -52,24 +43,23 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/jobs", status_code=201)
     async def create_job(spec: JobSpec, project: str | None = None) -> JobInfo:
         """409 ``job_exists`` if the project has a job of that name (even a stopped one)."""
-        return await asyncio.to_thread(store.create, _project(project), spec)
+        return await asyncio.to_thread(store.create, acting_project(project), spec)
 
     @router.get("/v1/jobs")
     async def list_jobs(label: list[str] = Query(default=[]), state: JobState | None = None,
                         project: str | None = None) -> list[JobInfo]:
         """The caller's project's jobs (an admin token: every project's, unless ``project`` is given)."""
-        p = current_principal.get()
-        scope = project if p.all_projects else _project(project)
+        scope = project_scope(project)
         return await asyncio.to_thread(store.list, scope, parse_labels(label), state)
 
     @router.get("/v1/jobs/{name}")
     async def get_job(name: str, project: str | None = None) -> JobInfo:
-        return await _get(_project(project), name)
+        return await _get(acting_project(project), name)
 
     @router.get("/v1/jobs/{name}/sandboxes", response_model=list[SandboxInfo])
     async def job_sandboxes(name: str, project: str | None = None, usage: bool = False) -> list[SandboxInfo]:
         """Every sandbox of the job on every edge that answered (the others are named in the status)."""
-        job = await _get(_project(project), name)
+        job = await _get(acting_project(project), name)
         items, _ = await api.job_sandboxes(job.project, job.name, usage)
         return items
 
@@ -77,7 +67,7 @@ def routes(api: Apiserver) -> APIRouter:
     async def job_status(name: str, project: str | None = None, usage: bool = False) -> JobStatus:
         """Counts by state, backend and edge; what the live ones hold against the quota; creations in
         the last minute; ``usage=true`` adds what they use now (CPU time, memory, swap)."""
-        job = await _get(_project(project), name)
+        job = await _get(acting_project(project), name)
         items, missing = await api.job_sandboxes(job.project, job.name, usage)
         live = [i for i in items if i.state in LIVE]
         used = JobUsage(sandboxes=len(live), cpu_cores=sum(i.cpu_cores_limit for i in live),
@@ -119,7 +109,7 @@ def routes(api: Apiserver) -> APIRouter:
                                                              if d is None])
 
     async def _transition(name: str, project: str | None, state: JobState) -> JobInfo:
-        job = await _get(_project(project), name)
+        job = await _get(acting_project(project), name)
         if job.state == "stopped":
             raise JobNotActive(f"job {job.name!r} is stopped", field="name")
         updated = await asyncio.to_thread(store.set_state, job.project, job.name, state)
@@ -142,7 +132,7 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/jobs/{name}/stop")
     async def stop_job(name: str, project: str | None = None) -> JobAction:
         """Every sandbox of the job is stopped, and it takes none again (its name stays taken)."""
-        job = await _get(_project(project), name)
+        job = await _get(acting_project(project), name)
         if job.state != "stopped":
             updated = await asyncio.to_thread(store.set_state, job.project, job.name, "stopped")
             assert updated is not None

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from dsec.apiserver.core import Apiserver, parse_labels
-from dsec.errors import Forbidden, NotFound, PayloadTooLarge
-from dsec.iam import current_principal
+from dsec.errors import NotFound, PayloadTooLarge
+from dsec.iam import acting_project, current_principal, project_scope
 from dsec.rollouts.store import RolloutStore
 from dsec.wire.rollouts import (
     FINISHED,
@@ -41,21 +41,6 @@ from dsec.wire.rollouts import (
 POLL_S = 0.25
 MAX_WAIT_S = 60.0
 log = logging.getLogger("dsec.rollouts")
-
-
-def _project(project: str | None) -> str:
-    p = current_principal.get()
-    if p.all_projects:
-        return project or "default"
-    if project is not None and project != p.project:
-        raise Forbidden(f"a token of project {p.project!r} may not act in project {project!r}", field="project")
-    return p.project
-
-
-def _scope(project: str | None) -> str | None:
-    """The project a read or a worker is confined to (an admin token: the one named, or all)."""
-    p = current_principal.get()
-    return project if p.all_projects else _project(project)
 
 
 def routes(api: Apiserver) -> APIRouter:
@@ -87,7 +72,7 @@ def routes(api: Apiserver) -> APIRouter:
     async def submit(req: SubmitRequest, project: str | None = None) -> SubmitResult:
         """Queued for the rollout workers. A spec whose ``key`` the project used before answers
         that rollout (``created`` counts the new ones): a restarted trainer resubmits safely."""
-        items, created = await asyncio.to_thread(store.submit, _project(project), req.rollouts)
+        items, created = await asyncio.to_thread(store.submit, acting_project(project), req.rollouts)
         return SubmitResult(rollouts=items, created=created)
 
     @router.get("/v1/rollouts")
@@ -96,12 +81,12 @@ def routes(api: Apiserver) -> APIRouter:
                             after: str | None = None, limit: int = Query(default=1000, ge=1, le=10_000),
                             project: str | None = None) -> list[RolloutInfo]:
         """In creation order, ``limit`` at a time; ``after`` (the last id seen) pages on."""
-        return await asyncio.to_thread(store.list, _scope(project), job=job, states=state, consumed=consumed,
+        return await asyncio.to_thread(store.list, project_scope(project), job=job, states=state, consumed=consumed,
                                        labels=parse_labels(label), after=after, limit=limit)
 
     @router.get("/v1/rollouts/counts")
     async def counts(job: str | None = None, project: str | None = None) -> RolloutCounts:
-        return await asyncio.to_thread(store.counts, _scope(project), job)
+        return await asyncio.to_thread(store.counts, project_scope(project), job)
 
     @router.get("/v1/rollouts/wait")
     async def wait(job: str | None = None, limit: int = Query(default=100, ge=1, le=10_000),
@@ -110,7 +95,7 @@ def routes(api: Apiserver) -> APIRouter:
         """Finished rollouts not yet acknowledged that finished at ``since`` or later, in the
         order they finished, as soon as there is one (at most ``timeout`` seconds; an empty list
         then). Unacknowledged ones come again to a new reader: ack what you used."""
-        scope = _scope(project)
+        scope = project_scope(project)
         deadline = time.monotonic() + timeout
         while True:
             items = await asyncio.to_thread(store.list, scope, job=job, states=FINISHED, consumed=False, limit=limit,
@@ -122,13 +107,13 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/rollouts/ack")
     async def ack(req: AckRequest, project: str | None = None) -> dict[str, int]:
         """Finished rollouts marked consumed: ``wait`` no longer answers them."""
-        return {"acked": await asyncio.to_thread(store.ack, _scope(project), req.ids)}
+        return {"acked": await asyncio.to_thread(store.ack, project_scope(project), req.ids)}
 
     @router.post("/v1/rollouts/claim")
     async def claim(req: ClaimRequest, request: Request, project: str | None = None) -> list[Claimed]:
         """Up to ``n`` queued rollouts for this worker, leased for ``lease_s`` (renewed by its
         heartbeats). Expired leases are collected first: their rollouts are queued again."""
-        scope = _scope(project)
+        scope = project_scope(project)
         deadline = time.monotonic() + req.wait_s
         while True:
             if await request.is_disconnected():  # a worker that died while it waited claims nothing
@@ -150,7 +135,7 @@ def routes(api: Apiserver) -> APIRouter:
         """Renews the leases this worker still holds; says which it lost and which must hold
         (their job is paused)."""
         return HeartbeatResult(rollouts=await asyncio.to_thread(
-            store.heartbeat, _scope(None), req.worker, req.ids, req.lease_s, time.time()))
+            store.heartbeat, project_scope(None), req.worker, req.ids, req.lease_s, time.time()))
 
     @router.get("/v1/rollouts/{rollout_id}")
     async def get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
