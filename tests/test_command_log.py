@@ -69,6 +69,28 @@ async def test_bad_keys_are_refused_naming_the_field(client: dsec.AsyncClient, d
     assert (await debian.exec("true", key="ok-" + "x" * 253)).exit_code == 0
 
 
+async def test_exec_as_a_user_keyed_or_not(client: dsec.AsyncClient, debian: dsec.AsyncSandbox) -> None:
+    """``uid``/``gid`` run a command as that user (no capabilities left), with or without a
+    key; the user is part of what makes a keyed command "the same"."""
+    denied = await debian.exec("pwd", uid=65534)  # the sandbox's workdir, /root here, is root's own
+    assert denied.exit_code == 126 and "/root" in denied.stderr
+    r = await debian.exec("id -u; id -g; grep CapEff /proc/self/status; touch u-file; stat -c %u:%g u-file",
+                          uid=65534, gid=65533, cwd="/tmp")
+    assert r.stdout.split() == ["65534", "65533", "CapEff:", "0" * 16, "65534:65533"], r
+    assert (await debian.exec("id -u; id -g", uid=1234, cwd="/")).stdout == "1234\n1234\n"  # gid: the uid
+    assert (await debian.exec("touch /root/nope", uid=65534, cwd="/")).exit_code != 0  # not root
+    first = await debian.exec("echo ran >> /tmp/u-runs; id -u", key="k/user", uid=65534, cwd="/")
+    again = await debian.exec("echo ran >> /tmp/u-runs; id -u", key="k/user", uid=65534, cwd="/")
+    assert first.stdout == again.stdout == "65534\n" and again.replayed
+    with pytest.raises(dsec.KeyConflict):  # the same command as root is another command
+        await debian.exec("echo ran >> /tmp/u-runs; id -u", key="k/user", cwd="/")
+    with pytest.raises(dsec.InvalidRequest, match="session"):
+        await debian.exec("id -u", uid=65534, session="s")
+    for body in ({"cmd": "id", "uid": 1, "session": "s"}, {"cmd": "id", "gid": 1}, {"cmd": "id", "uid": -1}):
+        with pytest.raises(dsec.InvalidRequest):
+            await client._json("POST", f"/v1/sandboxes/{debian.sandbox_id}/exec", json=body)
+
+
 async def test_run_shell_with_a_key(debian: dsec.AsyncSandbox) -> None:
     step = "export N=$((N+1)); echo $N"
     assert (await debian.run_shell(step, session="agent", key="shell/1")).stdout == "1\n"

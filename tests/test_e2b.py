@@ -548,9 +548,8 @@ def test_command_log_keys(e2b_env: None, platform: Platform) -> None:
 
 
 async def test_command_log_keys_concurrent_and_users(e2b_env: None) -> None:
-    """Concurrent runs under one key run the command once and all get its result; a key
-    on a command that would run as a non-root user is refused (the edge's exec runs as
-    root), and the same command as root takes it."""
+    """Concurrent runs under one key run the command once and all get its result; a keyed
+    command runs as the user it would run as without the key (E2B's ``user`` by default)."""
     sbx = await AsyncSandbox.create("base", timeout=120)
     try:
         key = f"e2b-par-{os.urandom(4).hex()}"
@@ -559,7 +558,12 @@ async def test_command_log_keys_concurrent_and_users(e2b_env: None) -> None:
                                          for _ in range(5)])
         assert {(r.stdout, r.exit_code) for r in results} == {("root\n", 0)}
         assert (await sbx.commands.run("wc -l < /root/par", user="root")).stdout == "1\n"
-        with pytest.raises(SandboxException, match="root only"):
-            await sbx.commands.run("id -un", envs={"DSEC_COMMAND_KEY": f"{key}-user"})
+        mine = "echo ran >> runs; id -un; pwd; stat -c %U runs"
+        first = await sbx.commands.run(mine, envs={"DSEC_COMMAND_KEY": f"{key}-user"})
+        again = await sbx.commands.run(mine, envs={"DSEC_COMMAND_KEY": f"{key}-user"})
+        assert first.stdout == again.stdout == "user\n/home/user\nuser\n"
+        assert (await sbx.commands.run("wc -l < runs")).stdout == "1\n"
+        with pytest.raises(SandboxException, match="DSEC_COMMAND_KEY"):  # the same key as another user
+            await sbx.commands.run(mine, user="root", envs={"DSEC_COMMAND_KEY": f"{key}-user"})
     finally:
         await sbx.kill()

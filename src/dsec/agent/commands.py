@@ -31,7 +31,8 @@ async def run_once(init: InitChannel, ctx: AgentContext, req: ExecRequest, on_da
     out_r, out_w = channel()
     err_r, err_w = channel()
     try:
-        pid, exited = await init.spawn(argv, env, req.cwd or ctx.workdir, [in_r, out_w, err_w])
+        user = (req.uid, req.uid if req.gid is None else req.gid) if req.uid is not None else None
+        pid, exited = await init.spawn(argv, env, req.cwd or ctx.workdir, [in_r, out_w, err_w], user=user)
     except SpawnFailed as e:  # like a shell: 127 for a missing program, 126 otherwise
         for fd in (in_w, out_r, err_r):
             os.close(fd)

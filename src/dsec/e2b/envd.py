@@ -526,14 +526,11 @@ def _keyed_request(ctx: Ctx, spec: ProcSpec, key: str, timeout: float | None) ->
         if unfit:
             raise ConnectError("invalid_argument", f"{KEY_ENV}: a command with {why} cannot be keyed: the command "
                                "log records a command run to its end on its request alone; start it without the key")
-    if ctx.user.uid != 0:
-        # the edge's exec, which holds the command log, runs as root: a keyed command run
-        # there as another user would silently change whose files it makes
-        raise ConnectError("unimplemented", f"{KEY_ENV}: keyed commands run as root only (this one would run as "
-                           f"{ctx.user.name!r}); run it with user='root', or without the key")
+    owner = spec.owner  # as the process table would run it: E2B's user, else root
     try:
         return ExecRequest(argv=[spec.cmd, *spec.args], env=spec.envs, cwd=spec.cwd, key=key,
-                           timeout_s=min(timeout or MAX_EXEC_S, MAX_EXEC_S))
+                           timeout_s=min(timeout or MAX_EXEC_S, MAX_EXEC_S),
+                           uid=owner[0] if owner else None, gid=owner[1] if owner else None)
     except ValidationError as e:
         bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors())
         raise ConnectError("invalid_argument", f"{KEY_ENV}: {bad}") from None

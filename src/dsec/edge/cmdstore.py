@@ -37,10 +37,12 @@ INTERRUPTED = "dsec: the edge restarted while this command ran; its outcome is u
 
 
 def fingerprint(req: ExecRequest) -> str:
-    """What makes two requests "the same command": cmd or argv, session, env, cwd and stdin.
-    The timeout and the output limit do not count: a retry may choose other ones, and gets
-    the recorded result as it was."""
-    ident = [req.cmd, req.argv, req.session, sorted(req.env.items()), req.cwd, req.stdin]
+    """What makes two requests "the same command": cmd or argv, session, env, cwd, stdin and
+    the user. The timeout and the output limit do not count: a retry may choose other ones,
+    and gets the recorded result as it was."""
+    ident: list[object] = [req.cmd, req.argv, req.session, sorted(req.env.items()), req.cwd, req.stdin]
+    if req.uid is not None:  # only then: records made before users existed keep their fingerprints
+        ident += [req.uid, req.gid]
     return hashlib.sha256(json.dumps(ident, separators=(",", ":")).encode()).hexdigest()[:32]
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+from pydantic import ValidationError
 
-from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable
+from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable, InvalidRequest
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.jobs import AsyncJob
 from dsec.sdk.rollouts import AsyncRollouts
@@ -230,12 +231,14 @@ class AsyncSandbox:
 
     async def exec(self, cmd: str | list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None, session: str | None = None,
-                   max_output_bytes: int | None = None, key: str | None = None) -> ExecResult:
+                   max_output_bytes: int | None = None, key: str | None = None, uid: int | None = None,
+                   gid: int | None = None) -> ExecResult:
         """Run one command. A string runs through the sandbox's shell, a list directly.
         With ``session`` it runs in that persistent shell session. With ``key`` it is recorded
         in the sandbox's command log: the same key again returns the recorded result
-        (``replayed``) and runs nothing (docs/rl.md)."""
-        req = self._exec_req(cmd, timeout, env, cwd, stdin, session, max_output_bytes, key)
+        (``replayed``) and runs nothing (docs/rl.md). ``uid``/``gid``: run as that user
+        (default root; not with a session)."""
+        req = self._exec_req(cmd, timeout, env, cwd, stdin, session, max_output_bytes, key, uid, gid)
         data = await self._client._json("POST", f"{self._base}/exec", json=req.model_dump(exclude_none=True),
                                         timeout=timeout + 30)
         return ExecResult.model_validate(data)
@@ -249,11 +252,12 @@ class AsyncSandbox:
 
     async def exec_stream(self, cmd: str | list[str], *, timeout: float = 300.0,
                           env: dict[str, str] | None = None, cwd: str | None = None,
-                          session: str | None = None, key: str | None = None) -> AsyncIterator[ExecEvent]:
+                          session: str | None = None, key: str | None = None, uid: int | None = None,
+                          gid: int | None = None) -> AsyncIterator[ExecEvent]:
         """Yield stdout/stderr as produced, then a final ``result`` event. With ``key``, a
         recorded result comes back as its output's events and the result, and closing the
         stream does not end the command (a retry with the key waits for it)."""
-        req = self._exec_req(cmd, timeout, env, cwd, None, session, None, key)
+        req = self._exec_req(cmd, timeout, env, cwd, None, session, None, key, uid, gid)
         resp = await self._client._open("POST", f"{self._base}/exec", {
             "params": {"stream": "true"}, "json": req.model_dump(exclude_none=True),
             "timeout": aiohttp.ClientTimeout(total=timeout + 30)}, timeout + 30)
@@ -273,16 +277,21 @@ class AsyncSandbox:
     @staticmethod
     def _exec_req(cmd: str | list[str], timeout: float, env: dict[str, str] | None, cwd: str | None,
                   stdin: str | None, session: str | None, max_output_bytes: int | None,
-                  key: str | None = None) -> ExecRequest:
+                  key: str | None = None, uid: int | None = None, gid: int | None = None) -> ExecRequest:
         kw: dict[str, Any] = {"timeout_s": timeout, "env": env or {}, "cwd": cwd, "stdin": stdin, "session": session,
-                              "key": key}
+                              "key": key, "uid": uid, "gid": gid}
         if max_output_bytes is not None:
             kw["max_output_bytes"] = max_output_bytes
         if isinstance(cmd, str):
             kw["cmd"] = cmd
         else:
             kw["argv"] = list(cmd)
-        return ExecRequest(**kw)
+        try:
+            return ExecRequest(**kw)
+        except ValidationError as e:  # the request is refused here as the server would: a typed 400
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err.get("loc", ())) or None
+            raise InvalidRequest(f"{field}: {err['msg']}" if field else str(err["msg"]), field=field) from None
 
     async def command_log(self, *, after: int = 0, limit: int = 1000) -> builtins.list[CommandRecord]:
         """The keyed commands run here, in the order they started (``seq`` past ``after``),

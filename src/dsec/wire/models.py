@@ -416,6 +416,17 @@ class ExecRequest(Strict):
     max_output_bytes: Annotated[int, Field(ge=0, le=1 << 30)] = DEFAULT_MAX_OUTPUT_BYTES
     key: str | None = Field(default=None, description="record the command under this key in the sandbox's "
                             "command log; the same key again returns the recorded result (docs/rl.md)")
+    uid: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = Field(
+        default=None, description="run as this user id (default root); not with a session, whose shell runs as root")
+    gid: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = Field(default=None, description="its group (default: uid)")
+
+    @model_validator(mode="after")
+    def _user(self) -> ExecRequest:
+        if self.gid is not None and self.uid is None:
+            raise ValueError("gid needs a uid")
+        if self.uid is not None and self.session is not None:
+            raise ValueError("uid: a session's shell runs as root; run the command without a session")
+        return self
 
     @field_validator("session")
     @classmethod
