@@ -125,11 +125,36 @@ def pause(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
 
 @token_app.command("create")
 def token_create(project: str, role: Annotated[str, typer.Option(help="builder or runner")] = "runner",
-                 name: str = "", url: UrlOpt = None, token: TokenOpt = None) -> None:
+                 name: str = "",
+                 ttl: Annotated[str | None, typer.Option(help="expires after this long: 90s, 30m, 12h, 30d")] = None,
+                 url: UrlOpt = None, token: TokenOpt = None) -> None:
     """A token for PROJECT; prints its secret (shown only now)."""
+    ttl_s = _duration(ttl, "--ttl") if ttl is not None else None
     with _errors(), _api(url, token) as c:
-        info = c.create_token(project, role, name)
+        info = c.create_token(project, role, name, ttl_s=ttl_s)
         print(info.model_dump_json())
+
+
+def _duration(text: str, param: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    num, unit = text[:-1], text[-1:]
+    if unit.isdigit():
+        num, unit = text, "s"
+    try:
+        value = float(num) * units[unit]
+    except (KeyError, ValueError):
+        raise typer.BadParameter(f"{text!r}: a number with s, m, h or d, like 30d", param_hint=param) from None
+    if value <= 0:
+        raise typer.BadParameter(f"{text!r} must be more than 0", param_hint=param)
+    return value
+
+
+@token_app.command("events")
+def token_events(after: int = 0, limit: int = 1000, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """IAM changes (tokens created, revoked): who (a token id; admin is the node's own), what, when."""
+    with _errors(), _api(url, token) as c:
+        for e in c.iam_events(after, limit):
+            print(e.model_dump_json())
 
 
 @token_app.command("list")

@@ -4,9 +4,11 @@ with a project and a role; and the request-to-permission map the apiserver enfor
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextvars
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -16,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from sqlalchemy import Engine, delete, insert, select
+from sqlalchemy import Connection, Engine, delete, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from dsec.meta.schema import tokens
-from dsec.wire.iam import TokenInfo, TokenSpec
+from dsec.meta.schema import iam_events, tokens
+from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec
 
 log = logging.getLogger("dsec.iam")
 
@@ -40,6 +42,7 @@ class Principal:
     token_id: str
     project: str  # "*": every project (admin)
     role: str
+    expires_at: float | None = None
 
     def may(self, permission: str) -> bool:
         return permission in ROLE_PERMISSIONS.get(self.role, frozenset())
@@ -70,9 +73,14 @@ def project_scope(project: str | None) -> str | None:
     return project if current_principal.get().all_projects else acting_project(project)
 
 
+def _event(c: Connection, actor: str, action: str, target: str, detail: dict[str, object]) -> None:
+    c.execute(insert(iam_events).values(at=time.time(), actor=actor, action=action, target=target,
+                                        detail=json.dumps(detail)))
+
+
 def permission_for(method: str, path: str) -> str:
     """The permission a request needs."""
-    if path.startswith("/v1/tokens"):
+    if path.startswith(("/v1/tokens", "/v1/iam")):
         return "admin"
     writes = method not in ("GET", "HEAD")
     if writes and (path.startswith("/v1/layers") or path.endswith("/pack_diff")):
@@ -109,16 +117,24 @@ class TokenStore:
 
     def _load(self) -> None:
         with self._db.connect() as c:
-            rows = c.execute(select(tokens.c.id, tokens.c.digest, tokens.c.project, tokens.c.role)).all()
-        self._by_digest = {d: Principal(i, p, r) for i, d, p, r in rows}
+            rows = c.execute(select(tokens.c.id, tokens.c.digest, tokens.c.project, tokens.c.role,
+                                    tokens.c.expires_at)).all()
+        self._by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows}
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._db.connect() as c:
-            row = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role)
+            row = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role, tokens.c.expires_at)
                             .where(tokens.c.digest == digest)).first()
-        return Principal(row[0], row[1], row[2]) if row else None
+        return Principal(row[0], row[1], row[2], row[3]) if row else None
 
     async def verify(self, secret: bytes) -> Principal | None:
+        """The token's principal; None for an unknown, revoked or expired one."""
+        p = await self._verify(secret)
+        if p is not None and p.expires_at is not None and p.expires_at <= time.time():
+            return None
+        return p
+
+    async def _verify(self, secret: bytes) -> Principal | None:
         if hmac.compare_digest(secret, self._admin):
             return ADMIN
         digest = hashlib.sha256(secret).hexdigest()
@@ -156,28 +172,45 @@ class TokenStore:
         the cluster's admin token: verifiable later, on any replica, without storing it."""
         return hmac.new(self._admin, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()[:40]
 
-    def create(self, spec: TokenSpec) -> TokenInfo:
+    def create(self, spec: TokenSpec, actor: str = "admin") -> TokenInfo:
+        """A new token, recorded with who made it (``actor``, a token id) in the IAM events."""
         secret = "dsec_" + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
-        info = TokenInfo(id=digest[:12], project=spec.project, role=spec.role, name=spec.name,
-                         created_at=time.time())
+        now = time.time()
+        info = TokenInfo(id=digest[:12], project=spec.project, role=spec.role, name=spec.name, created_at=now,
+                         expires_at=now + spec.ttl_s if spec.ttl_s is not None else None, created_by=actor)
         with self._lock, self._db.begin() as c:
             c.execute(insert(tokens).values(id=info.id, digest=digest, project=info.project, role=info.role,
-                                            name=info.name, created_at=info.created_at))
-        self._by_digest[digest] = Principal(info.id, info.project, info.role)
+                                            name=info.name, created_at=now, expires_at=info.expires_at,
+                                            created_by=actor))
+            _event(c, actor, "token.create", info.id, {"project": info.project, "role": info.role,
+                                                       "name": info.name, "expires_at": info.expires_at})
+        self._by_digest[digest] = Principal(info.id, info.project, info.role, info.expires_at)
         return info.model_copy(update={"token": secret})
 
     def list(self) -> list[TokenInfo]:
         with self._db.connect() as c:
             rows = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role, tokens.c.name,
-                                    tokens.c.created_at).order_by(tokens.c.created_at)).all()
-        return [TokenInfo(id=i, project=p, role=r, name=n, created_at=t) for i, p, r, n, t in rows]
+                                    tokens.c.created_at, tokens.c.expires_at, tokens.c.created_by)
+                             .order_by(tokens.c.created_at)).all()
+        return [TokenInfo(id=i, project=p, role=r, name=n, created_at=t, expires_at=e, created_by=b)
+                for i, p, r, n, t, e, b in rows]
 
-    def revoke(self, token_id: str) -> bool:
+    def revoke(self, token_id: str, actor: str = "admin") -> bool:
         with self._lock, self._db.begin() as c:
             n = c.execute(delete(tokens).where(tokens.c.id == token_id)).rowcount
+            if n:
+                _event(c, actor, "token.revoke", token_id, {})
         self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id != token_id}
         return n > 0
+
+    def events(self, after: int = 0, limit: int = 1000) -> builtins.list[IamEvent]:
+        """IAM changes after event ``after``, oldest first."""
+        with self._db.connect() as c:
+            rows = c.execute(select(iam_events).where(iam_events.c.id > after).order_by(iam_events.c.id)
+                             .limit(limit)).mappings().all()
+        return [IamEvent(id=r["id"], at=r["at"], actor=r["actor"], action=r["action"], target=r["target"],
+                         detail=json.loads(r["detail"] or "{}")) for r in rows]
 
     def import_sqlite(self, path: str) -> int:
         """Tokens of an older data dir (iam.db, before the metadata database), once."""

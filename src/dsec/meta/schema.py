@@ -4,7 +4,7 @@ there."""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Index, MetaData, String, Table, Text
+from sqlalchemy import Column, Float, Index, Integer, MetaData, String, Table, Text
 
 metadata = MetaData()
 
@@ -16,6 +16,19 @@ tokens = Table(
     Column("role", String, nullable=False),
     Column("name", String, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=True),  # None: never (revision 0007)
+    Column("created_by", String, nullable=True),  # the token id that made it ("admin": the node's own)
+)
+
+# every IAM change, who made it and when (revision 0007)
+iam_events = Table(
+    "iam_events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False),
+    Column("actor", String, nullable=False),  # a token id ("admin": the node's own token)
+    Column("action", String, nullable=False),  # token.create | token.revoke
+    Column("target", String, nullable=False),
+    Column("detail", Text, nullable=False, default="{}"),  # JSON
 )
 
 # one row per edge the cluster ever had; the controller writes stats, replicas read them

@@ -26,7 +26,7 @@ from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.jobs import AsyncJob
 from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchInfo
-from dsec.wire.iam import TokenInfo
+from dsec.wire.iam import IamEvent, TokenInfo
 from dsec.wire.jobs import JobInfo, JobQuota, JobSpec
 from dsec.wire.layers import Layer
 from dsec.wire.models import (
@@ -679,11 +679,19 @@ class AsyncClient:
         """Per edge: layer store kind, fetch mode, chunk cache, and bytes fetched per data blob."""
         return [StorageStats.model_validate(x) for x in await self._json("GET", "/v1/storage")]
 
-    async def create_token(self, project: str, role: str, name: str = "") -> TokenInfo:
-        """(admin) A token for ``project`` with role ``builder`` or ``runner``; the secret
-        is in ``.token`` of this answer only."""
-        return TokenInfo.model_validate(await self._json(
-            "POST", "/v1/tokens", json={"project": project, "role": role, "name": name}))
+    async def create_token(self, project: str, role: str, name: str = "", *, ttl_s: float | None = None
+                           ) -> TokenInfo:
+        """(admin) A token for ``project`` with role ``builder`` or ``runner``, expiring
+        ``ttl_s`` seconds from now if given; the secret is in ``.token`` of this answer only."""
+        body: dict[str, Any] = {"project": project, "role": role, "name": name}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return TokenInfo.model_validate(await self._json("POST", "/v1/tokens", json=body))
+
+    async def iam_events(self, after: int = 0, limit: int = 1000) -> builtins.list[IamEvent]:
+        """(admin) IAM changes after event ``after``, oldest first: who, what, when."""
+        return [IamEvent.model_validate(x) for x in await self._json(
+            "GET", "/v1/iam/events", params={"after": after, "limit": limit})]
 
     async def tokens(self) -> builtins.list[TokenInfo]:
         return [TokenInfo.model_validate(x) for x in await self._json("GET", "/v1/tokens")]

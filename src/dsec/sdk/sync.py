@@ -320,6 +320,7 @@ class Client(_Face):
     create_token = _blocking(AsyncClient.create_token)
     tokens = _blocking(AsyncClient.tokens)
     revoke_token = _blocking(AsyncClient.revoke_token)
+    iam_events = _blocking(AsyncClient.iam_events)
     nodes = _blocking(AsyncClient.nodes)
     create_job = _to_job(AsyncClient.create_job)
     job = _to_job(AsyncClient.job)

@@ -1,14 +1,16 @@
-"""API tokens (admin only): create, list, revoke."""
+"""API tokens (admin only): create (with an expiry), list, revoke; and the IAM events, who
+changed what when."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from dsec.apiserver.core import Apiserver
 from dsec.errors import NotFound
-from dsec.wire.iam import TokenInfo, TokenSpec
+from dsec.iam import current_principal
+from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec
 
 
 def routes(api: Apiserver) -> APIRouter:
@@ -16,7 +18,7 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/tokens", status_code=201)
     async def create_token(spec: TokenSpec) -> TokenInfo:
         """A token for one project and role; its secret is in this answer only."""
-        return await asyncio.to_thread(api.tokens.create, spec)
+        return await asyncio.to_thread(api.tokens.create, spec, current_principal.get().token_id)
 
     @router.get("/v1/tokens")
     async def list_tokens() -> list[TokenInfo]:
@@ -24,7 +26,13 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.delete("/v1/tokens/{token_id}")
     async def revoke_token(token_id: str) -> dict[str, str]:
-        if not await asyncio.to_thread(api.tokens.revoke, token_id):
+        if not await asyncio.to_thread(api.tokens.revoke, token_id, current_principal.get().token_id):
             raise NotFound(f"no token {token_id!r}", field="token_id")
         return {"revoked": token_id}
+
+    @router.get("/v1/iam/events")
+    async def iam_events(after: int = Query(default=0, ge=0), limit: int = Query(default=1000, ge=1, le=10_000)
+                         ) -> list[IamEvent]:
+        """IAM changes (token created, revoked) after event ``after``, oldest first."""
+        return await asyncio.to_thread(api.tokens.events, after, limit)
     return router
