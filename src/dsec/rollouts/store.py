@@ -292,12 +292,12 @@ class RolloutStore:
             return []
         mine = rollouts.c.id.in_(ids) if project is None else and_(rollouts.c.id.in_(ids),
                                                                    rollouts.c.project == project)
-        paused = select(jobs.c.state).where(jobs.c.project == rollouts.c.project,
-                                            jobs.c.name == rollouts.c.job).scalar_subquery()
+        job_state = select(jobs.c.state).where(jobs.c.project == rollouts.c.project,
+                                               jobs.c.name == rollouts.c.job).scalar_subquery()
         with self.db.begin() as c:
             c.execute(update(rollouts).where(mine, rollouts.c.worker == worker,
                                              rollouts.c.state == "running").values(lease_until=now + lease_s))
-            rows = c.execute(select(rollouts.c.id, rollouts.c.worker, rollouts.c.state, paused.label("job_state"))
+            rows = c.execute(select(rollouts.c.id, rollouts.c.worker, rollouts.c.state, job_state.label("job_state"))
                              .where(mine)).all()
         got = {r[0]: r for r in rows}
         out = []

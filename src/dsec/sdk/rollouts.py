@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 WAIT_S = 30.0
 SETTLE_S = 10.0
 PAGE = 1000
+LIST_PAGE = 5000
 
 
 class AsyncRollouts:
@@ -50,7 +51,7 @@ class AsyncRollouts:
         out: builtins.list[RolloutInfo] = []
         after: str | None = None
         while True:
-            params: builtins.list[tuple[str, str]] = [*self._params.items(), ("limit", "5000")]
+            params: builtins.list[tuple[str, str]] = [*self._params.items(), ("limit", str(LIST_PAGE))]
             params += [("state", s) for s in state] + [("label", f"{k}={v}") for k, v in (labels or {}).items()]
             if job:
                 params.append(("job", job))
@@ -61,7 +62,7 @@ class AsyncRollouts:
             page = [RolloutInfo.model_validate(x) for x in await self._client._json("GET", "/v1/rollouts",
                                                                                    params=params)]
             out += page
-            if len(page) < 5000:
+            if len(page) < LIST_PAGE:
                 return out
             after = page[-1].id
 

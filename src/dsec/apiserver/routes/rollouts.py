@@ -22,6 +22,7 @@ from dsec.wire.rollouts import (
     FINISHED,
     MAX_STEP_BYTES,
     MAX_STEPS,
+    ROLLOUT_LABEL,
     AckRequest,
     Claimed,
     ClaimRequest,
@@ -39,6 +40,7 @@ from dsec.wire.rollouts import (
 )
 
 POLL_S = 0.25
+SWEEP_S = 1.0
 MAX_WAIT_S = 60.0
 log = logging.getLogger("dsec.rollouts")
 
@@ -47,6 +49,7 @@ def routes(api: Apiserver) -> APIRouter:
     router = APIRouter()
     store = RolloutStore(api.tokens.db)
     cleanups: set[asyncio.Task[None]] = set()
+    swept: dict[str | None, float] = {}  # project scope -> when this replica last swept it
 
     async def _get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
         info = await asyncio.to_thread(store.get, rollout_id, steps=steps, spec=spec)
@@ -58,7 +61,6 @@ def routes(api: Apiserver) -> APIRouter:
     async def _stop_sandboxes(rollout_ids: list[str]) -> None:
         """The sandboxes a worker made for rollouts that ended without it (cancelled, or failed
         after their worker was lost): nobody else stops them."""
-        from dsec.wire.rollouts import ROLLOUT_LABEL
         for rid in rollout_ids:
             try:
                 for sb in await api.list(None, {ROLLOUT_LABEL: rid}):
@@ -120,11 +122,14 @@ def routes(api: Apiserver) -> APIRouter:
                 return []
             now = time.time()
             # the sweeps take this worker's project only: the sandboxes it then stops are ones its
-            # token sees (an admin worker sweeps, and sees, every project)
-            failed = await asyncio.to_thread(store.expire, scope, now)
-            cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, scope, now)
-            if failed or cancelled:  # in the background: a claim answers within the worker's timeout
-                _background(_stop_sandboxes([f.id for f in failed] + cancelled))
+            # token sees (an admin worker sweeps, and sees, every project); once a second per scope
+            # and replica, however many workers poll
+            if now - swept.get(scope, 0.0) >= SWEEP_S:
+                swept[scope] = now
+                failed = await asyncio.to_thread(store.expire, scope, now)
+                cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, scope, now)
+                if failed or cancelled:  # in the background: a claim answers within the worker's timeout
+                    _background(_stop_sandboxes([f.id for f in failed] + cancelled))
             got = await asyncio.to_thread(store.claim, scope, req.worker, req.n, req.lease_s, now)
             if got or req.n == 0 or time.monotonic() >= deadline:
                 return got
