@@ -24,6 +24,14 @@ async def turns(ctx: RolloutContext) -> dict[str, object]:
     return {"reward": float(ctx.task.get("reward", 1.0)), "lines": int(r.stdout.strip()), "attempt": ctx.attempt}
 
 
+async def noisy(ctx: RolloutContext) -> dict[str, object]:
+    """A command that floods its output with control characters: the journaled result keeps
+    the first 64 KiB and says it was cut."""
+    sb = ctx.require_sandbox()
+    r = await sb.run_shell("head -c 3000000 /dev/zero | tr '\\0' '\\1'; echo done >&2")
+    return {"reward": 1.0, "len": len(r.stdout), "cut": r.stdout_truncated, "stderr": r.stderr}
+
+
 async def broken(ctx: RolloutContext) -> None:
     raise ValueError("a bug in the agent")
 

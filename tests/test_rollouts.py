@@ -315,6 +315,16 @@ def test_lost_sandbox_starts_the_rollout_over(client: dsec.Client, workers: Work
     assert {s.attempt for s in steps} == {2}  # the first attempt's journal described a sandbox that is gone
 
 
+def test_a_flood_of_output_is_cut_not_fatal(client: dsec.Client, workers: Workers) -> None:
+    """3 MB of control characters from a command (each escaped to six bytes in JSON) at the
+    default settings: the step is journaled with its output cut, the rollout is done."""
+    workers.start()
+    rid = client.rollouts.submit([dsec.RolloutSpec(agent="tests.rollout_agents:noisy", args=BUSYBOX)])[0].id
+    (r,) = _finished(client, [rid])
+    assert r.state == "done", r.error
+    assert r.result == {"reward": 1.0, "len": 64 * 1024, "cut": True, "stderr": "done\n"}
+
+
 def test_agent_failures_are_the_workloads(client: dsec.Client, workers: Workers) -> None:
     workers.start()
     bug, missing = client.rollouts.submit([

@@ -28,6 +28,9 @@ from dsec.wire.models import ExecResult
 from dsec.wire.rollouts import Inference, Step, StepKind
 
 RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+# a journaled command's output kept per stream: the whole step must fit the journal's 1 MiB of
+# JSON even if every byte is a control character (escaped as six); more is cut and flagged
+JOURNAL_OUTPUT_BYTES = 64 * 1024
 
 
 class JournalMismatch(DsecError):
@@ -103,21 +106,25 @@ class RolloutSandbox:
 
     async def exec(self, cmd: str | list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None) -> ExecResult:
-        """One command (a string through the shell, a list directly), journaled."""
+        """One command (a string through the shell, a list directly), journaled; its output is
+        kept up to 64 KiB per stream (``stdout_truncated``/``stderr_truncated`` say it was cut)."""
         req = {"cmd": cmd, "timeout": timeout, "env": env, "cwd": cwd, "stdin": stdin}
 
         async def do(seq: int) -> Any:
-            r = await self.raw.exec(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, key=self._key(seq))
+            r = await self.raw.exec(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, key=self._key(seq),
+                                    max_output_bytes=JOURNAL_OUTPUT_BYTES)
             return r.model_dump(mode="json")
         return ExecResult.model_validate(await self._journal.step("exec", req, do))
 
     async def run_shell(self, cmd: str, *, session: str = "default", timeout: float = 300.0,
                         env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
-        """A command in a persistent shell session (cwd, env, background jobs carry over), journaled."""
+        """A command in a persistent shell session (cwd, env, background jobs carry over),
+        journaled, its output kept as :meth:`exec` keeps it."""
         req = {"cmd": cmd, "session": session, "timeout": timeout, "env": env, "cwd": cwd}
 
         async def do(seq: int) -> Any:
-            r = await self.raw.run_shell(cmd, session=session, timeout=timeout, env=env, cwd=cwd, key=self._key(seq))
+            r = await self.raw.exec(cmd, session=session, timeout=timeout, env=env, cwd=cwd, key=self._key(seq),
+                                    max_output_bytes=JOURNAL_OUTPUT_BYTES)
             return r.model_dump(mode="json")
         return ExecResult.model_validate(await self._journal.step("shell", req, do))
 
