@@ -2,7 +2,9 @@
 two tasks from PyPI sources, groups of 4 forked from each task's snapshot, a rollout worker
 process, the toy policy trained in the loop, and the trainer SIGKILLed in the middle of
 step 1 and preempted (SIGTERM: its job paused) in the middle of step 2, restarted each time.
-Nothing may be lost or run twice, and the reward must rise."""
+Nothing may be lost or run twice, and the policy must learn: the probability it gives the
+fix rises. (The sampled reward of 8 rollouts a step is too noisy to assert on at this size;
+with binary rewards the expected reward is exactly that probability.)"""
 
 from __future__ import annotations
 
@@ -36,5 +38,8 @@ def test_grpo_example_survives_trainer_kill_and_preemption(platform: Platform, t
     assert exits == [-9, 143, 0]
     steps = [x for x in lines if x.get("event") == "step"]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]  # each step completed once, across three processes
-    curve = summary["curve"]
-    assert len(curve) == 4 and curve[-1] > curve[0], curve  # the toy policy learns
+    assert len(summary["curve"]) == 4
+    # Every candidate starts at 1/4. A GRPO step raises the fix's logit whenever a group has
+    # both outcomes; all 8 groups of 4 missing the fix or all hitting it is a ~1e-4 chance.
+    p_fix = summary["p_fix"]
+    assert len(p_fix) == 4 and p_fix[-1] > 0.25, p_fix

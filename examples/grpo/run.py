@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,9 @@ def main() -> int:
                        "rollouts": len(mine), "expected": expected, "states": dict(states),
                        "consumed": sum(r.consumed for r in mine), "rerun_attempts": sum(r.attempts > 1 for r in mine),
                        "infra_failures": sum(r.failure == "infra" for r in mine),
-                       "curve": [pt["mean_reward"] for pt in curve], "reconnect_s": gaps,
+                       "curve": [pt["mean_reward"] for pt in curve],
+                       "p_fix": [round(statistics.fmean(pt["p_fix"].values()), 3) for pt in curve],
+                       "reconnect_s": gaps,
                        "state_dir": a.state_dir}
             print(json.dumps(summary), flush=True)
             ok = ok and len(mine) == expected and states.get("done", 0) == expected and \
