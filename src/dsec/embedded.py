@@ -32,6 +32,8 @@ from dsec.watcher.watcher import FleetView, Watcher
 
 DEFAULT_DATA_DIR = "/var/lib/dsec"
 DEFAULT_PORT = 7777
+# how often each apiserver brings the project quotas to what the edges hold (dsec.iam.quota)
+QUOTA_SWEEP_S = float(os.environ.get("DSEC_QUOTA_SWEEP_S", "5"))
 log = logging.getLogger("dsec")
 
 
@@ -103,6 +105,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
         await app.state.template_builder.reap(at_start=True)  # builds an earlier process here left running
         await api.batches.start()  # the queue, and the batches an earlier process left unfinished
         refresher = asyncio.create_task(tokens.refresh_forever())
+        sweeper = asyncio.create_task(api.quota_sweep_forever(QUOTA_SWEEP_S))
         log.info("dsec ready: edges %s", ", ".join(sorted(edges)) or "none yet")
         try:
             yield
@@ -110,6 +113,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
             await api.batches.close()
             await app.state.template_builder.close()  # builds of this process fail; their builders stop
             refresher.cancel()
+            sweeper.cancel()
             await view.close()
             await stop()
 

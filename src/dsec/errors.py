@@ -98,10 +98,31 @@ class AdmissionRejected(DsecError):
 
 
 class QuotaExceeded(AdmissionRejected):
-    """The job's quota (its ``field`` names which: quota.sandboxes, quota.cpu_cores,
-    quota.memory_mb) has no room for this sandbox; room comes back as its sandboxes stop."""
+    """A job's or a project's quota has no room for this sandbox (the message names the job
+    or project; ``field`` the resource: quota.sandboxes, quota.cpu_cores, ...); room comes
+    back as its sandboxes stop."""
 
     code = "quota_exceeded"
+
+
+class QuotaConflict(DsecError):
+    """A quota change the project tree does not allow: delegating more than the parent
+    holds, or capping a project below what it delegated (the message says what to shrink)."""
+
+    status = 409
+    code = "quota_conflict"
+
+
+class ProjectExists(DsecError):
+    status = 409
+    code = "project_exists"
+
+
+class ProjectNotEmpty(DsecError):
+    """The project still has sub-projects or sandboxes."""
+
+    status = 409
+    code = "project_not_empty"
 
 
 class JobExists(DsecError):
@@ -175,6 +196,9 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         PayloadTooLarge,
         AdmissionRejected,
         QuotaExceeded,
+        QuotaConflict,
+        ProjectExists,
+        ProjectNotEmpty,
         JobExists,
         JobNotActive,
         EdgeUnavailable,

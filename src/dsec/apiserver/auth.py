@@ -72,7 +72,7 @@ class BearerAuth:
         if principal is None:
             return Unauthorized("invalid token", field="authorization")
         method = scope.get("method", "GET")
-        need = permission_for(method, scope["path"])
+        need = permission_for(method, scope["path"], websocket=scope["type"] == "websocket")
         if not principal.may(need):
             return Forbidden(f"a {principal.role} token may not {method} {scope['path']} (needs {need!r})",
                              field="authorization")
@@ -86,7 +86,7 @@ class BearerAuth:
                 return e
             except DsecError as e:  # the edge cannot say whose it is: refuse (never fail open)
                 return e
-            if info.labels.get(PROJECT_LABEL, "default") != principal.project:
+            if not principal.covers(info.labels.get(PROJECT_LABEL, "default")):
                 return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}", field="sandbox_id")
         return None
 

@@ -10,6 +10,7 @@ import builtins
 import contextvars
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Protocol, TypeVar
@@ -30,7 +31,10 @@ from dsec.errors import (
     PayloadTooLarge,
     SandboxError,
 )
-from dsec.iam import PROJECT_LABEL, TokenStore, current_principal
+from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, current_principal
+from dsec.iam.projects import ProjectStore
+from dsec.iam.quota import Need, ProjectQuotas
+from dsec.iam.rates import FnCallRates
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import LayerStore
 from dsec.placement.engine import Placement
@@ -86,6 +90,9 @@ class Apiserver:
         self.watcher = watcher
         self.placement = placement
         self.max_file_bytes = max_file_bytes
+        self.quotas = ProjectQuotas(tokens.db)
+        self.projects = ProjectStore(tokens.db, self.quotas)
+        self.fncall_rates = FnCallRates(self.projects)
         self.job_store = JobStore(tokens.db)
         self.jobs = JobGate(self.job_store, self.job_sandboxes)
         # creates starting now per edge (all of them), the most so far, and the bound on a batch's
@@ -113,13 +120,22 @@ class Apiserver:
         item) waits for one of the chosen edge's batch slots; a plain create never does."""
         req = self._own(req)
         job = req.args.job
-        if job is None:
-            info = await self._place(req, bounded)
-        else:
-            async with self.jobs.admit(req.args.labels.get(PROJECT_LABEL, "default"), job,
-                                       req.args.cpu_cores_limit, req.args.memory_limit_mb) as admission:
+        project = req.args.labels.get(PROJECT_LABEL, "default")
+        disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
+        hold = await asyncio.to_thread(self.quotas.admit, project, job,
+                                       Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+        try:
+            if job is None:
                 info = await self._place(req, bounded)
-                admission.made(info)
+            else:
+                async with self.jobs.admit(project, job, req.args.cpu_cores_limit,
+                                           req.args.memory_limit_mb) as admission:
+                    info = await self._place(req, bounded)
+                    admission.made(info)
+        except BaseException:  # not made (or not known to be: then the sweep adopts it later)
+            await asyncio.shield(asyncio.to_thread(self.quotas.release, hold=hold))
+            raise
+        await asyncio.shield(asyncio.to_thread(self.quotas.bind, hold, info.sandbox_id))
         if self.index is not None:
             try:
                 await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
@@ -128,8 +144,13 @@ class Apiserver:
         return info
 
     async def stopped(self, sandbox_id: str) -> None:
-        """A sandbox was stopped through this apiserver: the index forgets it, its job's quota frees its share."""
+        """A sandbox was stopped through this apiserver: the index forgets it, its job's and
+        project's quotas free its share."""
         self.jobs.forget(sandbox_id)
+        try:
+            await asyncio.to_thread(self.quotas.release, sandbox_id=sandbox_id)
+        except Exception as e:  # the sweep frees it later
+            log.warning("sandbox %s's quota not freed: %s", sandbox_id, e)
         if self.index is not None:
             try:
                 await asyncio.to_thread(self.index.index_drop, [sandbox_id])
@@ -231,8 +252,8 @@ class Apiserver:
         not answer are in ``self.unreachable`` for the request (a list goes on without a
         node that is down; a job operation reports it)."""
         principal = current_principal.get()
-        if not principal.all_projects:
-            labels = {**labels, PROJECT_LABEL: principal.project}
+        if not principal.all_projects and principal.role != "admin":
+            labels = {**labels, PROJECT_LABEL: principal.project}  # the edges filter: one project's
         names = list(self.edges)
         parts = await asyncio.gather(*(asyncio.wait_for(self.edges[n].list_sandboxes(job=job, labels=labels,
                                                                                       usage=usage), LIST_TIMEOUT_S)
@@ -247,7 +268,35 @@ class Apiserver:
             else:
                 items += part
         unreachable.set(tuple(missing))
+        if principal.role == "admin" and not principal.all_projects:  # a subtree's admin: its subtree's
+            items = [i for i in items if principal.covers(i.labels.get(PROJECT_LABEL, "default"))]
         return sorted(items, key=lambda i: i.created_at)
+
+    async def quota_sweep_forever(self, every_s: float) -> None:
+        """Now and then, bring the project quotas' holds to what the edges hold
+        (dsec.iam.quota): sandboxes that ended on their own free their share."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.quota_sweep()
+            except Exception as e:  # an edge or the database is down: next time
+                log.warning("quota sweep: %s", e)
+
+    async def quota_sweep(self) -> dict[str, int]:
+        if not self.edges:  # a cluster whose registry was not read yet: nothing is known gone
+            return {}
+        token = current_principal.set(ADMIN)
+        try:
+            started = time.time()
+            items = await self.list(None, {})
+            answered = set(self.edges) - set(unreachable.get())
+        finally:
+            current_principal.reset(token)
+        project_of = {i.sandbox_id: i.labels.get(PROJECT_LABEL, "default") for i in items}
+        done = await asyncio.to_thread(self.quotas.reconcile, items, answered, set(self.edges), started, project_of)
+        if any(done.values()):
+            log.info("quota sweep: %s", done)
+        return done
 
     async def job_sandboxes(self, project: str, job: str, usage: bool = False
                             ) -> tuple[builtins.list[SandboxInfo], tuple[str, ...]]:

@@ -106,7 +106,7 @@ class TemplatesApi:
         if t is None:
             raise NotFound(f"template {template_id!r} not found", field="templateID")
         p = current_principal.get()
-        if not p.all_projects and t.project != p.project and not t.public:
+        if not p.covers(t.project) and not t.public:
             raise NotFound(f"template {template_id!r} not found", field="templateID")
         return t
 

@@ -16,40 +16,53 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 from sqlalchemy import Connection, Engine, delete, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from dsec.meta.schema import iam_events, tokens
-from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec
+from dsec.iam.quota import in_subtree
+from dsec.meta.schema import iam_events, projects, tokens
+from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec, within
 
 log = logging.getLogger("dsec.iam")
 
-Role = Literal["admin", "builder", "runner"]
 PROJECT_LABEL = "dsec.project"
 
-# what each role may do; "read" is cluster information (nodes, layers, storage)
+# what each role may do: "read" is cluster information (nodes, layers, storage);
+# "sandbox:read" reading its sandboxes (not a terminal: that is "sandbox"); "iam" managing
+# the projects, quotas and tokens of its subtree; "cluster" is the node's own token's alone
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
-    "admin": frozenset({"read", "sandbox", "layers:write", "admin"}),
-    "builder": frozenset({"read", "sandbox", "layers:write"}),
-    "runner": frozenset({"read", "sandbox"}),
+    "admin": frozenset({"read", "sandbox:read", "sandbox", "layers:write", "iam"}),
+    "builder": frozenset({"read", "sandbox:read", "sandbox", "layers:write"}),
+    "runner": frozenset({"read", "sandbox:read", "sandbox"}),
+    "reader": frozenset({"read", "sandbox:read"}),
 }
 
 
 @dataclass(frozen=True)
 class Principal:
     token_id: str
-    project: str  # "*": every project (admin)
+    project: str  # "*": every project (the cluster's admin)
     role: str
     expires_at: float | None = None
 
     def may(self, permission: str) -> bool:
+        if self.all_projects and self.role == "admin":
+            return True
         return permission in ROLE_PERMISSIONS.get(self.role, frozenset())
 
     @property
     def all_projects(self) -> bool:
         return self.project == "*"
+
+    def administers(self, project: str) -> bool:
+        """An admin of ``project`` or one of its ancestors (the cluster's admin: all)."""
+        return self.role == "admin" and (self.all_projects or within(project, self.project))
+
+    def covers(self, project: str) -> bool:
+        """Whether it may see and act on ``project``'s things: its own project's; a subtree
+        admin's, its subtree's."""
+        return self.all_projects or project == self.project or self.administers(project)
 
 
 ADMIN = Principal("admin", "*", "admin")
@@ -57,43 +70,51 @@ current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("d
 
 
 def acting_project(project: str | None) -> str:
-    """The project a request acts in: its token's, or for an admin token the one it names
-    (default "default"). A project token naming another project is refused."""
+    """The project a request acts in: its token's, or the one it names within what the
+    token covers (the cluster admin's default: "default"). Naming another is refused."""
     from dsec.errors import Forbidden
     p = current_principal.get()
-    if p.all_projects:
-        return project or "default"
-    if project is not None and project != p.project:
+    if project is None:
+        return "default" if p.all_projects else p.project
+    if not p.covers(project):
         raise Forbidden(f"a token of project {p.project!r} may not act in project {project!r}", field="project")
-    return p.project
+    return project
 
 
 def project_scope(project: str | None) -> str | None:
-    """The project a read is confined to: the token's; an admin token's, the one named or all (None)."""
-    return project if current_principal.get().all_projects else acting_project(project)
+    """The project a read is confined to: the one named (if the token covers it), else the
+    token's own; the cluster admin's, all (None)."""
+    p = current_principal.get()
+    return project if p.all_projects else acting_project(project)
 
 
-def _event(c: Connection, actor: str, action: str, target: str, detail: dict[str, object]) -> None:
-    c.execute(insert(iam_events).values(at=time.time(), actor=actor, action=action, target=target,
+def record_event(c: Connection, actor: str, action: str, target: str, project: str | None,
+                 detail: dict[str, object]) -> None:
+    """One IAM change, in the transaction that makes it."""
+    c.execute(insert(iam_events).values(at=time.time(), actor=actor, action=action, target=target, project=project,
                                         detail=json.dumps(detail)))
 
 
-def permission_for(method: str, path: str) -> str:
+# paths a reader may GET but which act (a websocket is refused to readers whatever its path)
+_SANDBOX_PREFIXES = ("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/v1/jobs", "/v1/batches", "/v1/rollouts",
+                     "/v1/projects", "/sandboxes", "/v2/sandboxes")
+
+
+def permission_for(method: str, path: str, websocket: bool = False) -> str:
     """The permission a request needs."""
-    if path.startswith(("/v1/tokens", "/v1/iam")):
-        return "admin"
-    writes = method not in ("GET", "HEAD")
+    if path.startswith(("/v1/tokens", "/v1/iam", "/v1/projects")):
+        return "iam" if method not in ("GET", "HEAD") or path.startswith(("/v1/tokens", "/v1/iam")) \
+            else "sandbox:read"
+    writes = websocket or method not in ("GET", "HEAD")
     if writes and (path.startswith("/v1/layers") or path.endswith("/pack_diff")):
         return "layers:write"
     if writes and path.startswith(("/v3/templates", "/v2/templates", "/templates")):
         return "layers:write"  # E2B's template builds publish layers
-    if path.startswith(("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/v1/jobs", "/v1/batches", "/v1/rollouts",
-                        "/sandboxes",
-                        "/v2/sandboxes")):
-        return "sandbox"
+    if path.startswith(_SANDBOX_PREFIXES):
+        return "sandbox" if writes else "sandbox:read"
     if not writes:
         return "read"
-    return "admin"
+    return "cluster"
 
 
 class TokenStore:
@@ -172,45 +193,67 @@ class TokenStore:
         the cluster's admin token: verifiable later, on any replica, without storing it."""
         return hmac.new(self._admin, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()[:40]
 
-    def create(self, spec: TokenSpec, actor: str = "admin") -> TokenInfo:
-        """A new token, recorded with who made it (``actor``, a token id) in the IAM events."""
+    def create(self, spec: TokenSpec, by: Principal = ADMIN) -> TokenInfo:
+        """A new token, recorded with who made it (``by``) in the IAM events. ``by`` must
+        administer the project (a subtree admin: its own or a sub-project), and a project
+        below the top level must exist."""
+        from dsec.errors import Forbidden, NotFound
+        if not by.administers(spec.project):
+            raise Forbidden(f"a token administering {by.project!r} may not make tokens of project {spec.project!r}",
+                            field="project")
         secret = "dsec_" + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         now = time.time()
         info = TokenInfo(id=digest[:12], project=spec.project, role=spec.role, name=spec.name, created_at=now,
-                         expires_at=now + spec.ttl_s if spec.ttl_s is not None else None, created_by=actor)
+                         expires_at=now + spec.ttl_s if spec.ttl_s is not None else None, created_by=by.token_id)
         with self._lock, self._db.begin() as c:
+            if "/" in spec.project and c.execute(select(projects.c.name).where(projects.c.name == spec.project)) \
+                    .first() is None:
+                raise NotFound(f"no project {spec.project!r}: create it first", field="project")
             c.execute(insert(tokens).values(id=info.id, digest=digest, project=info.project, role=info.role,
                                             name=info.name, created_at=now, expires_at=info.expires_at,
-                                            created_by=actor))
-            _event(c, actor, "token.create", info.id, {"project": info.project, "role": info.role,
-                                                       "name": info.name, "expires_at": info.expires_at})
+                                            created_by=by.token_id))
+            record_event(c, by.token_id, "token.create", info.id, info.project,
+                         {"role": info.role, "name": info.name, "expires_at": info.expires_at})
         self._by_digest[digest] = Principal(info.id, info.project, info.role, info.expires_at)
         return info.model_copy(update={"token": secret})
 
-    def list(self) -> list[TokenInfo]:
+    def list(self, by: Principal = ADMIN) -> builtins.list[TokenInfo]:
+        """The tokens of the projects ``by`` administers."""
+        q = select(tokens.c.id, tokens.c.project, tokens.c.role, tokens.c.name, tokens.c.created_at,
+                   tokens.c.expires_at, tokens.c.created_by).order_by(tokens.c.created_at)
+        if not by.all_projects:
+            q = q.where(in_subtree(tokens.c.project, by.project))
         with self._db.connect() as c:
-            rows = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role, tokens.c.name,
-                                    tokens.c.created_at, tokens.c.expires_at, tokens.c.created_by)
-                             .order_by(tokens.c.created_at)).all()
+            rows = c.execute(q).all()
         return [TokenInfo(id=i, project=p, role=r, name=n, created_at=t, expires_at=e, created_by=b)
                 for i, p, r, n, t, e, b in rows]
 
-    def revoke(self, token_id: str, actor: str = "admin") -> bool:
+    def revoke(self, token_id: str, by: Principal = ADMIN) -> bool:
+        """False when there is no such token among those ``by`` administers."""
         with self._lock, self._db.begin() as c:
-            n = c.execute(delete(tokens).where(tokens.c.id == token_id)).rowcount
-            if n:
-                _event(c, actor, "token.revoke", token_id, {})
-        self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id != token_id}
-        return n > 0
+            project = c.execute(select(tokens.c.project).where(tokens.c.id == token_id)).scalar()
+            if project is None or not by.administers(project):
+                return False
+            c.execute(delete(tokens).where(tokens.c.id == token_id))
+            record_event(c, by.token_id, "token.revoke", token_id, project, {})
+        self.forget([token_id])
+        return True
 
-    def events(self, after: int = 0, limit: int = 1000) -> builtins.list[IamEvent]:
-        """IAM changes after event ``after``, oldest first."""
+    def forget(self, token_ids: builtins.list[str]) -> None:
+        """Tokens revoked (here or with their project): refused from now on, on this replica."""
+        gone = set(token_ids)
+        self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id not in gone}
+
+    def events(self, after: int = 0, limit: int = 1000, by: Principal = ADMIN) -> builtins.list[IamEvent]:
+        """IAM changes after event ``after``, oldest first: those of the projects ``by`` administers."""
+        q = select(iam_events).where(iam_events.c.id > after)
+        if not by.all_projects:
+            q = q.where(in_subtree(iam_events.c.project, by.project))
         with self._db.connect() as c:
-            rows = c.execute(select(iam_events).where(iam_events.c.id > after).order_by(iam_events.c.id)
-                             .limit(limit)).mappings().all()
+            rows = c.execute(q.order_by(iam_events.c.id).limit(limit)).mappings().all()
         return [IamEvent(id=r["id"], at=r["at"], actor=r["actor"], action=r["action"], target=r["target"],
-                         detail=json.loads(r["detail"] or "{}")) for r in rows]
+                         project=r["project"], detail=json.loads(r["detail"] or "{}")) for r in rows]
 
     def import_sqlite(self, path: str) -> int:
         """Tokens of an older data dir (iam.db, before the metadata database), once."""

@@ -4,7 +4,7 @@ there."""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
 
 metadata = MetaData()
 
@@ -29,6 +29,51 @@ iam_events = Table(
     Column("action", String, nullable=False),  # token.create | token.revoke
     Column("target", String, nullable=False),
     Column("detail", Text, nullable=False, default="{}"),  # JSON
+    Column("project", String, nullable=True),  # the project it changed; None: cluster-wide (revision 0008)
+)
+
+# the project tree (revision 0008): a project's name is its path. q_*: its quota (None: no
+# cap of its own); u_*: what its whole subtree holds, kept by admission in the same
+# transaction for every ancestor, so two replicas cannot both take the last unit.
+# CPU is in millicores: sums of floats would drift.
+projects = Table(
+    "projects", metadata,
+    Column("name", String, primary_key=True),
+    Column("parent", String, nullable=True),
+    Column("description", Text, nullable=False, default=""),
+    Column("created_at", Float, nullable=False),
+    Column("created_by", String, nullable=True),
+    Column("q_sandboxes", BigInteger, nullable=True),
+    Column("q_cpu_milli", BigInteger, nullable=True),
+    Column("q_memory_mb", BigInteger, nullable=True),
+    Column("q_disk_mb", BigInteger, nullable=True),
+    Column("q_starting", BigInteger, nullable=True),
+    Column("q_fncall_per_s", Float, nullable=True),
+    Column("u_sandboxes", BigInteger, nullable=False, default=0),
+    Column("u_cpu_milli", BigInteger, nullable=False, default=0),
+    Column("u_memory_mb", BigInteger, nullable=False, default=0),
+    Column("u_disk_mb", BigInteger, nullable=False, default=0),
+    Column("u_starting", BigInteger, nullable=False, default=0),
+    Index("projects_by_parent", "parent"),
+)
+
+# what each admitted sandbox holds of its project's quota (revision 0008): a row from
+# admission until the sandbox is gone. ``sandbox_id`` is set once the edge made it; the
+# charged amounts (CPU 0 while paused) are what the u_* counters include.
+project_holds = Table(
+    "project_holds", metadata,
+    Column("id", String, primary_key=True),
+    Column("sandbox_id", String, nullable=True, unique=True),
+    Column("project", String, nullable=False),
+    Column("job", String, nullable=True),
+    Column("state", String, nullable=False),  # starting | running | paused
+    Column("cpu_milli", BigInteger, nullable=False),  # its CPU when running
+    Column("memory_mb", BigInteger, nullable=False),
+    Column("disk_mb", BigInteger, nullable=False),
+    Column("charged_cpu_milli", BigInteger, nullable=False),  # what the counters hold of its CPU now
+    Column("created_at", Float, nullable=False),
+    Column("bound_at", Float, nullable=True),  # when the edge's answer came (the sandbox exists since)
+    Index("project_holds_by_project", "project"),
 )
 
 # one row per edge the cluster ever had; the controller writes stats, replicas read them

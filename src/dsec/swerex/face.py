@@ -178,7 +178,7 @@ class SwerexFace:
         edge = self.api.edge_for(sid)
         if not principal.all_projects:
             info = await edge.get(sid)
-            if info.labels.get(PROJECT_LABEL, "default") != principal.project:
+            if not principal.covers(info.labels.get(PROJECT_LABEL, "default")):
                 raise NotFound(f"no sandbox {sid!r} in project {principal.project!r}", field="sandbox_id")
         return edge
 

@@ -10,9 +10,10 @@ from dsec.apiserver.routes import (
     layers,
     node,
     ports,
+    projects,
     rollouts,
     sandboxes,
     tokens,
 )
 
-MODULES = (tokens, node, sandboxes, jobs, batches, rollouts, exec, display, layers, fncall, files, ports)
+MODULES = (tokens, projects, node, sandboxes, jobs, batches, rollouts, exec, display, layers, fncall, files, ports)

@@ -25,7 +25,7 @@ def routes(api: Apiserver) -> APIRouter:
 
     def _mine(info: BatchInfo) -> BatchInfo:
         p = current_principal.get()
-        if not p.all_projects and info.project != p.project:  # another project's batch does not exist for it
+        if not p.covers(info.project):  # another project's batch does not exist for it
             raise NotFound(f"no batch {info.id!r}", field="batch_id")
         return info
 

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from dsec.apiserver.core import MAX_EXEC_BODY, Apiserver, parse_body, read_body
+from dsec.iam import acting_project
 from dsec.wire.models import (
     FNCALL_IMAGE,
     FnCallArgs,
@@ -21,6 +22,7 @@ def routes(api: Apiserver) -> APIRouter:
                  responses={200: {"model": FnCallResult, "description": "FnCallResult"}})
     async def fncall(request: Request) -> Response:
         """Run a short stateless task in a pooled warm container (compile once, run each test)."""
+        await api.fncall_rates.take(acting_project(None))
         args = parse_body(FnCallArgs, await read_body(request, MAX_EXEC_BODY, "body"))
         res = await api.fncall_edge(args.image).fncall(args)
         return Response(res.model_dump_json(), media_type="application/json")

@@ -54,7 +54,7 @@ def routes(api: Apiserver) -> APIRouter:
     async def _get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
         info = await asyncio.to_thread(store.get, rollout_id, steps=steps, spec=spec)
         p = current_principal.get()
-        if info is None or (not p.all_projects and info.project != p.project):
+        if info is None or not p.covers(info.project):
             raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
         return info
 

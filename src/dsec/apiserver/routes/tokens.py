@@ -1,5 +1,5 @@
-"""API tokens (admin only): create (with an expiry), list, revoke; and the IAM events, who
-changed what when."""
+"""API tokens (project admins, for their subtree; the cluster's admin, for all): create (with
+an expiry), list, revoke; and the IAM events, who changed what when."""
 
 from __future__ import annotations
 
@@ -17,22 +17,22 @@ def routes(api: Apiserver) -> APIRouter:
     router = APIRouter()
     @router.post("/v1/tokens", status_code=201)
     async def create_token(spec: TokenSpec) -> TokenInfo:
-        """A token for one project and role; its secret is in this answer only."""
-        return await asyncio.to_thread(api.tokens.create, spec, current_principal.get().token_id)
+        """A token for one project (one the caller administers) and role; its secret is in this answer only."""
+        return await asyncio.to_thread(api.tokens.create, spec, current_principal.get())
 
     @router.get("/v1/tokens")
     async def list_tokens() -> list[TokenInfo]:
-        return await asyncio.to_thread(api.tokens.list)
+        return await asyncio.to_thread(api.tokens.list, current_principal.get())
 
     @router.delete("/v1/tokens/{token_id}")
     async def revoke_token(token_id: str) -> dict[str, str]:
-        if not await asyncio.to_thread(api.tokens.revoke, token_id, current_principal.get().token_id):
+        if not await asyncio.to_thread(api.tokens.revoke, token_id, current_principal.get()):
             raise NotFound(f"no token {token_id!r}", field="token_id")
         return {"revoked": token_id}
 
     @router.get("/v1/iam/events")
     async def iam_events(after: int = Query(default=0, ge=0), limit: int = Query(default=1000, ge=1, le=10_000)
                          ) -> list[IamEvent]:
-        """IAM changes (token created, revoked) after event ``after``, oldest first."""
-        return await asyncio.to_thread(api.tokens.events, after, limit)
+        """IAM changes (tokens, projects, quotas) after event ``after``, oldest first."""
+        return await asyncio.to_thread(api.tokens.events, after, limit, current_principal.get())
     return router

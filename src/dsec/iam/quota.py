@@ -1,0 +1,293 @@
+"""Admission against the project tree's quotas, exact across apiserver replicas.
+
+Every admitted create holds its share in the metadata database: a ``project_holds`` row,
+and the same amounts added to the ``u_*`` counters of the project and each ancestor, in
+one transaction. Each counter moves by a conditional UPDATE (``... WHERE u + need <= q``),
+root first, so two replicas racing for the last unit serialize on the row: PostgreSQL
+re-checks the condition against the committed row after the lock wait, SQLite has one
+writer at a time. Whoever comes second matches no row and is refused with the project and
+the resource; nothing is left half-charged because the transaction rolls back.
+
+A hold is ``starting`` until the edge made the sandbox (then ``running``; the ``starting``
+quota counts these), and goes when the sandbox is stopped through any replica. What the
+apiserver does not see, the sweep (:meth:`ProjectQuotas.reconcile`) takes from the edges,
+which are the truth of what runs: sandboxes that ended on their own (TTL, crash, a lost
+node) free their share, ones made without a hold (a response lost in flight, a database
+restored from backup) are adopted, and a paused sandbox's CPU is not counted while it is
+paused. Blocking calls: the apiserver runs them in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, and_, delete, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.elements import ColumnElement
+
+from dsec.errors import NotFound, QuotaExceeded
+from dsec.meta.schema import project_holds, projects
+from dsec.wire.iam import lineage
+from dsec.wire.models import SandboxInfo, SandboxState, parse_sandbox_id
+
+log = logging.getLogger("dsec.iam.quota")
+
+# a hold still "starting" this long after admission belongs to a create that will never
+# report back (its replica died): the sweep releases it (an edge create is bounded well below)
+STARTING_STALE_S = 900.0
+# a sandbox running without a hold is adopted only once it is this old: younger ones may be
+# a create still on its way back to the replica that admitted it
+ADOPT_GRACE_S = 60.0
+# (counter, quota) columns, and the unit a resource is named in
+_COLUMNS = {
+    "sandboxes": ("u_sandboxes", "q_sandboxes"),
+    "cpu_cores": ("u_cpu_milli", "q_cpu_milli"),
+    "memory_mb": ("u_memory_mb", "q_memory_mb"),
+    "disk_mb": ("u_disk_mb", "q_disk_mb"),
+    "starting": ("u_starting", "q_starting"),
+}
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one sandbox holds of its project's quota."""
+
+    cpu_milli: int
+    memory_mb: int
+    disk_mb: int
+
+    @classmethod
+    def of(cls, cpu_cores: float, memory_mb: int, disk_mb: int | None) -> Need:
+        return cls(round(cpu_cores * 1000), int(memory_mb), int(disk_mb or 0))
+
+    @classmethod
+    def of_info(cls, info: SandboxInfo) -> Need:
+        disk = info.disk_limit_mb if info.disk_limit_mb is not None else (info.vm.disk_mb if info.vm else 0)
+        return cls.of(info.cpu_cores_limit, info.memory_limit_mb, disk)
+
+
+def _show(resource: str, value: int | float) -> str:
+    return f"{value / 1000:g} CPU cores" if resource == "cpu_cores" else \
+        f"{value} MiB" if resource.endswith("_mb") else f"{value} {resource}"
+
+
+class ProjectQuotas:
+    def __init__(self, db: Engine) -> None:
+        self.db = db
+        # SQLite has one writer: serializing here keeps threads off its busy-wait
+        self._serial = threading.Lock() if db.dialect.name == "sqlite" else None
+
+    @contextlib.contextmanager
+    def _txn(self) -> Iterator[Connection]:
+        with self._serial or contextlib.nullcontext(), self.db.begin() as c:
+            yield c
+
+    def ensure_root(self, project: str) -> None:
+        """A top-level project that was never created (the "default" one, a token's project
+        from before the tree) exists from its first sandbox on, with no quota."""
+        try:
+            with self._txn() as c:
+                if c.execute(select(projects.c.name).where(projects.c.name == project)).first() is None:
+                    c.execute(insert(projects).values(name=project, parent=None, description="", created_at=time.time(),
+                                                      created_by=None))
+        except IntegrityError:  # another replica made it first
+            pass
+
+    def admit(self, project: str, job: str | None, need: Need) -> str:
+        """Hold ``need`` (and one starting slot) in ``project`` and every ancestor; the hold's
+        id. Refused with QuotaExceeded (429) naming the project and resource, or NotFound for
+        a sub-project that does not exist."""
+        for attempt in (0, 1):
+            try:
+                with self._txn() as c:
+                    for p in lineage(project):
+                        if not self._charge(c, p, need):
+                            self._refuse(c, p, need)  # raises; the transaction rolls back
+                    hold = uuid.uuid4().hex
+                    c.execute(insert(project_holds).values(
+                        id=hold, sandbox_id=None, project=project, job=job, state="starting",
+                        cpu_milli=need.cpu_milli, memory_mb=need.memory_mb, disk_mb=need.disk_mb,
+                        charged_cpu_milli=need.cpu_milli, created_at=time.time()))
+                    return hold
+            except _MissingRoot:
+                if attempt:
+                    raise
+                self.ensure_root(project)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _charge(c: Connection, p: str, need: Need) -> bool:
+        t = projects.c
+        amounts = {"sandboxes": 1, "cpu_cores": need.cpu_milli, "memory_mb": need.memory_mb,
+                   "disk_mb": need.disk_mb, "starting": 1}
+        conds = [or_(t[q].is_(None), t[u] + amounts[r] <= t[q]) for r, (u, q) in _COLUMNS.items()]
+        values = {u: t[u] + amounts[r] for r, (u, _) in _COLUMNS.items()}
+        return c.execute(update(projects).where(t.name == p, *conds).values(**values)).rowcount == 1
+
+    @staticmethod
+    def _refuse(c: Connection, p: str, need: Need) -> None:
+        row = c.execute(select(projects).where(projects.c.name == p)).mappings().first()
+        if row is None:
+            if "/" not in p:
+                raise _MissingRoot(p)
+            raise NotFound(f"no project {p!r}: create it first (dsec project create {p})", field="project")
+        amounts = {"sandboxes": 1, "cpu_cores": need.cpu_milli, "memory_mb": need.memory_mb,
+                   "disk_mb": need.disk_mb, "starting": 1}
+        for r, (u, q) in _COLUMNS.items():
+            if row[q] is not None and row[u] + amounts[r] > row[q]:
+                what = "sandboxes starting at once" if r == "starting" else r.replace("_mb", "").replace("_", " ")
+                raise QuotaExceeded(
+                    f"project {p!r} is at its quota of {what}: {_show(r, row[q])}, {_show(r, row[u])} held in its "
+                    f"subtree, this sandbox needs {_show(r, amounts[r])}", field=f"quota.{r}")
+        raise QuotaExceeded(f"project {p!r} had no room for this sandbox", field="quota")  # changed under us
+
+    @staticmethod
+    def _move(c: Connection, project: str, sandboxes: int, cpu_milli: int, memory_mb: int, disk_mb: int,
+              starting: int) -> None:
+        """Add these amounts (negative: free them) to the counters of ``project`` and its ancestors, root first."""
+        t = projects.c
+        for p in lineage(project):
+            c.execute(update(projects).where(t.name == p).values(
+                u_sandboxes=t.u_sandboxes + sandboxes, u_cpu_milli=t.u_cpu_milli + cpu_milli,
+                u_memory_mb=t.u_memory_mb + memory_mb, u_disk_mb=t.u_disk_mb + disk_mb,
+                u_starting=t.u_starting + starting))
+
+    def bind(self, hold: str, sandbox_id: str) -> None:
+        """The edge made the hold's sandbox: no longer starting."""
+        try:
+            with self._txn() as c:
+                h = c.execute(select(project_holds).where(project_holds.c.id == hold)).mappings().first()
+                if h is None or h["state"] != "starting":
+                    return
+                c.execute(update(project_holds).where(project_holds.c.id == hold)
+                          .values(sandbox_id=sandbox_id, state="running", bound_at=time.time()))
+                self._move(c, h["project"], 0, 0, 0, 0, -1)
+        except IntegrityError:  # the sweep adopted the sandbox first: that hold counts it, not this one
+            self.release(hold=hold)
+
+    def release(self, *, hold: str | None = None, sandbox_id: str | None = None) -> bool:
+        """Free a hold (by its id, or its sandbox's); False if there was none."""
+        col = project_holds.c.id if hold is not None else project_holds.c.sandbox_id
+        key = hold if hold is not None else sandbox_id
+        with self._txn() as c:
+            h = c.execute(select(project_holds).where(col == key)).mappings().first()
+            if h is None:
+                return False
+            if c.execute(delete(project_holds).where(project_holds.c.id == h["id"])).rowcount != 1:
+                return False
+            self._move(c, h["project"], -1, -h["charged_cpu_milli"], -h["memory_mb"], -h["disk_mb"],
+                       -1 if h["state"] == "starting" else 0)
+        return True
+
+    def set_paused(self, sandbox_id: str, paused: bool) -> bool:
+        """A paused sandbox holds no CPU; resumed, it holds it again (never refused: it was admitted)."""
+        with self._txn() as c:
+            h = c.execute(select(project_holds).where(project_holds.c.sandbox_id == sandbox_id)).mappings().first()
+            want = "paused" if paused else "running"
+            if h is None or h["state"] in ("starting", want):
+                return False
+            charged = 0 if paused else h["cpu_milli"]
+            c.execute(update(project_holds).where(project_holds.c.id == h["id"], project_holds.c.state == h["state"])
+                      .values(state=want, charged_cpu_milli=charged))
+            self._move(c, h["project"], 0, charged - h["charged_cpu_milli"], 0, 0, 0)
+        return True
+
+    def adopt(self, info: SandboxInfo, project: str) -> bool:
+        """Count a sandbox that runs without a hold (never refused: it exists)."""
+        need = Need.of_info(info)
+        paused = info.state == SandboxState.paused
+        try:
+            with self._txn() as c:
+                known = c.execute(select(projects.c.name).where(projects.c.name.in_(lineage(project)))).scalars().all()
+                if len(known) != len(lineage(project)):
+                    if "/" in project:
+                        log.warning("sandbox %s is of project %r, which does not exist: not counted",
+                                    info.sandbox_id, project)
+                        return False
+                    c.execute(insert(projects).values(name=project, parent=None, description="",
+                                                      created_at=time.time(), created_by=None))
+                if c.execute(select(project_holds.c.id).where(project_holds.c.sandbox_id == info.sandbox_id)).first():
+                    return False
+                c.execute(insert(project_holds).values(
+                    id=uuid.uuid4().hex, sandbox_id=info.sandbox_id, project=project, job=info.job,
+                    state="paused" if paused else "running", cpu_milli=need.cpu_milli, memory_mb=need.memory_mb,
+                    disk_mb=need.disk_mb, charged_cpu_milli=0 if paused else need.cpu_milli, created_at=time.time(),
+                    bound_at=time.time()))
+                self._move(c, project, 1, 0 if paused else need.cpu_milli, need.memory_mb, need.disk_mb, 0)
+        except IntegrityError:  # another replica's sweep (or create) got there first: it counts it
+            return False
+        return True
+
+    def reconcile(self, listed: Iterable[SandboxInfo], answered: set[str], edges: set[str], started: float,
+                  project_of: dict[str, str]) -> dict[str, int]:
+        """Bring the holds to what the edges hold: ``listed`` is every sandbox of the edges in
+        ``answered`` (a listing begun at ``started``), ``edges`` every edge of the cluster.
+        ``project_of`` gives a listed sandbox's project. Returns counts of what changed."""
+        live = {i.sandbox_id: i for i in listed if i.state in (SandboxState.running, SandboxState.paused,
+                                                               SandboxState.creating)}
+        with self.db.connect() as c:
+            holds = c.execute(select(project_holds.c.id, project_holds.c.sandbox_id, project_holds.c.state,
+                                     project_holds.c.created_at, project_holds.c.bound_at)).all()
+        done = {"released": 0, "adopted": 0, "paused": 0, "resumed": 0}
+        held = set()
+        for hid, sid, state, created, bound in holds:
+            if sid is None:
+                if state == "starting" and created < started - STARTING_STALE_S:
+                    done["released"] += self.release(hold=hid)
+                continue
+            held.add(sid)
+            try:
+                edge = parse_sandbox_id(sid)
+            except ValueError:
+                edge = ""
+            if sid in live:
+                st = live[sid].state
+                if st == SandboxState.paused and state == "running":
+                    done["paused"] += self.set_paused(sid, True)
+                elif st == SandboxState.running and state == "paused":
+                    done["resumed"] += self.set_paused(sid, False)
+            elif (edge in answered and (bound or created) < started) or edge not in edges:
+                done["released"] += self.release(hold=hid)
+        for sid, info in live.items():
+            if sid not in held and info.state != SandboxState.creating and info.created_at < started - ADOPT_GRACE_S:
+                done["adopted"] += self.adopt(info, project_of[sid])
+        return done
+
+    def job_usage(self, under: str) -> dict[tuple[str, str], dict[str, int]]:
+        """(project, job) -> held amounts, for the jobs of ``under``'s subtree."""
+        h = project_holds.c
+        with self.db.connect() as c:
+            rows = c.execute(select(h.project, h.job, h.state, h.charged_cpu_milli, h.memory_mb, h.disk_mb).where(
+                and_(h.job.is_not(None), in_subtree(h.project, under)))).all()
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        for project, job, state, cpu, mem, disk in rows:
+            u = out.setdefault((project, job), {"sandboxes": 0, "cpu_milli": 0, "memory_mb": 0, "disk_mb": 0,
+                                                "starting": 0})
+            u["sandboxes"] += 1
+            u["cpu_milli"] += cpu
+            u["memory_mb"] += mem
+            u["disk_mb"] += disk
+            u["starting"] += state == "starting"
+        return out
+
+    def held_in(self, under: str) -> int:
+        """How many sandboxes ``under``'s subtree holds."""
+        h = project_holds.c
+        with self.db.connect() as c:
+            return len(c.execute(select(h.id).where(in_subtree(h.project, under))).all())
+
+
+def in_subtree(col: ColumnElement[str], project: str) -> ColumnElement[bool]:
+    """``col`` names ``project`` or one of its sub-projects. Names have no "%", but "_" is
+    LIKE's any-one-character: escaped."""
+    return or_(col == project, col.like(project.replace("_", "\\_") + "/%", escape="\\"))
+
+
+class _MissingRoot(Exception):
+    pass
