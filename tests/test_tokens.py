@@ -37,8 +37,8 @@ def test_expiry_revocation_and_events(platform: Platform) -> None:
         assert [(e.action, e.target, e.actor) for e in events] == [
             ("token.create", short.id, "admin"), ("token.create", lasting.id, "admin"),
             ("token.revoke", lasting.id, "admin")]
-        assert events[0].detail == {"project": "tok-exp", "role": "runner", "name": "short",
-                                    "expires_at": short.expires_at}
+        assert events[0].project == "tok-exp" and events[0].detail == {"role": "runner", "name": "short",
+                                                                       "expires_at": short.expires_at}
         assert {t.id: t.expires_at for t in admin.tokens()}[short.id] == short.expires_at
         with pytest.raises(dsec.InvalidRequest) as e:
             admin.create_token("tok-exp", "runner", ttl_s=-5)

@@ -15,6 +15,9 @@ from dsec.errors import (
     LayerInUse,
     NotFound,
     PayloadTooLarge,
+    ProjectExists,
+    ProjectNotEmpty,
+    QuotaConflict,
     QuotaExceeded,
     SandboxBusy,
     SandboxError,
@@ -34,6 +37,7 @@ from dsec.sdk import (
     Sandbox,
 )
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem, BatchRequest
+from dsec.wire.iam import ProjectInfo, ProjectQuota, Usage
 from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
 from dsec.wire.layers import Layer
 from dsec.wire.models import (
@@ -64,5 +68,6 @@ __all__ = [
     "CommandForgotten", "CommandRecord", "KeyConflict",
     "AsyncJob", "Job", "JobAction", "JobExists", "JobInfo", "JobNotActive", "JobQuota", "JobStatus", "QuotaExceeded",
     "AsyncBatch", "Batch", "BatchCounts", "BatchInfo", "BatchItem", "BatchRequest",
+    "ProjectExists", "ProjectInfo", "ProjectNotEmpty", "ProjectQuota", "QuotaConflict", "Usage",
     "AsyncRollouts", "Inference", "RolloutCounts", "RolloutInfo", "RolloutSpec", "Rollouts", "Step",
 ]

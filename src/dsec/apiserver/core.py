@@ -44,6 +44,7 @@ from dsec.wire.models import (
     CreateRequest,
     ForkRequest,
     SandboxInfo,
+    SandboxState,
     normalize_layer_ref,
     parse_sandbox_id,
 )
@@ -156,6 +157,15 @@ class Apiserver:
                 await asyncio.to_thread(self.index.index_drop, [sandbox_id])
             except Exception as e:  # the controller's sweep drops it later
                 log.warning("sandbox %s not dropped from the index: %s", sandbox_id, e)
+
+    async def paused(self, info: SandboxInfo) -> None:
+        """A sandbox was paused or resumed through this apiserver: its project's CPU follows
+        at once (a paused one holds none); what happens on the edge alone, the sweep catches."""
+        if info.state in (SandboxState.paused, SandboxState.running):
+            try:
+                await asyncio.to_thread(self.quotas.set_paused, info.sandbox_id, info.state == SandboxState.paused)
+            except Exception as e:
+                log.warning("sandbox %s's quota not updated: %s", info.sandbox_id, e)
 
     @staticmethod
     def _own(req: CreateRequest) -> CreateRequest:

@@ -30,7 +30,8 @@ fncall_app = typer.Typer(help="FnCall: short stateless tasks in pooled warm cont
 app.add_typer(fncall_app, name="fncall")
 node_app = typer.Typer(help="This cluster's nodes (edges)", no_args_is_help=True)
 app.add_typer(node_app, name="node")
-token_app = typer.Typer(help="API tokens: one project and one role each (admin only)", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: one project and one role each (made by an admin of the project or above)",
+                        no_args_is_help=True)
 app.add_typer(token_app, name="token")
 @contextlib.contextmanager
 def _api(url: str | None, token: str | None) -> Iterator[Client]:
@@ -124,7 +125,8 @@ def pause(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
 
 
 @token_app.command("create")
-def token_create(project: str, role: Annotated[str, typer.Option(help="builder or runner")] = "runner",
+def token_create(project: str, role: Annotated[str, typer.Option(help="admin (of the project's subtree), builder, "
+                                                                      "runner or reader")] = "runner",
                  name: str = "",
                  ttl: Annotated[str | None, typer.Option(help="expires after this long: 90s, 30m, 12h, 30d")] = None,
                  url: UrlOpt = None, token: TokenOpt = None) -> None:
@@ -151,7 +153,7 @@ def _duration(text: str, param: str) -> float:
 
 @token_app.command("events")
 def token_events(after: int = 0, limit: int = 1000, url: UrlOpt = None, token: TokenOpt = None) -> None:
-    """IAM changes (tokens created, revoked): who (a token id; admin is the node's own), what, when."""
+    """IAM changes (tokens, projects, quotas): who (a token id; admin is the node's own), what, when."""
     with _errors(), _api(url, token) as c:
         for e in c.iam_events(after, limit):
             print(e.model_dump_json())
@@ -410,9 +412,11 @@ app.add_typer(cluster_app, name="cluster")
 from dsec.cli.jobs import job_app  # noqa: E402
 
 app.add_typer(job_app, name="job")
+from dsec.cli.projects import project_app  # noqa: E402
 from dsec.cli.rollouts import rollout_app, worker  # noqa: E402
 
 app.add_typer(rollout_app, name="rollout")
+app.add_typer(project_app, name="project")
 app.command("rollout-worker")(worker)
 
 

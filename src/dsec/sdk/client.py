@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable, InvalidRequest
 from dsec.sdk.batches import AsyncBatch
+from dsec.sdk.iam import AsyncProjects
 from dsec.sdk.jobs import AsyncJob
 from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchInfo
@@ -595,6 +596,11 @@ class AsyncClient:
         return AsyncBatch(self, BatchInfo.model_validate(await self._json("POST", "/v1/batches", json=body)))
 
     @property
+    def projects(self) -> AsyncProjects:
+        """The project tree (docs/iam.md): create sub-projects with quotas, usage, delete."""
+        return AsyncProjects(self)
+
+    @property
     def rollouts(self) -> AsyncRollouts:
         """The rollout service (docs/rl.md, "Rollouts that outlive the trainer"): submit agent
         loops for the platform's workers, stream the finished ones, acknowledge them."""
@@ -681,7 +687,8 @@ class AsyncClient:
 
     async def create_token(self, project: str, role: str, name: str = "", *, ttl_s: float | None = None
                            ) -> TokenInfo:
-        """(admin) A token for ``project`` with role ``builder`` or ``runner``, expiring
+        """(a cluster admin, or an admin of ``project`` or above) A token for ``project`` with
+        role ``admin`` (of its subtree), ``builder``, ``runner`` or ``reader``, expiring
         ``ttl_s`` seconds from now if given; the secret is in ``.token`` of this answer only."""
         body: dict[str, Any] = {"project": project, "role": role, "name": name}
         if ttl_s is not None:

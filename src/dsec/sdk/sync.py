@@ -14,6 +14,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.client import AsyncClient, AsyncSandbox
+from dsec.sdk.iam import AsyncProjects
 from dsec.sdk.jobs import AsyncJob
 from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem
@@ -249,6 +250,20 @@ class Rollouts(_Face):
     cancel = _blocking(AsyncRollouts.cancel)
 
 
+class Projects(_Face):
+    """Blocking face of the project tree; the same methods as :class:`dsec.sdk.iam.AsyncProjects`."""
+
+    def __init__(self, portal: _Portal, inner: AsyncProjects) -> None:
+        self._portal = portal
+        self._inner = inner
+
+    create = _blocking(AsyncProjects.create)
+    get = _blocking(AsyncProjects.get)
+    list = _blocking(AsyncProjects.list)
+    set_quota = _blocking(AsyncProjects.set_quota)
+    delete = _blocking(AsyncProjects.delete)
+
+
 class Client(_Face):
     """Blocking client; the same methods as :class:`AsyncClient`."""
 
@@ -274,6 +289,11 @@ class Client(_Face):
     @property
     def token(self) -> str | None:
         return self._inner.token
+
+    @property
+    def projects(self) -> Projects:
+        """The project tree: sub-projects, quotas, usage (docs/iam.md)."""
+        return Projects(self._portal, self._inner.projects)
 
     @property
     def rollouts(self) -> Rollouts:

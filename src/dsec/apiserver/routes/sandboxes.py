@@ -104,7 +104,9 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/sandboxes/{sandbox_id}/pause")
     async def pause(sandbox_id: str) -> SandboxInfo:
         """VM: RAM and devices to a snapshot file and QEMU ends; container: frozen. Any later request resumes."""
-        return await api.edge_for(sandbox_id).pause(sandbox_id)
+        info = await api.edge_for(sandbox_id).pause(sandbox_id)
+        await api.paused(info)
+        return info
 
     @router.post("/v1/sandboxes/{sandbox_id}/network")
     async def set_network_rules(sandbox_id: str, req: NetworkRulesRequest) -> NetworkInfo:
@@ -113,7 +115,9 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.post("/v1/sandboxes/{sandbox_id}/resume")
     async def resume(sandbox_id: str) -> SandboxInfo:
-        return await api.edge_for(sandbox_id).resume(sandbox_id)
+        info = await api.edge_for(sandbox_id).resume(sandbox_id)
+        await api.paused(info)
+        return info
 
     @router.get("/v1/sandboxes/{sandbox_id}/events")
     async def events(sandbox_id: str) -> list[SandboxEvent]:

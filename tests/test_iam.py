@@ -1,0 +1,247 @@
+"""IAM end to end on the real platform (docs/iam.md): a project tree with delegated quotas
+enforced on real creates (429 naming the project and resource), subtree admins who can
+grant only within what they hold, runners and readers, and the red team's attempts:
+over-delegation, granting outside one's subtree, raising one's own quota, reading another
+project's sandbox, job, batch or rollout by its id, a reader opening a terminal, deleting
+a project with running sandboxes, the E2B face under a project's quota."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import websockets
+
+import dsec
+from dsec.wire.iam import ProjectQuota
+from tests.conftest import TOKEN, Platform, wait_for
+
+SMALL = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.5, disk_limit_mb=64)
+
+
+class Org:
+    """A top-level project made by the cluster's admin, and tokens in it."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.url = platform.url
+        self.root = f"org{uuid.uuid4().hex[:6]}"
+        self.admin = dsec.Client(url=self.url, token=TOKEN)
+        self.admin.projects.create(self.root, ProjectQuota(sandboxes=4, cpu_cores=1.5, memory_mb=4096))
+        self.clients = [self.admin]
+        self.lead = self.client(self.root, "admin")  # the team lead: admin of the subtree
+
+    def token(self, project: str, role: str, by: dsec.Client | None = None) -> str:
+        t = (by or self.admin).create_token(project, role).token
+        assert t is not None
+        return t
+
+    def client(self, project: str, role: str, by: dsec.Client | None = None) -> dsec.Client:
+        c = dsec.Client(url=self.url, token=self.token(project, role, by))
+        self.clients.append(c)
+        return c
+
+    def close(self) -> None:
+        for info in self.admin.list():
+            if info.labels.get("dsec.project", "").startswith(self.root) and info.state.value in ("running", "paused"):
+                self.admin.connect(info.sandbox_id).stop()
+        for c in self.clients:
+            c.close()
+
+
+@pytest.fixture
+def org(platform: Platform) -> Iterator[Org]:
+    o = Org(platform)
+    yield o
+    o.close()
+
+
+def test_quota_is_enforced_on_creates_and_freed_by_stops(org: Org) -> None:
+    swe = f"{org.root}/swe"
+    org.lead.projects.create(swe, ProjectQuota(sandboxes=2))
+    runner = org.client(swe, "runner", by=org.lead)
+    a = runner.run_container(dsec.ContainerArgs(**SMALL))
+    b = runner.run_container(dsec.ContainerArgs(**SMALL))
+    assert a.refresh().labels["dsec.project"] == swe
+    with pytest.raises(dsec.QuotaExceeded) as e:
+        runner.run_container(dsec.ContainerArgs(**SMALL))
+    assert e.value.status == 429 and e.value.field == "quota.sandboxes" and repr(swe) in e.value.message
+    # the root's CPU (1.5 cores) is what stops a third sandbox in another sub-project
+    ops = org.client(org.root, "runner")
+    c = ops.run_container(dsec.ContainerArgs(**SMALL))
+    with pytest.raises(dsec.QuotaExceeded) as e:
+        ops.run_container(dsec.ContainerArgs(**SMALL))
+    assert e.value.field == "quota.cpu_cores" and repr(org.root) in e.value.message
+    usage = org.lead.projects.get(org.root, tree=True)
+    assert (usage.usage.sandboxes, usage.usage.cpu_cores, usage.usage.starting) == (3, 1.5, 0)
+    assert usage.children and usage.children[0].name == swe and usage.children[0].usage.sandboxes == 2
+    # a paused sandbox holds its memory, not its CPU: room for one more
+    b.pause()
+    assert org.admin.projects.get(org.root).usage.cpu_cores == 1.0
+    d = ops.run_container(dsec.ContainerArgs(**SMALL, ttl_running_stop=2))
+    # resuming is never refused (the sandbox was admitted): the project is over its CPU
+    # cap until something stops, and takes no new sandbox meanwhile
+    b.resume()
+    assert org.admin.projects.get(org.root).usage.cpu_cores == 2.0
+    with pytest.raises(dsec.QuotaExceeded):
+        ops.run_container(dsec.ContainerArgs(**SMALL))
+    c.stop()
+    a.stop()
+    assert org.admin.projects.get(org.root).usage.sandboxes == 2
+    # a sandbox that ends on its own (its idle TTL) is freed by the sweep within seconds
+    assert wait_for(lambda: org.admin.projects.get(org.root).usage.sandboxes == 1, 30), \
+        org.admin.projects.get(org.root).usage
+    assert d.refresh().state.value == "stopped"
+    runner.run_container(dsec.ContainerArgs(**SMALL)).stop()
+
+
+def test_subtree_admin_grants_only_what_it_holds(org: Org) -> None:
+    lead = org.lead
+    lead.projects.create(f"{org.root}/a", ProjectQuota(sandboxes=2, cpu_cores=1))
+    with pytest.raises(dsec.QuotaConflict) as e:  # over-delegation: 2 + 3 > 4
+        lead.projects.create(f"{org.root}/b", ProjectQuota(sandboxes=3))
+    assert e.value.field == "quota.sandboxes" and "2 sandboxes is left" in e.value.message, e.value.message
+    lead.projects.create(f"{org.root}/b", ProjectQuota(sandboxes=2))
+    lead.projects.create(f"{org.root}/a/deep")
+    with pytest.raises(dsec.Forbidden):  # a project's admin cannot raise its own quota
+        lead.projects.set_quota(org.root, sandboxes=1000)
+    with pytest.raises(dsec.Forbidden):  # nor make a top-level project
+        lead.projects.create(f"x{org.root}")
+    other = f"oth{uuid.uuid4().hex[:6]}"
+    org.admin.projects.create(other)
+    with pytest.raises(dsec.Forbidden):  # nor act outside its subtree
+        lead.projects.create(f"{other}/mine")
+    with pytest.raises(dsec.Forbidden):
+        lead.create_token(other, "admin")
+    with pytest.raises(dsec.NotFound):  # a token for a sub-project that does not exist
+        lead.create_token(f"{org.root}/ghost", "runner")
+    # lowering a parent below what it delegated says what must shrink
+    with pytest.raises(dsec.QuotaConflict) as e:
+        org.admin.projects.set_quota(org.root, sandboxes=3)
+    assert f"{org.root}/a: 2 sandboxes" in e.value.message and f"{org.root}/b: 2 sandboxes" in e.value.message
+    # an admin of a sub-project manages below it only
+    sub = org.client(f"{org.root}/a", "admin", by=lead)
+    sub.projects.set_quota(f"{org.root}/a/deep", sandboxes=2)
+    with pytest.raises(dsec.QuotaConflict):
+        sub.projects.set_quota(f"{org.root}/a/deep", sandboxes=3)
+    with pytest.raises(dsec.Forbidden):
+        sub.projects.set_quota(f"{org.root}/b", sandboxes=0)
+    with pytest.raises(dsec.NotFound):
+        sub.projects.get(f"{org.root}/b")
+    assert [p.name for p in sub.projects.list()] == [f"{org.root}/a", f"{org.root}/a/deep"]
+    assert {t.project for t in lead.tokens()} <= {org.root, f"{org.root}/a", f"{org.root}/b"}
+    assert {t.project for t in sub.tokens()} == {f"{org.root}/a"}
+    # the IAM events: who did what, and a subtree admin sees its subtree's only
+    events = lead.iam_events(limit=10_000)
+    assert {e.project for e in events} <= {org.root, f"{org.root}/a", f"{org.root}/b", f"{org.root}/a/deep"}
+    assert ("project.quota", f"{org.root}/a/deep") in {(e.action, e.target) for e in events}
+    assert any(e.action == "project.create" and e.target == f"{org.root}/a" for e in events)
+
+
+def test_readers_read_and_nothing_else(org: Org, platform: Platform) -> None:
+    runner = org.client(org.root, "runner")
+    reader = org.client(org.root, "reader")
+    sb = runner.run_container(dsec.ContainerArgs(**SMALL))
+    assert [i.sandbox_id for i in reader.list()] == [sb.sandbox_id]
+    assert reader.connect(sb.sandbox_id).refresh().state.value == "running"
+    assert reader.projects.get(org.root).usage.sandboxes == 1
+    with pytest.raises(dsec.Forbidden):
+        reader.connect(sb.sandbox_id).exec(["true"])
+    with pytest.raises(dsec.Forbidden):
+        reader.run_container(dsec.ContainerArgs(**SMALL))
+    with pytest.raises(dsec.Forbidden):
+        reader.connect(sb.sandbox_id).stop()
+    with pytest.raises(dsec.Forbidden):
+        reader.create_token(org.root, "runner")
+
+    async def tty() -> int | None:
+        url = sb._inner.tty_url(80, 24)
+        async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {reader.token}"}) as ws:
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as e:
+                await ws.recv()
+            return e.value.rcvd.code if e.value.rcvd else None
+    assert asyncio.run(tty()) == 4401  # a terminal is a write, whatever its HTTP method
+
+
+def test_another_project_finds_nothing_by_guessing_ids(org: Org, platform: Platform) -> None:
+    mine = org.client(org.root, "builder")
+    sb = mine.run_container(dsec.ContainerArgs(**SMALL, job="secret-job"))
+    mine.create_job("planned")
+    org.admin.projects.create(f"x{org.root}")
+    thief = org.client(f"x{org.root}", "admin")
+    h = {"Authorization": f"Bearer {thief.token}"}
+    for path in (f"/v1/sandboxes/{sb.sandbox_id}", f"/v1/sandboxes/{sb.sandbox_id}/files?path=/etc/hostname",
+                 f"/v1/sandboxes/{sb.sandbox_id}/commands", f"/v1/projects/{org.root}"):
+        r = httpx.get(platform.url + path, headers=h)
+        assert r.status_code == 404, (path, r.status_code, r.text)
+    r = httpx.post(f"{platform.url}/v1/sandboxes/{sb.sandbox_id}/exec", headers=h, json={"cmd": ["id"]})
+    assert r.status_code == 404
+    r = httpx.get(f"{platform.url}/v1/jobs/planned", headers=h, params={"project": org.root})
+    assert r.status_code == 403 and r.json()["field"] == "project"
+    assert httpx.get(f"{platform.url}/v1/jobs/planned", headers=h).status_code == 404
+    assert sb.sandbox_id not in {i.sandbox_id for i in thief.list()}
+    assert not thief.list(job="secret-job")
+    r = httpx.delete(f"{platform.url}/v1/sandboxes", headers=h, params={"job": "secret-job"})
+    assert r.status_code == 200 and r.json() == []
+    assert sb.refresh().state.value == "running"
+
+
+def test_deleting_a_project_with_sandboxes(org: Org) -> None:
+    name = f"{org.root}/tmp"
+    org.lead.projects.create(name)
+    runner = org.client(name, "runner", by=org.lead)
+    sb = runner.run_container(dsec.ContainerArgs(**SMALL))
+    with pytest.raises(dsec.ProjectNotEmpty) as e:
+        org.lead.projects.delete(name)
+    assert "1 sandbox" in e.value.message
+    with pytest.raises(dsec.ProjectNotEmpty):
+        org.admin.projects.delete(org.root)  # it has sub-projects
+    out = org.lead.projects.delete(name, stop=True)
+    assert out["sandboxes_stopped"] == [sb.sandbox_id] and len(out["tokens_revoked"]) == 1
+    assert org.admin.connect(sb.sandbox_id).info.state.value == "stopped"
+    with pytest.raises(dsec.Unauthorized):  # its tokens went with it, at once
+        runner.list()
+    assert org.admin.projects.get(org.root).usage.sandboxes == 0
+
+
+def test_e2b_keys_are_project_tokens_under_its_quota(org: Org, platform: Platform) -> None:
+    team = org.admin.projects.create(f"e2b{org.root}", ProjectQuota(sandboxes=2)).name
+    key = org.token(team, "runner")
+    h = {"X-API-Key": key}
+    made = []
+    try:
+        for _ in range(2):
+            r = httpx.post(f"{platform.url}/sandboxes", headers=h, json={"templateID": "base", "timeout": 60},
+                           timeout=60)
+            assert r.status_code == 201, r.text
+            made.append(r.json()["sandboxID"])
+        r = httpx.post(f"{platform.url}/sandboxes", headers=h, json={"templateID": "base", "timeout": 60},
+                       timeout=60)
+        assert r.status_code == 429 and repr(team) in r.json()["message"], r.text
+        assert {s["sandboxID"] for s in httpx.get(f"{platform.url}/v2/sandboxes", headers=h).json()} == set(made)
+        other = org.token(org.root, "runner")
+        assert httpx.get(f"{platform.url}/v2/sandboxes", headers={"X-API-Key": other}).json() == []
+    finally:
+        for sid in made:
+            httpx.delete(f"{platform.url}/sandboxes/{sid}", headers=h)
+
+
+def test_cli(org: Org, platform: Platform) -> None:
+    base = [sys.executable, "-m", "dsec.cli.main", "project"]
+    auth = ["--url", platform.url, "--token", TOKEN]
+    name = f"{org.root}/cli"
+    r = subprocess.run([*base, "create", name, "--quota", "sandboxes=1,cpu=0.5,memory_gb=1", *auth],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["quota"] == {"sandboxes": 1, "cpu_cores": 0.5, "memory_mb": 1024}
+    r = subprocess.run([*base, "usage", org.root, "--tree", *auth], capture_output=True, text=True)
+    assert r.returncode == 0 and "cli" in r.stdout and "/ 4" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([*base, "set-quota", name, "--quota", "sandboxes=9", *auth], capture_output=True, text=True)
+    assert r.returncode == 2 and "quota_conflict" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([*base, "create", name + "/x", "--quota", "cpus=1", *auth], capture_output=True, text=True)
+    assert r.returncode == 2 and "--quota" in r.stderr
