@@ -353,6 +353,30 @@ async def test_a_token_made_on_one_replica_works_on_the_other_and_revocation_rea
         await _until(refused, "the other replica refuses a revoked token", 15)
 
 
+async def test_a_project_quota_holds_when_two_replicas_race_for_the_last_units(rc: RayDsec) -> None:
+    """Creates for one project through both replicas at once: admission is a conditional
+    update of the project's usage row in PostgreSQL, so exactly the quota is made, whichever
+    replica each create went to, and the rest are 429s naming the project."""
+    urls = ops.status(rc.address)["apiservers"]
+    a_url, b_url = urls["apiserver:0"], urls["apiserver:1"]
+    async with rc.client(a_url) as admin:
+        await admin.projects.create("race-team", dsec.ProjectQuota(sandboxes=5))
+        token = (await admin.create_token("race-team", "runner")).token
+    assert token
+    args = dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.25)
+    async with dsec.AsyncClient(url=a_url, token=token) as a, dsec.AsyncClient(url=b_url, token=token) as b:
+        results = await asyncio.gather(*(c.run_container(args) for c in (a, b) * 6), return_exceptions=True)
+        made = [r for r in results if isinstance(r, dsec.AsyncSandbox)]
+        refused = [r for r in results if isinstance(r, dsec.QuotaExceeded)]
+        try:
+            assert len(made) == 5 and len(refused) == 7, results
+            assert all("'race-team'" in e.message and e.field == "quota.sandboxes" for e in refused)
+            assert (await b.projects.get("race-team")).usage.sandboxes == 5
+        finally:
+            await asyncio.gather(*(sb.stop() for sb in made))
+        assert (await b.projects.get("race-team")).usage.sandboxes == 0  # stopped through a, freed for b
+
+
 def test_cluster_cli(rc: RayDsec, tmp_path: Any) -> None:
     import subprocess
     import sys

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, and_, delete, insert, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
 from dsec.errors import NotFound, QuotaExceeded
@@ -44,6 +44,9 @@ STARTING_STALE_S = 900.0
 # a sandbox running without a hold is adopted only once it is this old: younger ones may be
 # a create still on its way back to the replica that admitted it
 ADOPT_GRACE_S = 60.0
+# a deadlock should not happen (rows are locked in name order, see _lock); should one, an
+# admission is tried again this many times
+DEADLOCK_RETRIES = 5
 # (counter, quota) columns, and the unit a resource is named in
 _COLUMNS = {
     "sandboxes": ("u_sandboxes", "q_sandboxes"),
@@ -103,60 +106,78 @@ class ProjectQuotas:
         """Hold ``need`` (and one starting slot) in ``project`` and every ancestor; the hold's
         id. Refused with QuotaExceeded (429) naming the project and resource, or NotFound for
         a sub-project that does not exist."""
-        for attempt in (0, 1):
+        created_root = False
+        for attempt in range(DEADLOCK_RETRIES + 1):
             try:
                 with self._txn() as c:
-                    for p in lineage(project):
-                        if not self._charge(c, p, need):
-                            self._refuse(c, p, need)  # raises; the transaction rolls back
+                    if not self._charge(c, project, need):
+                        raise _Refused
                     hold = uuid.uuid4().hex
                     c.execute(insert(project_holds).values(
                         id=hold, sandbox_id=None, project=project, job=job, state="starting",
                         cpu_milli=need.cpu_milli, memory_mb=need.memory_mb, disk_mb=need.disk_mb,
                         charged_cpu_milli=need.cpu_milli, created_at=time.time()))
                     return hold
-            except _MissingRoot:
-                if attempt:
+            except _Refused:
+                pass
+            except OperationalError as e:  # PostgreSQL broke a lock cycle by failing this one: again
+                if "deadlock" not in str(e).lower() or attempt == DEADLOCK_RETRIES:
                     raise
-                self.ensure_root(project)
-        raise AssertionError("unreachable")
+                continue
+            missing = self._refusal(project, need)  # raises, unless a top-level project is missing
+            if created_root:
+                raise QuotaExceeded(f"project {project!r} had no room for this sandbox", field="quota")
+            self.ensure_root(missing)
+            created_root = True
+        raise QuotaExceeded(f"project {project!r}: admission kept deadlocking; try again", field="quota")
 
     @staticmethod
-    def _charge(c: Connection, p: str, need: Need) -> bool:
+    def _charge(c: Connection, project: str, need: Need) -> bool:
+        """One conditional UPDATE of every row of the lineage: all or (rolled back) nothing.
+        PostgreSQL locks the rows as it updates them; a concurrent admission that updated
+        one first makes it wait, then re-check the condition against that row's new values."""
         t = projects.c
+        names = lineage(project)
         amounts = {"sandboxes": 1, "cpu_cores": need.cpu_milli, "memory_mb": need.memory_mb,
                    "disk_mb": need.disk_mb, "starting": 1}
         conds = [or_(t[q].is_(None), t[u] + amounts[r] <= t[q]) for r, (u, q) in _COLUMNS.items()]
         values = {u: t[u] + amounts[r] for r, (u, _) in _COLUMNS.items()}
-        return c.execute(update(projects).where(t.name == p, *conds).values(**values)).rowcount == 1
+        _lock(c, names)
+        return c.execute(update(projects).where(t.name.in_(names), *conds).values(**values)).rowcount == len(names)
 
-    @staticmethod
-    def _refuse(c: Connection, p: str, need: Need) -> None:
-        row = c.execute(select(projects).where(projects.c.name == p)).mappings().first()
-        if row is None:
-            if "/" not in p:
-                raise _MissingRoot(p)
-            raise NotFound(f"no project {p!r}: create it first (dsec project create {p})", field="project")
+    def _refusal(self, project: str, need: Need) -> str:
+        """Why ``project`` had no room (raised: QuotaExceeded naming the project and resource,
+        NotFound for a missing sub-project); a missing top-level project is returned instead."""
+        names = lineage(project)
+        with self.db.connect() as c:
+            rows = {r["name"]: r for r in c.execute(select(projects).where(projects.c.name.in_(names))).mappings()}
         amounts = {"sandboxes": 1, "cpu_cores": need.cpu_milli, "memory_mb": need.memory_mb,
                    "disk_mb": need.disk_mb, "starting": 1}
-        for r, (u, q) in _COLUMNS.items():
-            if row[q] is not None and row[u] + amounts[r] > row[q]:
-                what = "sandboxes starting at once" if r == "starting" else r.replace("_mb", "").replace("_", " ")
-                raise QuotaExceeded(
-                    f"project {p!r} is at its quota of {what}: {_show(r, row[q])}, {_show(r, row[u])} held in its "
-                    f"subtree, this sandbox needs {_show(r, amounts[r])}", field=f"quota.{r}")
-        raise QuotaExceeded(f"project {p!r} had no room for this sandbox", field="quota")  # changed under us
+        for p in names:
+            row = rows.get(p)
+            if row is None:
+                if "/" not in p:
+                    return p
+                raise NotFound(f"no project {p!r}: create it first (dsec project create {p})", field="project")
+            for r, (u, q) in _COLUMNS.items():
+                if row[q] is not None and row[u] + amounts[r] > row[q]:
+                    what = "sandboxes starting at once" if r == "starting" else r.replace("_mb", "").replace("_", " ")
+                    raise QuotaExceeded(
+                        f"project {p!r} is at its quota of {what}: {_show(r, row[q])}, {_show(r, row[u])} held in "
+                        f"its subtree, this sandbox needs {_show(r, amounts[r])}", field=f"quota.{r}")
+        raise QuotaExceeded(f"project {project!r} had no room for this sandbox (usage changed meanwhile: try again)",
+                            field="quota")
 
     @staticmethod
     def _move(c: Connection, project: str, sandboxes: int, cpu_milli: int, memory_mb: int, disk_mb: int,
               starting: int) -> None:
-        """Add these amounts (negative: free them) to the counters of ``project`` and its ancestors, root first."""
+        """Add these amounts (negative: free them) to the counters of ``project`` and its ancestors."""
         t = projects.c
-        for p in lineage(project):
-            c.execute(update(projects).where(t.name == p).values(
-                u_sandboxes=t.u_sandboxes + sandboxes, u_cpu_milli=t.u_cpu_milli + cpu_milli,
-                u_memory_mb=t.u_memory_mb + memory_mb, u_disk_mb=t.u_disk_mb + disk_mb,
-                u_starting=t.u_starting + starting))
+        _lock(c, lineage(project))
+        c.execute(update(projects).where(t.name.in_(lineage(project))).values(
+            u_sandboxes=t.u_sandboxes + sandboxes, u_cpu_milli=t.u_cpu_milli + cpu_milli,
+            u_memory_mb=t.u_memory_mb + memory_mb, u_disk_mb=t.u_disk_mb + disk_mb,
+            u_starting=t.u_starting + starting))
 
     def bind(self, hold: str, sandbox_id: str) -> None:
         """The edge made the hold's sandbox: no longer starting."""
@@ -283,11 +304,21 @@ class ProjectQuotas:
             return len(c.execute(select(h.id).where(in_subtree(h.project, under))).all())
 
 
+def _lock(c: Connection, names: list[str]) -> None:
+    """Lock the rows in name order first: two transactions updating overlapping lineages
+    then never hold each other's rows (one UPDATE alone locks in scan order, which a
+    sequential scan takes from the heap, and PostgreSQL would fail one as a deadlock).
+    SQLite has one writer: nothing to do."""
+    if c.dialect.name == "postgresql":
+        c.execute(select(projects.c.name).where(projects.c.name.in_(names)).order_by(projects.c.name)
+                  .with_for_update())
+
+
 def in_subtree(col: ColumnElement[str], project: str) -> ColumnElement[bool]:
     """``col`` names ``project`` or one of its sub-projects. Names have no "%", but "_" is
     LIKE's any-one-character: escaped."""
     return or_(col == project, col.like(project.replace("_", "\\_") + "/%", escape="\\"))
 
 
-class _MissingRoot(Exception):
-    pass
+class _Refused(Exception):
+    """Some project of the lineage had no room: roll back, then say which."""
