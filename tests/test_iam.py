@@ -245,3 +245,24 @@ def test_cli(org: Org, platform: Platform) -> None:
     assert r.returncode == 2 and "quota_conflict" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([*base, "create", name + "/x", "--quota", "cpus=1", *auth], capture_output=True, text=True)
     assert r.returncode == 2 and "--quota" in r.stderr
+
+
+def test_fncall_rate_per_project(org: Org, platform: Platform) -> None:
+    """A project's FnCall calls per second: a second's worth at once, then 429s naming the
+    project, on /v1/fncall and on the SandboxFusion face alike; its sibling is not slowed."""
+    org.lead.projects.create(f"{org.root}/fn", ProjectQuota(fncall_per_s=0.5))  # a call every 2 s
+    fn = org.client(f"{org.root}/fn", "runner", by=org.lead)
+    free = org.client(org.root, "runner")
+    call = dsec.FnCallArgs(language="python", code="print(1)")
+    outcomes = []
+    for _ in range(6):
+        try:
+            outcomes.append(fn.fncall(call).status)
+        except dsec.QuotaExceeded as e:
+            assert e.field == "quota.fncall_per_s" and f"{org.root}/fn" in e.message
+            outcomes.append("429")
+    assert outcomes[0] != "429" and outcomes.count("429") >= 2, outcomes
+    assert all(free.fncall(call).status != "429" for _ in range(4))  # the parent has no cap of its own
+    answers = [httpx.post(f"{platform.url}/sandboxfusion/{fn.token}/run_code", timeout=60,
+                          json={"code": "print(1)", "language": "python"}).text for _ in range(3)]
+    assert any("FnCall rate" in a for a in answers), answers

@@ -30,8 +30,9 @@ class FnCallRates:
             self._caps[project] = (caps, now)
         filled = []
         for p, rate in caps:
-            tokens, last = self._buckets.get(p, (rate, now))
-            tokens = min(max(rate, 1.0), tokens + (now - last) * rate)
+            size = max(rate, 1.0)  # a second's worth, and at least one call
+            tokens, last = self._buckets.get(p, (size, now))
+            tokens = min(size, tokens + (now - last) * rate)
             if tokens < 1.0:
                 self._buckets[p] = (tokens, now)
                 raise QuotaExceeded(f"project {p!r} is at its FnCall rate of {rate:g} calls per second",

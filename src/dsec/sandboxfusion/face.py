@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from dsec.apiserver.core import Apiserver, read_body
 from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthorized
-from dsec.iam import current_principal
+from dsec.iam import acting_project, current_principal
 from dsec.sandboxfusion.models import (
     LANGUAGES,
     CommandRunResult,
@@ -122,6 +122,7 @@ class SandboxFusionFace:
             raise _invalid(e, {}) from None
         args = to_fncall(req)
         try:
+            await self.api.fncall_rates.take(acting_project(None))  # the project's FnCall rate (docs/iam.md)
             res = await self.api.fncall_edge(args.image).fncall(args)
         except DsecError as e:
             if isinstance(e, NotFound) and e.field == "image":  # setup has not built the FnCall image
