@@ -65,6 +65,10 @@ def test_quota_is_enforced_on_creates_and_freed_by_stops(org: Org) -> None:
     swe = f"{org.root}/swe"
     org.lead.projects.create(swe, ProjectQuota(sandboxes=2))
     runner = org.client(swe, "runner", by=org.lead)
+    with pytest.raises(dsec.QuotaConflict) as qc:  # a job's quota is carved from its project's
+        runner.create_job("too-big", quota=dsec.JobQuota(sandboxes=3))
+    assert qc.value.field == "quota.sandboxes" and repr(swe) in qc.value.message
+    runner.create_job("fits", quota=dsec.JobQuota(sandboxes=2, cpu_cores=1.5))
     a = runner.run_container(dsec.ContainerArgs(**SMALL))
     b = runner.run_container(dsec.ContainerArgs(**SMALL))
     assert a.refresh().labels["dsec.project"] == swe
@@ -179,7 +183,7 @@ def test_another_project_finds_nothing_by_guessing_ids(org: Org, platform: Platf
                  f"/v1/sandboxes/{sb.sandbox_id}/commands", f"/v1/projects/{org.root}"):
         r = httpx.get(platform.url + path, headers=h)
         assert r.status_code == 404, (path, r.status_code, r.text)
-    r = httpx.post(f"{platform.url}/v1/sandboxes/{sb.sandbox_id}/exec", headers=h, json={"cmd": ["id"]})
+    r = httpx.post(f"{platform.url}/v1/sandboxes/{sb.sandbox_id}/exec", headers=h, json={"cmd": "id"})
     assert r.status_code == 404
     r = httpx.get(f"{platform.url}/v1/jobs/planned", headers=h, params={"project": org.root})
     assert r.status_code == 403 and r.json()["field"] == "project"

@@ -211,6 +211,20 @@ class ProjectStore:
         with self.db.connect() as c:
             return c.execute(select(projects.c.name).where(projects.c.name == name)).first() is not None
 
+    def check_job_quota(self, name: str, sandboxes: int | None, cpu_cores: float | None,
+                        memory_mb: int | None) -> None:
+        """A job's quota lives inside its project's: one asking more than the project (or an
+        ancestor) caps is a QuotaConflict naming which."""
+        with self.db.connect() as c:
+            rows = c.execute(select(projects).where(projects.c.name.in_(lineage(name)))).mappings().all()
+        for r in rows:
+            cap = _quota(r)
+            for field, want in (("sandboxes", sandboxes), ("cpu_cores", cpu_cores), ("memory_mb", memory_mb)):
+                have = getattr(cap, field)
+                if want is not None and have is not None and want > have:
+                    raise QuotaConflict(f"the job's quota of {want:g} {field} exceeds project {r['name']!r}'s "
+                                        f"{have:g}: a job's quota is carved from its project's", field=f"quota.{field}")
+
     def rates(self, name: str) -> builtins.list[tuple[str, float]]:
         """(project, calls/s) of the FnCall caps along ``name``'s lineage."""
         with self.db.connect() as c:

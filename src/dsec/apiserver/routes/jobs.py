@@ -42,8 +42,12 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.post("/v1/jobs", status_code=201)
     async def create_job(spec: JobSpec, project: str | None = None) -> JobInfo:
-        """409 ``job_exists`` if the project has a job of that name (even a stopped one)."""
-        return await asyncio.to_thread(store.create, acting_project(project), spec)
+        """409 ``job_exists`` if the project has a job of that name (even a stopped one);
+        409 ``quota_conflict`` for a quota larger than its project's."""
+        project = acting_project(project)
+        q = spec.quota
+        await asyncio.to_thread(api.projects.check_job_quota, project, q.sandboxes, q.cpu_cores, q.memory_mb)
+        return await asyncio.to_thread(store.create, project, spec)
 
     @router.get("/v1/jobs")
     async def list_jobs(label: list[str] = Query(default=[]), state: JobState | None = None,
