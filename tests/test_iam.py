@@ -20,7 +20,7 @@ import websockets
 
 import dsec
 from dsec.wire.iam import ProjectQuota
-from tests.conftest import TOKEN, Platform, wait_for
+from tests.conftest import TOKEN, Platform, own_platform, wait_for
 
 SMALL = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.5, disk_limit_mb=64)
 
@@ -270,3 +270,43 @@ def test_fncall_rate_per_project(org: Org, platform: Platform) -> None:
     answers = [httpx.post(f"{platform.url}/sandboxfusion/{fn.token}/run_code", timeout=60,
                           json={"code": "print(1)", "language": "python"}).text for _ in range(3)]
     assert any("FnCall rate" in a for a in answers), answers
+
+
+@pytest.fixture(scope="module")
+def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    yield from own_platform(tmp_path_factory, "dsec-iam-restart")
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
+def test_usage_survives_a_restart(restartable: Platform, crash: bool) -> None:
+    """What a project holds is in the metadata database and on the edge: a restarted platform
+    (SIGKILLed or not) still counts the sandboxes that outlived it, and still refuses past the quota."""
+    org = Org(restartable)
+    try:
+        runner = org.client(org.root, "runner")
+        held = [runner.run_container(dsec.ContainerArgs(**SMALL)) for _ in range(2)]
+        restartable.restart(crash=crash)
+        with dsec.Client(url=restartable.url, token=runner.token) as again:
+            assert again.projects.get(org.root).usage.sandboxes == 2
+            again.run_container(dsec.ContainerArgs(**SMALL))
+            with pytest.raises(dsec.QuotaExceeded):  # 1.5 cores, 0.5 each
+                again.run_container(dsec.ContainerArgs(**SMALL))
+            again.connect(held[0].sandbox_id).stop()
+            again.run_container(dsec.ContainerArgs(**SMALL))
+            assert again.projects.get(org.root).usage.sandboxes == 3
+    finally:
+        org.admin = dsec.Client(url=restartable.url, token=TOKEN)  # the old client's connections died
+        org.clients.append(org.admin)
+        org.close()
+
+
+def test_a_batch_is_refused_per_item_past_the_quota(org: Org) -> None:
+    team = org.client(org.root, "runner")
+    batch = team.create_many(dsec.ContainerArgs(**SMALL), n=6)
+    made, failures = batch.result(timeout=120)
+    try:
+        assert len(made) == 3 and len(failures) == 3, failures  # the root's CPU: 1.5 cores of 0.5 each
+        assert all(f.error == "quota_exceeded" and repr(org.root) in (f.reason or "") for f in failures), failures
+    finally:
+        for sb in made:
+            sb.stop()
