@@ -310,3 +310,16 @@ def test_a_batch_is_refused_per_item_past_the_quota(org: Org) -> None:
     finally:
         for sb in made:
             sb.stop()
+
+
+def test_a_batch_waits_for_the_starting_cap_instead_of_failing(org: Org) -> None:
+    org.lead.projects.create(f"{org.root}/slow", ProjectQuota(starting=1))
+    team = org.client(f"{org.root}/slow", "runner", by=org.lead)
+    made, failures = team.create_many(dsec.ContainerArgs(**SMALL), n=3).result(timeout=120)
+    try:
+        assert failures == [] and len(made) == 3
+        with pytest.raises(dsec.QuotaExceeded):  # the root's CPU is full now: that one is a refusal
+            team.run_container(dsec.ContainerArgs(**SMALL))
+    finally:
+        for sb in made:
+            sb.stop()

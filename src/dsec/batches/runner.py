@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter
 
 from dsec.batches.store import BatchRow, BatchStore
-from dsec.errors import DsecError, NotFound
+from dsec.errors import DsecError, NotFound, QuotaExceeded
 from dsec.wire.batches import BATCH_LABEL, BatchAdmission, BatchCounts, BatchInfo, BatchItem, BatchRequest
-from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxState
+from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.apiserver.core import Apiserver
@@ -40,6 +40,7 @@ log = logging.getLogger("dsec.batches")
 FLUSH_S = 0.25
 HEARTBEAT_S = 1.0
 STALE_S = 5.0  # an owner not heard of for this long has crashed: its batches are taken over
+STARTING_RETRY_S = 0.1  # an item waiting for its project's creates in flight to go below the cap
 KEEP_FINISHED = 64  # finished batches kept in memory (older ones are answered from the database)
 _ARGS: TypeAdapter[Any] = TypeAdapter(AnySandboxArgs)
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
@@ -259,7 +260,7 @@ class BatchRunner:
     async def _make(self, b: _Batch, i: int) -> None:
         args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
         try:
-            info = await self.api.create(CreateRequest(args=args), bounded=True)
+            info = await self._create(b, args)
         except DsecError as e:
             self._outcome(b, i, "failed", None, (e.code, e.message))
         except Exception as e:  # noqa: BLE001 - an item's failure is reported, never the batch's
@@ -273,6 +274,17 @@ class BatchRunner:
             self.active -= 1
             self._wake.set()
             self._maybe_finish(b)
+
+    async def _create(self, b: _Batch, args: AnySandboxArgs) -> SandboxInfo:
+        """One item's create. A project at its cap of creates starting at once (docs/iam.md)
+        is backpressure, not a refusal: the item waits for one of them to finish."""
+        while True:
+            try:
+                return await self.api.create(CreateRequest(args=args), bounded=True)
+            except QuotaExceeded as e:
+                if e.field != "quota.starting" or b.state != "running":
+                    raise
+            await asyncio.sleep(STARTING_RETRY_S)
 
     async def _stop(self, sandbox_id: str) -> None:
         try:
