@@ -106,7 +106,9 @@ class ProjectQuotas:
         """Hold ``need`` (and one starting slot) in ``project`` and every ancestor; the hold's
         id. Refused with QuotaExceeded (429) naming the project and resource, or NotFound for
         a sub-project that does not exist."""
-        created_root = False
+        # a read first: under a burst at a full quota, most refusals never take the write lock
+        if (missing := self._check(project, need)) is not None:
+            self.ensure_root(missing)
         for attempt in range(DEADLOCK_RETRIES + 1):
             try:
                 with self._txn() as c:
@@ -119,17 +121,13 @@ class ProjectQuotas:
                         charged_cpu_milli=need.cpu_milli, created_at=time.time()))
                     return hold
             except _Refused:
-                pass
+                self._check(project, need)  # raises, naming the project and resource
+                raise QuotaExceeded(f"project {project!r} had no room for this sandbox (its usage changed "
+                                    "meanwhile: try again)", field="quota") from None
             except OperationalError as e:  # PostgreSQL broke a lock cycle by failing this one: again
                 if "deadlock" not in str(e).lower() or attempt == DEADLOCK_RETRIES:
                     raise
-                continue
-            missing = self._refusal(project, need)  # raises, unless a top-level project is missing
-            if created_root:
-                raise QuotaExceeded(f"project {project!r} had no room for this sandbox", field="quota")
-            self.ensure_root(missing)
-            created_root = True
-        raise QuotaExceeded(f"project {project!r}: admission kept deadlocking; try again", field="quota")
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _charge(c: Connection, project: str, need: Need) -> bool:
@@ -145,9 +143,10 @@ class ProjectQuotas:
         _lock(c, names)
         return c.execute(update(projects).where(t.name.in_(names), *conds).values(**values)).rowcount == len(names)
 
-    def _refusal(self, project: str, need: Need) -> str:
-        """Why ``project`` had no room (raised: QuotaExceeded naming the project and resource,
-        NotFound for a missing sub-project); a missing top-level project is returned instead."""
+    def _check(self, project: str, need: Need) -> str | None:
+        """Whether ``project`` and its ancestors have room, as last committed: QuotaExceeded
+        naming the project and resource, or NotFound for a missing sub-project, is raised; a
+        missing top-level project is returned."""
         names = lineage(project)
         with self.db.connect() as c:
             rows = {r["name"]: r for r in c.execute(select(projects).where(projects.c.name.in_(names))).mappings()}
@@ -165,8 +164,7 @@ class ProjectQuotas:
                     raise QuotaExceeded(
                         f"project {p!r} is at its quota of {what}: {_show(r, row[q])}, {_show(r, row[u])} held in "
                         f"its subtree, this sandbox needs {_show(r, amounts[r])}", field=f"quota.{r}")
-        raise QuotaExceeded(f"project {project!r} had no room for this sandbox (usage changed meanwhile: try again)",
-                            field="quota")
+        return None
 
     @staticmethod
     def _move(c: Connection, project: str, sandboxes: int, cpu_milli: int, memory_mb: int, disk_mb: int,
