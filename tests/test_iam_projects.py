@@ -55,7 +55,7 @@ def test_delegation_never_exceeds_the_parent(stores: tuple[ProjectStore, Project
     s.create(ProjectSpec(name="rl/swe", quota=_q(sandboxes=60, cpu_cores=20.5)), "admin")
     with pytest.raises(QuotaConflict) as e:  # 60 + 50 > 100
         s.create(ProjectSpec(name="rl/math", quota=_q(sandboxes=50)), "admin")
-    assert e.value.field == "quota.sandboxes" and "'rl'" in e.value.message and "40 sandboxes is left" in \
+    assert e.value.field == "quota.sandboxes" and "'rl'" in e.value.message and "40 is left for 'rl/math'" in \
         e.value.message, e.value.message
     assert not s.exists("rl/math")  # nothing half-made
     s.create(ProjectSpec(name="rl/math", quota=_q(sandboxes=40)), "admin")
@@ -73,7 +73,7 @@ def test_delegation_never_exceeds_the_parent(stores: tuple[ProjectStore, Project
     # lowering a parent below what it delegated: refused, naming the sub-projects to shrink
     with pytest.raises(QuotaConflict) as e:
         s.update("rl", ProjectPatch(quota=_q(sandboxes=90)), "admin")
-    assert "rl/swe: 60 sandboxes" in e.value.message and "rl/math: 40 sandboxes" in e.value.message
+    assert "(rl/math: 40, rl/swe: 60)" in e.value.message, e.value.message
     s.update("rl/math", ProjectPatch(quota=_q(sandboxes=30)), "admin")
     s.update("rl", ProjectPatch(quota=_q(sandboxes=90)), "admin")
     # a patch names what it sets: cpu kept; null lifts the cap

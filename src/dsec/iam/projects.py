@@ -53,7 +53,7 @@ def _usage(amounts: dict[str, int | float]) -> Usage:
 
 def _amount(resource: str, v: int) -> str:
     return f"{v / 1000:g} CPU cores" if resource == "cpu_cores" else f"{v} MiB" if resource.endswith("_mb") \
-        else f"{v} {resource}"
+        else str(v)
 
 
 class _Tree:
@@ -92,10 +92,12 @@ class _Tree:
                         f"project {p!r} would cap {resource} at {_amount(resource, cap)} but has delegated "
                         f"{_amount(resource, d)} to its sub-projects ({shares}): shrink them first",
                         field=f"quota.{resource}")
+                branch = lineage(name)[len(lineage(p))]  # p's child on the way to the changed project
+                left = cap - (d - kids[branch])
                 raise QuotaConflict(
-                    f"project {p!r} holds {_amount(resource, cap)} of {resource}; its sub-projects would be delegated "
-                    f"{_amount(resource, d)} ({shares}): {_amount(resource, cap - (d - (kids.get(name) or 0)))} is "
-                    "left to delegate", field=f"quota.{resource}")
+                    f"project {p!r} caps {resource} at {_amount(resource, cap)}; its sub-projects would be delegated "
+                    f"{_amount(resource, d)} ({shares}): {_amount(resource, max(left, 0))} is left for {branch!r}",
+                    field=f"quota.{resource}")
 
 
 class ProjectStore:
