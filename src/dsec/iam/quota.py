@@ -85,6 +85,7 @@ class ProjectQuotas:
         self.db = db
         # SQLite has one writer: serializing here keeps threads off its busy-wait
         self._serial = threading.Lock() if db.dialect.name == "sqlite" else None
+        self._warned: set[str] = set()
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[Connection]:
@@ -226,8 +227,10 @@ class ProjectQuotas:
                 known = c.execute(select(projects.c.name).where(projects.c.name.in_(lineage(project)))).scalars().all()
                 if len(known) != len(lineage(project)):
                     if "/" in project:
-                        log.warning("sandbox %s is of project %r, which does not exist: not counted",
-                                    info.sandbox_id, project)
+                        if info.sandbox_id not in self._warned:  # once, not every sweep
+                            self._warned.add(info.sandbox_id)
+                            log.warning("sandbox %s is of project %r, which does not exist: not counted",
+                                        info.sandbox_id, project)
                         return False
                     c.execute(insert(projects).values(name=project, parent=None, description="",
                                                       created_at=time.time(), created_by=None))
