@@ -162,6 +162,10 @@ def test_readers_read_and_nothing_else(org: Org, platform: Platform) -> None:
         reader.connect(sb.sandbox_id).stop()
     with pytest.raises(dsec.Forbidden):
         reader.create_token(org.root, "runner")
+    with pytest.raises(dsec.Forbidden):  # a runner runs environments, it does not publish them
+        sb.pack_diff(f"ws/{org.root}-stolen:v1")
+    with pytest.raises(dsec.Forbidden):
+        runner.create_token(org.root, "builder")  # nor grants itself more
 
     async def tty() -> int | None:
         url = sb._inner.tty_url(80, 24)
