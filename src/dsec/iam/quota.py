@@ -185,8 +185,11 @@ class ProjectQuotas:
                 h = c.execute(select(project_holds).where(project_holds.c.id == hold)).mappings().first()
                 if h is None or h["state"] != "starting":
                     return
-                c.execute(update(project_holds).where(project_holds.c.id == hold)
-                          .values(sandbox_id=sandbox_id, state="running", bound_at=time.time()))
+                # conditional: a release racing this one (the sweep's) must not be counted twice
+                t = project_holds.c
+                if c.execute(update(project_holds).where(t.id == hold, t.state == "starting")
+                             .values(sandbox_id=sandbox_id, state="running", bound_at=time.time())).rowcount != 1:
+                    return
                 self._move(c, h["project"], 0, 0, 0, 0, -1)
         except IntegrityError:  # the sweep adopted the sandbox first: that hold counts it, not this one
             self.release(hold=hold)
@@ -195,14 +198,16 @@ class ProjectQuotas:
         """Free a hold (by its id, or its sandbox's); False if there was none."""
         col = project_holds.c.id if hold is not None else project_holds.c.sandbox_id
         key = hold if hold is not None else sandbox_id
+        h = project_holds.c
         with self._txn() as c:
-            h = c.execute(select(project_holds).where(col == key)).mappings().first()
-            if h is None:
+            # what is freed is the row as deleted (RETURNING), not as read before: a bind or a
+            # pause committed in between changed it
+            row = c.execute(delete(project_holds).where(col == key).returning(
+                h.project, h.state, h.charged_cpu_milli, h.memory_mb, h.disk_mb)).mappings().first()
+            if row is None:
                 return False
-            if c.execute(delete(project_holds).where(project_holds.c.id == h["id"])).rowcount != 1:
-                return False
-            self._move(c, h["project"], -1, -h["charged_cpu_milli"], -h["memory_mb"], -h["disk_mb"],
-                       -1 if h["state"] == "starting" else 0)
+            self._move(c, row["project"], -1, -row["charged_cpu_milli"], -row["memory_mb"], -row["disk_mb"],
+                       -1 if row["state"] == "starting" else 0)
         return True
 
     def set_paused(self, sandbox_id: str, paused: bool) -> bool:
@@ -213,8 +218,10 @@ class ProjectQuotas:
             if h is None or h["state"] in ("starting", want):
                 return False
             charged = 0 if paused else h["cpu_milli"]
-            c.execute(update(project_holds).where(project_holds.c.id == h["id"], project_holds.c.state == h["state"])
-                      .values(state=want, charged_cpu_milli=charged))
+            if c.execute(update(project_holds).where(project_holds.c.id == h["id"],
+                                                     project_holds.c.state == h["state"])
+                         .values(state=want, charged_cpu_milli=charged)).rowcount != 1:
+                return False  # another replica changed or released it first
             self._move(c, h["project"], 0, charged - h["charged_cpu_milli"], 0, 0, 0)
         return True
 
