@@ -187,15 +187,15 @@ def test_the_sweep_takes_what_the_edges_hold(stores: tuple[ProjectStore, Project
               _info("e1-000000000010", created=time.time())]  # too young to adopt: maybe a create on its way back
     # e1-0002 ended on its own (TTL); e2 did not answer: its sandbox is kept
     project_of = {i.sandbox_id: "team" for i in listed}
-    done = other.quotas.reconcile(listed, {"e1"}, {"e1", "e2"}, started, project_of)
+    done = other.quotas.reconcile(other.quotas.holds(), listed, {"e1"}, {"e1", "e2"}, started, project_of)
     assert done == {"released": 1, "adopted": 1, "paused": 1, "resumed": 0}, done
     u = s.get("team").usage
     assert (u.sandboxes, u.cpu_cores, u.starting) == (4, 3.0, 1), u  # 0001 (paused: no CPU), 0003, 0009, the stale hold
     # a second sweep (another replica's) changes nothing
-    assert q.reconcile(listed, {"e1"}, {"e1", "e2"}, started, project_of) == \
+    assert q.reconcile(q.holds(), listed, {"e1"}, {"e1", "e2"}, started, project_of) == \
         {"released": 0, "adopted": 0, "paused": 0, "resumed": 0}
     # an edge that left the cluster: its sandboxes' holds go; a starting hold past its time too
-    done = q.reconcile(listed, {"e1"}, {"e1"}, started + 3600, project_of)
+    done = q.reconcile(q.holds(), listed, {"e1"}, {"e1"}, started + 3600, project_of)
     assert done["released"] == 2 and done["adopted"] == 1 and not q.release(hold=stale)  # 0010 is old enough now
     assert s.get("team").usage.sandboxes == 3
 

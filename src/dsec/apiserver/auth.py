@@ -22,7 +22,7 @@ from dsec.errors import (
     NotFound,
     Unauthorized,
 )
-from dsec.iam import PROJECT_LABEL, current_principal, permission_for
+from dsec.iam import current_principal, permission_for, project_of_sandbox
 from dsec.wire.models import (
     SandboxState,
 )
@@ -86,7 +86,7 @@ class BearerAuth:
                 return e
             except DsecError as e:  # the edge cannot say whose it is: refuse (never fail open)
                 return e
-            if not principal.covers(info.labels.get(PROJECT_LABEL, "default")):
+            if not principal.covers(project_of_sandbox(info)):
                 return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}", field="sandbox_id")
         return None
 

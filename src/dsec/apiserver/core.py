@@ -31,10 +31,11 @@ from dsec.errors import (
     PayloadTooLarge,
     SandboxError,
 )
-from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, current_principal
+from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, current_principal, project_of_sandbox
 from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Need, ProjectQuotas
 from dsec.iam.rates import FnCallRates
+from dsec.iam.visibility import LayerAcl
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import LayerStore
 from dsec.placement.engine import Placement
@@ -43,6 +44,7 @@ from dsec.wire.models import (
     ContainerArgs,
     CreateRequest,
     ForkRequest,
+    SandboxBase,
     SandboxInfo,
     SandboxState,
     normalize_layer_ref,
@@ -119,6 +121,7 @@ class Apiserver:
         left, the caller gets the last edge's own reason. A create for a job that has a record
         is admitted against its state and quota first (dsec.jobs.quota). ``bounded`` (a batch's
         item) waits for one of the chosen edge's batch slots; a plain create never does."""
+        await self.check_visible(req.args)
         req = self._own(req)
         job = req.args.job
         project = req.args.labels.get(PROJECT_LABEL, "default")
@@ -233,6 +236,7 @@ class Apiserver:
     async def fork(self, req: ForkRequest) -> list[SandboxInfo]:
         """n sandboxes stacked exactly as the snapshot was taken, created concurrently;
         all or nothing: if one cannot be made the others are stopped."""
+        await self.check_visible(req)
         try:
             snap = self.layers.get(req.snapshot)
         except (NotFound, ValueError) as e:
@@ -252,6 +256,30 @@ class Apiserver:
             err = failed[0]
             raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
         return made
+
+    async def check_visible(self, args: SandboxBase | ForkRequest) -> None:
+        """404 when the caller may not see the image or a layer of ``args`` (a fork's
+        snapshot), worded as the edge words an unknown layer, so that a hidden layer's
+        existence does not leak (dsec.iam.visibility). The cluster's admin sees every
+        layer: no query (a batch's items are made in its context, checked at submit)."""
+        principal = current_principal.get()
+        if principal.all_projects:
+            return
+        acl = LayerAcl(self.tokens.db)
+        if isinstance(args, ForkRequest):
+            try:
+                ref = normalize_layer_ref(args.snapshot)
+            except ValueError:
+                return  # malformed: fork reports it as it always has
+            if not await asyncio.to_thread(acl.visible, principal, ref):
+                raise NotFound(f"unknown snapshot {args.snapshot!r}", field="snapshot")
+            return
+        seen = await asyncio.to_thread(acl.filter, principal, [args.image, *args.layers])
+        if args.image not in seen:
+            raise NotFound(f"unknown layer {args.image!r}", field="image")
+        for i, ref in enumerate(args.layers):
+            if ref not in seen:
+                raise NotFound(f"unknown layer {ref!r}", field=f"layers[{i}]")
 
     async def layers_in_use(self) -> set[str]:
         parts = await asyncio.gather(*(e.layers_in_use() for e in self.edges.values()))
@@ -279,7 +307,7 @@ class Apiserver:
                 items += part
         unreachable.set(tuple(missing))
         if principal.role == "admin" and not principal.all_projects:  # a subtree's admin: its subtree's
-            items = [i for i in items if principal.covers(i.labels.get(PROJECT_LABEL, "default"))]
+            items = [i for i in items if principal.covers(project_of_sandbox(i))]
         return sorted(items, key=lambda i: i.created_at)
 
     async def quota_sweep_forever(self, every_s: float) -> None:
@@ -295,6 +323,7 @@ class Apiserver:
     async def quota_sweep(self) -> dict[str, int]:
         if not self.edges:  # a cluster whose registry was not read yet: nothing is known gone
             return {}
+        holds = await asyncio.to_thread(self.quotas.holds)  # before the listing (see ProjectQuotas.holds)
         token = current_principal.set(ADMIN)
         try:
             started = time.time()
@@ -302,8 +331,9 @@ class Apiserver:
             answered = set(self.edges) - set(unreachable.get())
         finally:
             current_principal.reset(token)
-        project_of = {i.sandbox_id: i.labels.get(PROJECT_LABEL, "default") for i in items}
-        done = await asyncio.to_thread(self.quotas.reconcile, items, answered, set(self.edges), started, project_of)
+        project_of = {i.sandbox_id: project_of_sandbox(i) for i in items}
+        done = await asyncio.to_thread(self.quotas.reconcile, holds, items, answered, set(self.edges), started,
+                                       project_of)
         if any(done.values()):
             log.info("quota sweep: %s", done)
         return done
@@ -313,7 +343,7 @@ class Apiserver:
         """A job's sandboxes on every edge (of ``project`` only, whoever asks), and the edges
         that did not answer."""
         items = await self.list(job, {}, usage)
-        return [i for i in items if i.labels.get(PROJECT_LABEL, "default") == project], unreachable.get()
+        return [i for i in items if project_of_sandbox(i) == project], unreachable.get()
 
 
 UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"

@@ -342,6 +342,16 @@ def layer_rm(refs: list[str], url: UrlOpt = None, token: TokenOpt = None) -> Non
             console.print(f"removed {c.remove_layer(ref).ref}")
 
 
+@layer_app.command("visibility")
+def layer_visibility(ref: str,
+                     visibility: Annotated[str, typer.Argument(help="public | project | private")],
+                     url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Who may see and use a layer: every project, its owner project's subtree, or the owner alone."""
+    with _api(url, token) as c:
+        layer = c.set_layer_visibility(ref, visibility)
+    console.print(f"{layer.ref} {layer.visibility} (project {layer.owner or '-'})")
+
+
 @layer_app.command("stats")
 def layer_stats(url: UrlOpt = None, token: TokenOpt = None,
                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:

@@ -14,8 +14,9 @@ from dsec.iam.tokens import (
     acting_project,
     current_principal,
     permission_for,
+    project_of_sandbox,
     project_scope,
 )
 
 __all__ = ["ADMIN", "PROJECT_LABEL", "Principal", "TokenStore", "acting_project", "current_principal",
-           "permission_for", "project_scope"]
+           "permission_for", "project_of_sandbox", "project_scope"]

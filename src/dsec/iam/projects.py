@@ -108,7 +108,9 @@ class ProjectStore:
 
     @contextlib.contextmanager
     def _tree_txn(self) -> Iterator[Connection]:
-        with self._serial, self.db.begin() as c:
+        # on SQLite also admission's lock: a delete must not read the holds while an admission
+        # is between its charge and its commit
+        with self._serial, self.quotas.serial(), self.db.begin() as c:
             if self.db.dialect.name == "postgresql":
                 c.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": TREE_LOCK})
             yield c
@@ -193,7 +195,8 @@ class ProjectStore:
     def delete(self, name: str, actor: str) -> builtins.list[str]:
         """Remove a project with no sub-projects and no sandboxes; its tokens are revoked (their ids)."""
         with self._tree_txn() as c:
-            if c.execute(select(projects.c.name).where(projects.c.name == name)).first() is None:
+            # locked (PostgreSQL): an admission charging it commits first, and its hold is seen below
+            if c.execute(select(projects.c.name).where(projects.c.name == name).with_for_update()).first() is None:
                 raise NotFound(f"no project {name!r}", field="name")
             kids = c.execute(select(projects.c.name).where(projects.c.parent == name)).scalars().all()
             if kids:

@@ -87,9 +87,13 @@ class ProjectQuotas:
         self._serial = threading.Lock() if db.dialect.name == "sqlite" else None
         self._warned: set[str] = set()
 
+    def serial(self) -> contextlib.AbstractContextManager[object]:
+        """The lock SQLite's writers take here (nothing on PostgreSQL)."""
+        return self._serial or contextlib.nullcontext()
+
     @contextlib.contextmanager
     def _txn(self) -> Iterator[Connection]:
-        with self._serial or contextlib.nullcontext(), self.db.begin() as c:
+        with self.serial(), self.db.begin() as c:
             yield c
 
     def ensure_root(self, project: str) -> None:
@@ -253,16 +257,23 @@ class ProjectQuotas:
             return False
         return True
 
-    def reconcile(self, listed: Iterable[SandboxInfo], answered: set[str], edges: set[str], started: float,
-                  project_of: dict[str, str]) -> dict[str, int]:
-        """Bring the holds to what the edges hold: ``listed`` is every sandbox of the edges in
-        ``answered`` (a listing begun at ``started``), ``edges`` every edge of the cluster.
-        ``project_of`` gives a listed sandbox's project. Returns counts of what changed."""
+    def holds(self) -> list[tuple[str, str | None, str, float, float | None]]:
+        """Every hold: (id, sandbox id, state, created at, bound at). The sweep reads them
+        before listing the edges: a sandbox stopped in between is then neither held nor
+        listed, where read after, it would be listed but no longer held, and adopted again."""
+        h = project_holds.c
+        with self.db.connect() as c:
+            return [tuple(r) for r in c.execute(select(h.id, h.sandbox_id, h.state, h.created_at, h.bound_at))]  # type: ignore[misc]
+
+    def reconcile(self, holds: list[tuple[str, str | None, str, float, float | None]], listed: Iterable[SandboxInfo],
+                  answered: set[str], edges: set[str], started: float, project_of: dict[str, str | None]
+                  ) -> dict[str, int]:
+        """Bring ``holds`` (read before the listing) to what the edges hold: ``listed`` is
+        every sandbox of the edges in ``answered`` (a listing begun at ``started``), ``edges``
+        every edge of the cluster. ``project_of`` gives a listed sandbox's project (None: one
+        of the platform's own, never counted). Returns counts of what changed."""
         live = {i.sandbox_id: i for i in listed if i.state in (SandboxState.running, SandboxState.paused,
                                                                SandboxState.creating)}
-        with self.db.connect() as c:
-            holds = c.execute(select(project_holds.c.id, project_holds.c.sandbox_id, project_holds.c.state,
-                                     project_holds.c.created_at, project_holds.c.bound_at)).all()
         done = {"released": 0, "adopted": 0, "paused": 0, "resumed": 0}
         held = set()
         for hid, sid, state, created, bound in holds:
@@ -284,8 +295,10 @@ class ProjectQuotas:
             elif (edge in answered and (bound or created) < started) or edge not in edges:
                 done["released"] += self.release(hold=hid)
         for sid, info in live.items():
-            if sid not in held and info.state != SandboxState.creating and info.created_at < started - ADOPT_GRACE_S:
-                done["adopted"] += self.adopt(info, project_of[sid])
+            project = project_of.get(sid)
+            if sid not in held and project is not None and info.state != SandboxState.creating \
+                    and info.created_at < started - ADOPT_GRACE_S:
+                done["adopted"] += self.adopt(info, project)
         return done
 
     def job_usage(self, under: str) -> dict[tuple[str, str], dict[str, int]]:

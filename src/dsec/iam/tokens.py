@@ -23,6 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from dsec.iam.quota import in_subtree
 from dsec.meta.schema import iam_events, projects, tokens
 from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec, within
+from dsec.wire.models import SandboxInfo
 
 log = logging.getLogger("dsec.iam")
 
@@ -59,13 +60,25 @@ class Principal:
         """An admin of ``project`` or one of its ancestors (the cluster's admin: all)."""
         return self.role == "admin" and (self.all_projects or within(project, self.project))
 
-    def covers(self, project: str) -> bool:
+    def covers(self, project: str | None) -> bool:
         """Whether it may see and act on ``project``'s things: its own project's; a subtree
-        admin's, its subtree's."""
+        admin's, its subtree's. None (the platform's own sandboxes): the cluster's admin only."""
+        if project is None:
+            return self.all_projects
         return self.all_projects or project == self.project or self.administers(project)
 
 
 ADMIN = Principal("admin", "*", "admin")
+
+
+def project_of_sandbox(info: SandboxInfo) -> str | None:
+    """A sandbox's project: its ``dsec.project`` label; without one (made by the cluster's
+    admin) "default"; None for the platform's own FnCall pool containers, which run every
+    project's code and belong to none."""
+    project = info.labels.get(PROJECT_LABEL)
+    if project is not None:
+        return project
+    return None if info.labels.get("dsec-role") == "fncall" else "default"
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("dsec_principal", default=ADMIN)
 
 
@@ -95,9 +108,11 @@ def record_event(c: Connection, actor: str, action: str, target: str, project: s
                                         detail=json.dumps(detail)))
 
 
-# paths a reader may GET but which act (a websocket is refused to readers whatever its path)
 _SANDBOX_PREFIXES = ("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/v1/jobs", "/v1/batches", "/v1/rollouts",
-                     "/v1/projects", "/sandboxes", "/v2/sandboxes")
+                     "/v1/projects")
+# E2B's sandbox API answers every read with the sandbox's own envd and traffic tokens, which
+# are enough to exec and write files: all of it is a write
+_E2B_SANDBOXES = ("/sandboxes", "/v2/sandboxes")
 
 
 def permission_for(method: str, path: str, websocket: bool = False) -> str:
@@ -105,11 +120,15 @@ def permission_for(method: str, path: str, websocket: bool = False) -> str:
     if path.startswith(("/v1/tokens", "/v1/iam", "/v1/projects")):
         return "iam" if method not in ("GET", "HEAD") or path.startswith(("/v1/tokens", "/v1/iam")) \
             else "sandbox:read"
-    writes = websocket or method not in ("GET", "HEAD")
-    if writes and (path.startswith("/v1/layers") or path.endswith("/pack_diff")):
-        return "layers:write"
-    if writes and path.startswith(("/v3/templates", "/v2/templates", "/templates")):
-        return "layers:write"  # E2B's template builds publish layers
+    writes = websocket or method not in ("GET", "HEAD") or "/ports/" in path  # a port's server may act on a GET
+    if writes and (path.startswith("/v1/layers") or path.endswith(("/pack_diff", "/snapshots"))):
+        return "layers:write"  # publishing: pack_diff, E2B's snapshots
+    if path.startswith(("/v3/templates", "/v2/templates", "/templates")) and (writes or "/files/" in path):
+        return "layers:write"  # E2B's template builds publish layers; a files URL is an upload's
+    if path.startswith(_E2B_SANDBOXES):
+        return "sandbox"
+    if path.startswith(_SANDBOX_PREFIXES):
+        return "sandbox" if writes else "sandbox:read"
     if path.startswith(_SANDBOX_PREFIXES):
         return "sandbox" if writes else "sandbox:read"
     if not writes:
@@ -204,8 +223,11 @@ class TokenStore:
         secret = "dsec_" + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         now = time.time()
+        expires = now + spec.ttl_s if spec.ttl_s is not None else None
+        if by.expires_at is not None:  # a token never outlives the one that made it
+            expires = min(expires or by.expires_at, by.expires_at)
         info = TokenInfo(id=digest[:12], project=spec.project, role=spec.role, name=spec.name, created_at=now,
-                         expires_at=now + spec.ttl_s if spec.ttl_s is not None else None, created_by=by.token_id)
+                         expires_at=expires, created_by=by.token_id)
         with self._lock, self._db.begin() as c:
             if "/" in spec.project and c.execute(select(projects.c.name).where(projects.c.name == spec.project)) \
                     .first() is None:

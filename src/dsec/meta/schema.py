@@ -76,6 +76,17 @@ project_holds = Table(
     Index("project_holds_by_project", "project"),
 )
 
+# who owns a layer and which projects may see it (revision 0008); a layer without a row
+# (base images, OCI imports, layers older than this table) is public
+layer_acl = Table(
+    "layer_acl", metadata,
+    Column("ref", String, primary_key=True),
+    Column("project", String, nullable=False),  # the owner
+    Column("visibility", String, nullable=False),  # public | project | private
+    Column("created_by", String, nullable=True),  # the token id that published or last changed it
+    Column("created_at", Float, nullable=False),
+)
+
 # one row per edge the cluster ever had; the controller writes stats, replicas read them
 edges = Table(
     "edges", metadata,

@@ -335,10 +335,13 @@ class AsyncSandbox:
         return f"{base}{self._base}/tty?cols={cols}&rows={rows}"
 
     async def pack_diff(self, ref: str, *, scrub_paths: builtins.list[str] | None = None,
-                        default_scrub: bool = True, timeout: float = 600.0) -> Layer:
+                        default_scrub: bool = True, visibility: str = "project", timeout: float = 600.0) -> Layer:
         """Snapshot this sandbox's writes as workspace layer ``ref`` (incremental over its
-        stack, deletions kept as whiteouts, build residue scrubbed)."""
-        body = PackDiffRequest(ref=ref, scrub_paths=scrub_paths or [], default_scrub=default_scrub)
+        stack, deletions kept as whiteouts, build residue scrubbed). It belongs to the
+        sandbox's project; ``visibility``: "public" (every project), "project" (the project's
+        subtree) or "private" (the project alone)."""
+        body = PackDiffRequest.model_validate({"ref": ref, "scrub_paths": scrub_paths or [],
+                                               "default_scrub": default_scrub, "visibility": visibility})
         return Layer.model_validate(await self._client._json("POST", f"{self._base}/pack_diff",
                                                              json=body.model_dump(), timeout=timeout))
 
@@ -640,6 +643,11 @@ class AsyncClient:
 
     async def remove_layer(self, ref: str) -> Layer:
         return Layer.model_validate(await self._json("DELETE", f"/v1/layers/{ref}"))
+
+    async def set_layer_visibility(self, ref: str, visibility: str) -> Layer:
+        """Who may see and use layer ``ref``: "public", "project" (its owner project's subtree)
+        or "private" (the owner project alone); admins of the owner or above see it in all three."""
+        return Layer.model_validate(await self._json("PATCH", f"/v1/layers/{ref}", json={"visibility": visibility}))
 
     async def gc_layers(self) -> builtins.list[str]:
         return list((await self._json("POST", "/v1/layers/gc"))["removed_blobs"])

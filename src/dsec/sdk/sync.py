@@ -329,6 +329,7 @@ class Client(_Face):
     layers = _blocking(AsyncClient.layers)
     layer = _blocking(AsyncClient.layer)
     remove_layer = _blocking(AsyncClient.remove_layer)
+    set_layer_visibility = _blocking(AsyncClient.set_layer_visibility)
     gc_layers = _blocking(AsyncClient.gc_layers)
     pause_many = _blocking(AsyncClient.pause_many)
     resume_many = _blocking(AsyncClient.resume_many)

@@ -41,7 +41,7 @@ from dsec.errors import (
     SandboxNotRunning,
     Unauthorized,
 )
-from dsec.iam import PROJECT_LABEL
+from dsec.iam import project_of_sandbox
 from dsec.swerex import models as m
 from dsec.swerex import shell
 from dsec.swerex.upload import upload
@@ -178,7 +178,7 @@ class SwerexFace:
         edge = self.api.edge_for(sid)
         if not principal.all_projects:
             info = await edge.get(sid)
-            if not principal.covers(info.labels.get(PROJECT_LABEL, "default")):
+            if not principal.covers(project_of_sandbox(info)):
                 raise NotFound(f"no sandbox {sid!r} in project {principal.project!r}", field="sandbox_id")
         return edge
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from dsec.wire.models import Strict
 
-PROJECT_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")  # one segment of a project's path
+PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")  # one segment of a project's path (fullmatch)
 MAX_PROJECT_DEPTH = 8
 TokenRole = Literal["admin", "builder", "runner", "reader"]
 # the quota's resources, as fields of ProjectQuota and Usage
@@ -24,7 +24,7 @@ def check_project(v: str) -> str:
     if len(parts) > MAX_PROJECT_DEPTH:
         raise ValueError(f"project {v!r}: at most {MAX_PROJECT_DEPTH} levels")
     for part in parts:
-        if not PROJECT_RE.match(part) or part in (".", ".."):
+        if not PROJECT_RE.fullmatch(part) or part in (".", ".."):
             raise ValueError(f"project {v!r}: each '/'-separated part is lowercase letters, digits, '.', '_' and '-', "
                              "starting with a letter or digit, at most 63")
     return v

@@ -19,6 +19,10 @@ class Layer(BaseModel):
     blobs: list[str] = Field(default_factory=list, description="EROFS images bottom to top, when more than one")
     data: dict[str, str] = Field(default_factory=dict, description="metadata image digest -> its data blob")
     prefetch_chunks: int = Field(default=0, description="chunks in its data blobs' access lists")
+    owner: str | None = Field(default=None, description="the project that published it (None: no project's, "
+                              "as base images and imports; then it is public)")
+    visibility: str = Field(default="public", description="who may see and use it: public (every project), "
+                            "project (the owner's subtree and its admins), private (the owner and its admins)")
 
     @property
     def all_blobs(self) -> list[str]:

@@ -336,6 +336,9 @@ class PackDiffRequest(Strict):
     ref: str = Field(description="the new workspace layer, ws/name:version")
     scrub_paths: list[str] = Field(default_factory=list, description="absolute paths left out of the layer")
     default_scrub: bool = Field(default=True, description="also leave out shell history, /tmp, caches, logs")
+    visibility: Literal["public", "project", "private"] = Field(
+        default="project", description="who may see and use the layer: every project, the sandbox's project and "
+        "its subtree, or the sandbox's project alone (and admins above it, in both)")
 
 
 class ForkRequest(Strict):

@@ -34,6 +34,7 @@ def routes(api: Apiserver) -> APIRouter:
         """Accepted at once; its items are made in the background. Each item's outcome (a sandbox,
         or the reason it was not made: a job's quota is checked per item) is in GET /v1/batches/{id}."""
         args = api._own(CreateRequest(args=req.args)).args
+        await api.check_visible(args)  # its items are made in the admin's context, which sees every layer
         return await runner.submit(req.model_copy(update={"args": args}), args.labels.get(PROJECT_LABEL, "default"))
 
     @router.get("/v1/batches/admission")

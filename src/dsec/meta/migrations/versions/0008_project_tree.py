@@ -1,5 +1,5 @@
 """Projects nest and carry quotas; admission holds their share per sandbox; IAM events name
-the project they changed.
+the project they changed; layers have an owner project and a visibility.
 
 Revision ID: 0008
 Revises: 0007
@@ -47,9 +47,18 @@ def upgrade() -> None:
         sa.Column("bound_at", sa.Float, nullable=True),
     )
     op.create_index("project_holds_by_project", "project_holds", ["project"])
+    op.create_table(
+        "layer_acl",
+        sa.Column("ref", sa.String, primary_key=True),
+        sa.Column("project", sa.String, nullable=False),
+        sa.Column("visibility", sa.String, nullable=False),
+        sa.Column("created_by", sa.String, nullable=True),
+        sa.Column("created_at", sa.Float, nullable=False),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("layer_acl")
     op.drop_index("project_holds_by_project", "project_holds")
     op.drop_table("project_holds")
     op.drop_index("projects_by_parent", "projects")
