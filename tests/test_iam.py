@@ -327,3 +327,46 @@ def test_a_batch_waits_for_the_starting_cap_instead_of_failing(org: Org) -> None
     finally:
         for sb in made:
             sb.stop()
+
+
+def test_red_team_e2b_and_platform_paths(org: Org, platform: Platform) -> None:
+    """What a review found reachable, closed: a reader reading E2B sandboxes (the answer
+    carries each sandbox's envd token, enough to exec), a runner publishing through E2B's
+    snapshots, another project using, listing or deleting a team's snapshot, a project
+    token reaching the FnCall pool's containers (they run every project's code), a token
+    outliving the admin token that made it."""
+    builder = org.token(org.root, "builder")
+    runner, reader = org.token(org.root, "runner"), org.token(org.root, "reader")
+    with dsec.Client(url=platform.url, token=builder) as b:
+        sb = b.run_container(dsec.ContainerArgs(**SMALL))
+    for path in ("/sandboxes", "/v2/sandboxes", f"/sandboxes/{sb.sandbox_id}"):
+        r = httpx.get(platform.url + path, headers={"X-API-Key": reader})
+        assert r.status_code == 403, (path, r.text)
+    r = httpx.post(f"{platform.url}/sandboxes/{sb.sandbox_id}/snapshots", headers={"X-API-Key": runner}, json={})
+    assert r.status_code == 403, r.text
+    r = httpx.post(f"{platform.url}/sandboxes/{sb.sandbox_id}/snapshots", headers={"X-API-Key": builder}, json={},
+                   timeout=60)
+    assert r.status_code == 201, r.text
+    snap = r.json()["snapshotID"]
+    outsider = org.token(org.admin.projects.create(f"out{org.root}").name, "builder")
+    h = {"X-API-Key": outsider}
+    assert snap in {s["snapshotID"] for s in httpx.get(f"{platform.url}/snapshots",
+                                                          headers={"X-API-Key": builder}).json()}
+    assert snap not in {s["snapshotID"] for s in httpx.get(f"{platform.url}/snapshots", headers=h).json()}
+    r = httpx.post(f"{platform.url}/sandboxes", headers=h, json={"templateID": snap, "timeout": 30}, timeout=60)
+    assert r.status_code == 404, r.text
+    assert httpx.delete(f"{platform.url}/templates/{snap}", headers=h).status_code == 404
+    # the FnCall pool's containers belong to no project, not even "default"
+    org.admin.fncall(dsec.FnCallArgs(language="python", code="print(1)"))
+    pool = [i for i in org.admin.list() if i.labels.get("dsec-role") == "fncall" and i.state.value == "running"]
+    assert pool
+    as_default = {"Authorization": f"Bearer {org.token('default', 'runner')}"}
+    for i in pool:
+        r = httpx.get(f"{platform.url}/v1/sandboxes/{i.sandbox_id}", headers=as_default)
+        assert r.status_code == 404, r.text
+    # a token made by a token that expires expires with it
+    with dsec.Client(url=platform.url, token=TOKEN) as admin:
+        lead = admin.create_token(org.root, "admin", ttl_s=600)
+    with dsec.Client(url=platform.url, token=lead.token) as c:
+        made = c.create_token(org.root, "runner")
+    assert made.expires_at is not None and abs(made.expires_at - (lead.expires_at or 0)) < 1e-6

@@ -103,6 +103,7 @@ class QuotaExceeded(AdmissionRejected):
     back as its sandboxes stop."""
 
     code = "quota_exceeded"
+    limit: float | None = None  # the cap that refused it, where known (in-process callers read it)
 
 
 class QuotaConflict(DsecError):

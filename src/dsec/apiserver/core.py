@@ -35,9 +35,9 @@ from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, current_principal, projec
 from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Need, ProjectQuotas
 from dsec.iam.rates import FnCallRates
-from dsec.iam.visibility import LayerAcl
+from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
-from dsec.layers.store import LayerStore
+from dsec.layers.store import Layer, LayerStore
 from dsec.placement.engine import Placement
 from dsec.watcher.watcher import FleetView
 from dsec.wire.models import (
@@ -257,6 +257,47 @@ class Apiserver:
             raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
         return made
 
+    async def publish(self, sandbox_id: str, ref: str, *, scrub_paths: builtins.list[str] | None = None,
+                      default_scrub: bool = True, source: str | None = None, visibility: str | None = None
+                      ) -> tuple[Layer, AclRow | None]:
+        """pack_diff: the sandbox's writes as the layer ``ref``, owned by the sandbox's project
+        (dsec.iam.visibility) with ``visibility`` (default "project"). A sandbox of no
+        project (the cluster admin's own) publishes a public layer unless a visibility is
+        given. A new ref gets its owner before it exists, so it is never public in between;
+        an existing one keeps its owner (a retried pack_diff gets the same layer back)."""
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        owner = project_of_sandbox(info)
+        acl = LayerAcl(self.tokens.db)
+        claim = None
+        if owner is not None and (visibility is not None or PROJECT_LABEL in info.labels) \
+                and not self.layers.has(ref):
+            claim = await asyncio.to_thread(acl.claim, ref, owner, visibility or "project",
+                                            current_principal.get().token_id)
+        try:
+            layer = await edge.pack_diff(sandbox_id, ref, scrub_paths, default_scrub, source=source)
+        except BaseException:
+            if claim is not None:
+                await asyncio.shield(asyncio.to_thread(acl.release, claim))
+            raise
+        return layer, claim if claim is not None else await asyncio.to_thread(acl.get, layer.ref)
+
+    async def visible_layers(self, refs: builtins.list[str]) -> set[str]:
+        """Which of ``refs`` the caller may see (dsec.iam.visibility)."""
+        principal = current_principal.get()
+        if principal.all_projects:
+            return set(refs)
+        return await asyncio.to_thread(LayerAcl(self.tokens.db).filter, principal, refs)
+
+    async def may_change_layer(self, ref: str) -> bool:
+        """Whether the caller may remove ``ref`` or change its visibility: it covers the
+        owner project; a layer of no project is the cluster admin's alone."""
+        principal = current_principal.get()
+        if principal.all_projects:
+            return True
+        row = await asyncio.to_thread(LayerAcl(self.tokens.db).get, ref)
+        return row is not None and principal.covers(row.project)
+
     async def check_visible(self, args: SandboxBase | ForkRequest) -> None:
         """404 when the caller may not see the image or a layer of ``args`` (a fork's
         snapshot), worded as the edge words an unknown layer, so that a hidden layer's
@@ -274,10 +315,21 @@ class Apiserver:
             if not await asyncio.to_thread(acl.visible, principal, ref):
                 raise NotFound(f"unknown snapshot {args.snapshot!r}", field="snapshot")
             return
-        seen = await asyncio.to_thread(acl.filter, principal, [args.image, *args.layers])
-        if args.image not in seen:
-            raise NotFound(f"unknown layer {args.image!r}", field="image")
-        for i, ref in enumerate(args.layers):
+        await self.check_refs(args.image, args.layers)
+
+    async def check_refs(self, image: str, layers: builtins.list[str]) -> None:
+        """check_visible for an image and layers named directly (a FnCall's)."""
+        principal = current_principal.get()
+        if principal.all_projects:
+            return
+        try:
+            image, layers = normalize_layer_ref(image), [normalize_layer_ref(x) for x in layers]
+        except ValueError:
+            return  # malformed: the edge reports it as it always has
+        seen = await asyncio.to_thread(LayerAcl(self.tokens.db).filter, principal, [image, *layers])
+        if image not in seen:
+            raise NotFound(f"unknown layer {image!r}", field="image")
+        for i, ref in enumerate(layers):
             if ref not in seen:
                 raise NotFound(f"unknown layer {ref!r}", field=f"layers[{i}]")
 

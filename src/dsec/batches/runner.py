@@ -30,6 +30,7 @@ from pydantic import TypeAdapter
 
 from dsec.batches.store import BatchRow, BatchStore
 from dsec.errors import DsecError, NotFound, QuotaExceeded
+from dsec.iam import PROJECT_LABEL
 from dsec.wire.batches import BATCH_LABEL, BatchAdmission, BatchCounts, BatchInfo, BatchItem, BatchRequest
 from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxInfo, SandboxState
 
@@ -41,6 +42,7 @@ FLUSH_S = 0.25
 HEARTBEAT_S = 1.0
 STALE_S = 5.0  # an owner not heard of for this long has crashed: its batches are taken over
 STARTING_RETRY_S = 0.1  # an item waiting for its project's creates in flight to go below the cap
+STARTING_WAIT_S = 900.0  # ... at most this long (a stale hold goes after as long: dsec.iam.quota)
 KEEP_FINISHED = 64  # finished batches kept in memory (older ones are answered from the database)
 _ARGS: TypeAdapter[Any] = TypeAdapter(AnySandboxArgs)
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
@@ -62,6 +64,7 @@ class _Batch:
     queue: deque[int] = field(default_factory=deque)
     counts: Counter[str] = field(default_factory=Counter)
     stop_made: bool = False
+    waiting: bool = False  # an item waits for its project's creates in flight: dispatch no more meanwhile
     lost: bool = False  # taken over by another apiserver: its outcomes are that one's to finish
 
     def set(self, i: int, state: str) -> None:
@@ -148,7 +151,8 @@ class BatchRunner:
                     b.errors[r.idx] = (r.error, r.reason or "")
             for s in listed:  # made before the crash, its outcome not written: it is that item's
                 bid, _, idx = s.labels.get(BATCH_LABEL, "").partition("/")
-                if (bid == row.id and idx.isdigit() and int(idx) < row.n and int(idx) not in done
+                if (bid == row.id and s.labels.get(PROJECT_LABEL, "default") == row.project
+                        and idx.isdigit() and int(idx) < row.n and int(idx) not in done
                         and s.state in LIVE and b.states[int(idx)] == "queued"):
                     self._outcome(b, int(idx), "running", s.sandbox_id)
             b.queue.extend(i for i in range(row.n) if b.states[i] == "queued")
@@ -229,17 +233,19 @@ class BatchRunner:
 
     def _next(self) -> tuple[_Batch, int] | None:
         """Round-robin: the next job's lane, the next batch of that job."""
-        while self.lanes:
+        for _ in range(len(self.lanes)):
             key, lane = next(iter(self.lanes.items()))
             self.lanes.move_to_end(key)
-            while lane:
+            for _ in range(len(lane)):
                 b = self.batches.get(lane[0])
                 if b is None or not b.queue:
                     lane.popleft()
                     continue
                 lane.rotate(-1)
-                return b, b.queue.popleft()
-            del self.lanes[key]
+                if not b.waiting:  # (a waiting batch keeps its place, and its one slot)
+                    return b, b.queue.popleft()
+            if not lane:
+                del self.lanes[key]
         return None
 
     async def _dispatch(self) -> None:
@@ -277,14 +283,25 @@ class BatchRunner:
 
     async def _create(self, b: _Batch, args: AnySandboxArgs) -> SandboxInfo:
         """One item's create. A project at its cap of creates starting at once (docs/iam.md)
-        is backpressure, not a refusal: the item waits for one of them to finish."""
-        while True:
-            try:
-                return await self.api.create(CreateRequest(args=args), bounded=True)
-            except QuotaExceeded as e:
-                if e.field != "quota.starting" or b.state != "running":
-                    raise
-            await asyncio.sleep(STARTING_RETRY_S)
+        is backpressure, not a refusal: the item waits (at most ``STARTING_WAIT_S``) for one
+        of them to finish, and its batch dispatches nothing else meanwhile, so that a
+        throttled project holds one of the replica's slots, not all of them. A cap of 0
+        refuses."""
+        deadline = time.monotonic() + STARTING_WAIT_S
+        try:
+            while True:
+                try:
+                    return await self.api.create(CreateRequest(args=args), bounded=True)
+                except QuotaExceeded as e:
+                    if e.field != "quota.starting" or not e.limit or b.state != "running" \
+                            or time.monotonic() > deadline:
+                        raise
+                b.waiting = True
+                await asyncio.sleep(STARTING_RETRY_S)
+        finally:
+            if b.waiting:
+                b.waiting = False
+                self._wake.set()
 
     async def _stop(self, sandbox_id: str) -> None:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import builtins
 import contextlib
 import datetime
 import json
@@ -31,7 +32,7 @@ from dsec.e2b.routing import add_routes
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.e2b.templates_api import TemplateSource
 from dsec.edge.api import EdgeAPI
-from dsec.errors import DsecError, InvalidRequest, NotFound
+from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound
 from dsec.layers.store import Layer, LayerStore
 from dsec.wire.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
@@ -51,6 +52,12 @@ class Platform(Protocol):
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
     async def layers_in_use(self) -> set[str]: ...
     async def stopped(self, sandbox_id: str) -> None: ...
+    async def paused(self, info: SandboxInfo) -> None: ...
+    async def publish(self, sandbox_id: str, ref: str, *, scrub_paths: builtins.list[str] | None = None,
+                      default_scrub: bool = True, source: str | None = None, visibility: str | None = None
+                      ) -> tuple[Layer, Any]: ...
+    async def visible_layers(self, refs: builtins.list[str]) -> set[str]: ...
+    async def may_change_layer(self, ref: str) -> bool: ...
 
 
 class NewSandbox(BaseModel):
@@ -231,12 +238,14 @@ class E2BApi:
         over the stack it runs on, which creating a sandbox from the snapshot's id restores."""
         edge, _ = await self._live(sandbox_id)
         source = SNAPSHOT_SOURCE + json.dumps({"sandbox": sandbox_id, "name": name})
-        layer = await edge.pack_diff(sandbox_id, snapshot_ref(f"e2b-snapshot-{secrets.token_hex(6)}"), source=source)
+        layer, _ = await self.platform.publish(sandbox_id, snapshot_ref(f"e2b-snapshot-{secrets.token_hex(6)}"),
+                                               source=source, visibility="project")  # the team's, as in E2B
         return _snapshot_info(layer)
 
-    def snapshots(self, sandbox_id: str | None, name: str | None, limit: int,
-                  after: Key | None) -> tuple[list[dict[str, Any]], str | None]:
-        """Newest first, in pages keyed by (creation time, id)."""
+    async def snapshots(self, sandbox_id: str | None, name: str | None, limit: int,
+                        after: Key | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The caller's project's (and public) snapshots, newest first, in pages keyed by
+        (creation time, id)."""
         picked = []
         for layer in self.platform.layers.list():
             meta = _snapshot_meta(layer)
@@ -244,6 +253,8 @@ class E2BApi:
                     (name is not None and meta.get("name") != name):
                 continue
             picked.append(layer)
+        seen = await self.platform.visible_layers([x.ref for x in picked])
+        picked = [x for x in picked if x.ref in seen]
         page, token = _page(picked, lambda layer: (layer.created_at, layer.ref), True, after, limit)
         return [_snapshot_info(x) for x in page], token
 
@@ -252,8 +263,10 @@ class E2BApi:
             layer = self.platform.layers.get(snapshot_ref(snapshot_id)) if SNAPSHOT_ID_RE.match(snapshot_id) else None
         except (DsecError, ValueError):
             layer = None
-        if layer is None or _snapshot_meta(layer) is None:
+        if layer is None or _snapshot_meta(layer) is None or not await self.platform.visible_layers([layer.ref]):
             raise NotFound(f"snapshot {snapshot_id!r} not found", field="templateID")
+        if not await self.platform.may_change_layer(layer.ref):
+            raise Forbidden(f"snapshot {snapshot_id!r} belongs to another project", field="templateID")
         self.platform.layers.remove(layer.ref, await self.platform.layers_in_use())
 
     async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[dict[str, Any]]:
@@ -262,8 +275,9 @@ class E2BApi:
         original keeps running. Forks made are returned even if others fail."""
         edge, info = await self._live(sandbox_id)
         await self._drop_unused_forks()
-        layer = await edge.pack_diff(sandbox_id, f"{FORK_PREFIX}{secrets.token_hex(6)}:1",
-                                     source=FORK_SOURCE + json.dumps({"sandbox": sandbox_id}))
+        layer, _ = await self.platform.publish(sandbox_id, f"{FORK_PREFIX}{secrets.token_hex(6)}:1",
+                                               source=FORK_SOURCE + json.dumps({"sandbox": sandbox_id}),
+                                               visibility="private")
         image, layers = layer.stack()
         args = ContainerArgs(image=image, layers=layers, labels=info.labels, memory_limit_mb=info.memory_limit_mb,
                              cpu_cores_limit=info.cpu_cores_limit, max_lifetime_s=max(1, timeout),
@@ -338,13 +352,14 @@ class E2BApi:
         edge = self.edge_for(sandbox_id)
         if (await edge.get(sandbox_id)).state == SandboxState.paused:
             raise DsecConflict(f"sandbox {sandbox_id} is already paused")
-        await edge.pause(sandbox_id)
+        await self.platform.paused(await edge.pause(sandbox_id))
 
     async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[int, dict[str, Any]]:
         edge, info = await self._live(sandbox_id)
         status = 200
         if info.state == SandboxState.paused:
             info = await edge.resume(sandbox_id)
+            await self.platform.paused(info)
             status = 201
             await edge.set_deadline(sandbox_id, timeout or DEFAULT_TIMEOUT_S)
         elif timeout and (info.expires_at is None or time.time() + timeout > info.expires_at):
@@ -412,7 +427,7 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         limit = q.get("limit", "100")
         if not limit.isdigit() or not 1 <= int(limit) <= 1000:
             raise InvalidRequest("limit: must be an integer from 1 to 1000", field="limit")
-        page, token = api.snapshots(q.get("sandboxID"), q.get("name"), int(limit),
+        page, token = await api.snapshots(q.get("sandboxID"), q.get("name"), int(limit),
                                     _parse_token(q["nextToken"]) if q.get("nextToken") else None)
         return JSONResponse(page, headers={"x-next-token": token} if token else None)
 

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from dsec.e2b.envd import ENVD_VERSION
 from dsec.e2b.routing import add_routes
 from dsec.e2b.template import Template
-from dsec.errors import InvalidRequest, NotFound
+from dsec.errors import Forbidden, InvalidRequest, NotFound
 from dsec.iam import current_principal
 from dsec.templates.builder import Builder
 from dsec.templates.catalog import LOG_PAGE, BuildRow, LogRow, TemplateCatalog, TemplateRow
@@ -68,9 +68,11 @@ class TemplateSource:
         self.catalog, self.images, self.image_key = catalog, images, image_key
 
     async def lookup(self, name: str) -> Template | None:
-        """The built template ``name`` means; None when no template has that name."""
+        """The built template ``name`` means; None when no template has that name (or none
+        the caller may see: another project's private one)."""
         base = name.partition(":")[0]
-        if await asyncio.to_thread(self.catalog.template, base) is None:
+        row = await asyncio.to_thread(self.catalog.template, base)
+        if row is None or not (row.public or current_principal.get().covers(row.project)):
             return None
         t, b = await asyncio.to_thread(self.catalog.resolve, name)  # NotFound names a missing tag
         assert b.result is not None
@@ -101,17 +103,22 @@ class TemplatesApi:
             self._reaped = now
             await self.builder.reap()
 
-    async def _template(self, template_id: str) -> TemplateRow:
+    async def _template(self, template_id: str, owned: bool = False) -> TemplateRow:
+        """The template, if the caller may see it (its project's, or public); ``owned``: if
+        it may change it (its project's only: a public template is read-only to others)."""
         t = await self._call(self.catalog.template, template_id)
         if t is None:
             raise NotFound(f"template {template_id!r} not found", field="templateID")
         p = current_principal.get()
         if not p.covers(t.project) and not t.public:
             raise NotFound(f"template {template_id!r} not found", field="templateID")
+        if owned and not p.covers(t.project):
+            raise Forbidden(f"template {template_id!r} belongs to another project: it may be used, not changed",
+                            field="templateID")
         return t
 
-    async def _build(self, template_id: str, build_id: str) -> tuple[TemplateRow, BuildRow]:
-        t = await self._template(template_id)
+    async def _build(self, template_id: str, build_id: str, owned: bool = False) -> tuple[TemplateRow, BuildRow]:
+        t = await self._template(template_id, owned)
         b = await self._call(self.catalog.build, build_id)
         if b is None or b.template_id != t.id:
             raise NotFound(f"build {build_id!r} of template {template_id!r} not found", field="buildID")
@@ -130,7 +137,7 @@ class TemplatesApi:
 
     async def start(self, template_id: str, build_id: str, spec: TemplateSpec) -> None:
         await self.reap()
-        await self._build(template_id, build_id)
+        await self._build(template_id, build_id, owned=True)
         for s in spec.steps:
             if s.type == "COPY" and s.filesHash and not await self._call(self.contexts.has, s.filesHash):
                 raise InvalidRequest(f"the files of COPY {s.args[0]} (hash {s.filesHash}) were not uploaded",
@@ -153,7 +160,7 @@ class TemplatesApi:
         return {"logs": [_entry(e) for e in await self._call(self.catalog.logs, build_id, cursor, limit)]}
 
     async def files(self, template_id: str, files_hash: str, base_url: str) -> dict[str, Any]:
-        await self._template(template_id)
+        await self._template(template_id, owned=True)
         if await self._call(self.contexts.has, files_hash):
             return {"present": True}
         q = urllib.parse.urlencode({"signature": self.sign(files_hash)})
@@ -193,12 +200,12 @@ class TemplatesApi:
         if t is None:  # not a built template: E2B deletes snapshots through the same route
             await self.delete_snapshot(template_id)
             return
-        t = await self._template(template_id)
+        t = await self._template(template_id, owned=True)
         for build_id, sandbox_id in await self._call(self.catalog.delete_template, t.id):
             await self.builder.cancel(build_id, sandbox_id)
 
     async def set_public(self, template_id: str, public: bool) -> None:
-        t = await self._template(template_id)
+        t = await self._template(template_id, owned=True)
         await self._call(self.catalog.set_public, t.id, public)
 
     async def tags(self, template_id: str) -> list[dict[str, Any]]:
@@ -207,7 +214,7 @@ class TemplatesApi:
                 for tag, bid, at in await self._call(self.catalog.tags, t.id)]
 
     async def assign(self, body: TagsBody) -> dict[str, Any]:
-        await self._template(body.target.partition(":")[0])
+        await self._template(body.target.partition(":")[0], owned=True)
         try:
             for tag in body.tags:
                 check_tag(tag)
@@ -217,7 +224,7 @@ class TemplatesApi:
         return {"tags": tags, "buildID": build_id}
 
     async def untag(self, body: UntagBody) -> None:
-        await self._template(body.name)
+        await self._template(body.name, owned=True)
         await self._call(self.catalog.untag, body.name, body.tags)
 
 

@@ -166,9 +166,11 @@ class ProjectQuotas:
             for r, (u, q) in _COLUMNS.items():
                 if row[q] is not None and row[u] + amounts[r] > row[q]:
                     what = "sandboxes starting at once" if r == "starting" else r.replace("_mb", "").replace("_", " ")
-                    raise QuotaExceeded(
+                    err = QuotaExceeded(
                         f"project {p!r} is at its quota of {what}: {_show(r, row[q])}, {_show(r, row[u])} held in "
                         f"its subtree, this sandbox needs {_show(r, amounts[r])}", field=f"quota.{r}")
+                    err.limit = row[q]
+                    raise err
         return None
 
     @staticmethod

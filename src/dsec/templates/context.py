@@ -30,7 +30,8 @@ class Contexts:
         return os.path.exists(self.path(files_hash))
 
     async def save(self, files_hash: str, body: AsyncIterator[bytes]) -> int:
-        """Store an upload (at most ``max_bytes``); published whole or not at all."""
+        """Store an upload (at most ``max_bytes``); published whole or not at all, and never
+        over an earlier upload of the same hash."""
         dest = self.path(files_hash)
         os.makedirs(self.dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".upload-")
@@ -42,7 +43,13 @@ class Contexts:
                     if size > self.max_bytes:
                         raise PayloadTooLarge(f"a build context is at most {self.max_bytes} bytes", field="body")
                     await asyncio.to_thread(f.write, chunk)
-            os.replace(tmp, dest)
+            # first upload wins: an upload URL is signed for a hash, not for who sends it, so a
+            # later one must not replace what a build may already have been given
+            try:
+                os.link(tmp, dest)
+            except FileExistsError:
+                pass
+            os.unlink(tmp)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -101,7 +101,7 @@ def routes(api: Apiserver) -> APIRouter:
 
         async def one(i: SandboxInfo) -> str | None:
             try:
-                await op(i.sandbox_id)
+                await api.paused(await op(i.sandbox_id))  # the project's CPU follows (docs/iam.md)
                 return i.sandbox_id
             except SandboxBusy:
                 return None

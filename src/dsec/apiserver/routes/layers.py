@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 
 from dsec.apiserver.core import Apiserver, layer_ref
 from dsec.errors import Forbidden, NotFound
-from dsec.iam import PROJECT_LABEL, Principal, current_principal
+from dsec.iam import Principal, current_principal
 from dsec.iam.visibility import AclRow, LayerAcl, Visibility, may_see
 from dsec.layers.store import Layer
 from dsec.wire.iam import check_project
@@ -73,23 +73,10 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201)
     async def pack_diff(sandbox_id: str, req: PackDiffRequest) -> Layer:
         """The new layer belongs to the sandbox's project (not the caller's: an admin above it
-        publishes for that project) with the visibility asked for."""
-        edge = api.edge_for(sandbox_id)
-        ref = layer_ref(req.ref)
-        owner = (await edge.get(sandbox_id)).labels.get(PROJECT_LABEL, "default")
-        claim = None
-        # a ref already published keeps its row (a retried pack_diff gets the same layer back,
-        # other content is the edge's refusal); a new one gets its row before it exists, so
-        # that it is never visible to all in between
-        if not api.layers.has(ref):
-            claim = await asyncio.to_thread(acl.claim, ref, owner, req.visibility, current_principal.get().token_id)
-        try:
-            layer = await edge.pack_diff(sandbox_id, req.ref, req.scrub_paths, req.default_scrub)
-        except BaseException:
-            if claim is not None:
-                await asyncio.shield(asyncio.to_thread(acl.release, claim))
-            raise
-        return _shown(layer, claim if claim is not None else await asyncio.to_thread(acl.get, layer.ref))
+        publishes for that project) with the visibility asked for (Apiserver.publish)."""
+        visibility = req.visibility if "visibility" in req.model_fields_set else None
+        return _shown(*await api.publish(sandbox_id, layer_ref(req.ref), scrub_paths=req.scrub_paths,
+                                         default_scrub=req.default_scrub, visibility=visibility))
 
     @router.post("/v1/fork", status_code=201)
     async def fork(req: ForkRequest) -> list[SandboxInfo]:

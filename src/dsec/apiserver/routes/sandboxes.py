@@ -84,7 +84,9 @@ def routes(api: Apiserver) -> APIRouter:
 
         async def one(i: SandboxInfo) -> SandboxInfo:
             try:
-                return await op(api.edge_for(i.sandbox_id), i.sandbox_id)
+                done = await op(api.edge_for(i.sandbox_id), i.sandbox_id)
+                await api.paused(done)  # the project's CPU follows (docs/iam.md)
+                return done
             except SandboxBusy:
                 return i
         done = list(await asyncio.gather(*(one(i) for i in targets)))
