@@ -215,3 +215,19 @@ def test_delete_refuses_a_project_that_holds_something(stores: tuple[ProjectStor
     s.delete("gone", "admin")
     with pytest.raises(NotFound):
         s.get("gone")
+
+
+def test_a_publish_claim_is_retried_by_its_project_and_refused_to_others(
+        stores: tuple[ProjectStore, ProjectStore]) -> None:
+    """A pack_diff that died mid-way (its apiserver or edge killed) left its layer's claim:
+    the same project's retry takes it over; another project is refused while it is fresh."""
+    from dsec.errors import InvalidRequest
+    from dsec.iam.visibility import LayerAcl
+
+    a, b = (LayerAcl(s.db) for s in stores)
+    first = a.claim("ws/claimed:v1", "team", "project", "t1")
+    again = b.claim("ws/claimed:v1", "team", "private", "t2")
+    assert again.created_at >= first.created_at and a.get("ws/claimed:v1").visibility == "private"  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest) as e:
+        a.claim("ws/claimed:v1", "other", "public", "t3")
+    assert e.value.field == "ref"

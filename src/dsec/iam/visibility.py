@@ -137,15 +137,19 @@ class LayerAcl:
 
     def claim(self, ref: str, project: str, visibility: str, by_token_id: str) -> AclRow:
         """The row of a layer about to be published (pack_diff), written before the layer
-        exists so it is never visible without its row. A recent claim of another publish
-        still running refuses this one; a stale one (see CLAIM_STALE_S) is replaced."""
+        exists so it is never visible without its row. Another project's recent claim (a
+        publish still running) refuses this one; the same project's, or a stale one (see
+        CLAIM_STALE_S), is replaced."""
         _check(visibility)
         row = AclRow(ref, project, visibility, by_token_id, time.time())
         values = dict(ref=ref, project=project, visibility=visibility, created_by=by_token_id,
                       created_at=row.created_at)
         with self._db.begin() as c:
-            old = c.execute(select(layer_acl.c.created_at).where(layer_acl.c.ref == ref).with_for_update()).first()
-            if old is not None and row.created_at - old[0] < CLAIM_STALE_S:
+            old = c.execute(select(layer_acl.c.created_at, layer_acl.c.project).where(layer_acl.c.ref == ref)
+                            .with_for_update()).first()
+            # the same project's claim is replaced: a retry after a crash mid-publish (the edge
+            # keeps one content per name whatever the claims say); another's fresh one refuses
+            if old is not None and old[1] != project and row.created_at - old[0] < CLAIM_STALE_S:
                 raise InvalidRequest(f"layer {ref!r} is being published by another request; "
                                      "publish a new version", field="ref")
             try:

@@ -335,15 +335,20 @@ class AsyncSandbox:
         return f"{base}{self._base}/tty?cols={cols}&rows={rows}"
 
     async def pack_diff(self, ref: str, *, scrub_paths: builtins.list[str] | None = None,
-                        default_scrub: bool = True, visibility: str = "project", timeout: float = 600.0) -> Layer:
+                        default_scrub: bool = True, visibility: str | None = None, timeout: float = 600.0
+                        ) -> Layer:
         """Snapshot this sandbox's writes as workspace layer ``ref`` (incremental over its
         stack, deletions kept as whiteouts, build residue scrubbed). It belongs to the
         sandbox's project; ``visibility``: "public" (every project), "project" (the project's
-        subtree) or "private" (the project alone)."""
-        body = PackDiffRequest.model_validate({"ref": ref, "scrub_paths": scrub_paths or [],
-                                               "default_scrub": default_scrub, "visibility": visibility})
+        subtree, the default) or "private" (the project alone). A sandbox of no project (the
+        cluster admin's own) publishes a public layer unless one is named (docs/iam.md)."""
+        fields: dict[str, object] = {"ref": ref, "scrub_paths": scrub_paths or [], "default_scrub": default_scrub}
+        if visibility is not None:
+            fields["visibility"] = visibility
+        body = PackDiffRequest.model_validate(fields)
         return Layer.model_validate(await self._client._json("POST", f"{self._base}/pack_diff",
-                                                             json=body.model_dump(), timeout=timeout))
+                                                             json=body.model_dump(exclude_unset=True),
+                                                             timeout=timeout))
 
     async def events(self) -> builtins.list[SandboxEvent]:
         """What happened to this sandbox: creation, prefetch, storage errors, access lists saved, ..."""
