@@ -370,3 +370,30 @@ def test_red_team_e2b_and_platform_paths(org: Org, platform: Platform) -> None:
     with dsec.Client(url=platform.url, token=lead.token) as c:
         made = c.create_token(org.root, "runner")
     assert made.expires_at is not None and abs(made.expires_at - (lead.expires_at or 0)) < 1e-6
+
+
+def test_hidden_layers_stay_hidden_through_rollouts_and_admin_patches(org: Org) -> None:
+    builder = org.client(org.root, "builder")
+    sb = builder.run_container(dsec.ContainerArgs(**SMALL))
+    layer = sb.pack_diff(f"ws/{org.root}-hidden:v1")
+    assert layer.owner == org.root and layer.visibility == "project"
+    other = org.client(org.admin.projects.create(f"r{org.root}").name, "runner")
+    with pytest.raises(dsec.NotFound) as e:  # a worker with an admin token would otherwise make it
+        other.rollouts.submit(dsec.RolloutSpec(agent="m:f", snapshot=layer.ref))
+    assert e.value.field == "snapshot"
+    with pytest.raises(dsec.NotFound):
+        other.rollouts.submit(dsec.RolloutSpec(agent="m:f", args=dsec.ContainerArgs(image="base/busybox",
+                                                                                      layers=[layer.ref])))
+    # the cluster admin making an unowned base layer public changes nothing; hiding it needs an owner
+    base = org.admin.set_layer_visibility("base/busybox:latest", "public")
+    assert base.owner is None and base.visibility == "public"
+    with pytest.raises(dsec.InvalidRequest) as e2:
+        org.admin.set_layer_visibility("base/busybox:latest", "private")
+    assert e2.value.field == "project"
+    # the cluster admin's own sandbox (no project) publishes an unowned, public layer
+    mine = org.admin.run_container(dsec.ContainerArgs(**SMALL))
+    try:
+        pub = mine.pack_diff(f"ws/{org.root}-admins:v1")
+        assert pub.owner is None and pub.visibility == "public"
+    finally:
+        mine.stop()

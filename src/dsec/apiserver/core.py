@@ -24,6 +24,7 @@ from dsec.batches import BatchRunner, BatchStore
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
+    DeadlineExceeded,
     DsecError,
     EdgeUnavailable,
     InvalidRequest,
@@ -262,22 +263,24 @@ class Apiserver:
                       ) -> tuple[Layer, AclRow | None]:
         """pack_diff: the sandbox's writes as the layer ``ref``, owned by the sandbox's project
         (dsec.iam.visibility) with ``visibility`` (default "project"). A sandbox of no
-        project (the cluster admin's own) publishes a public layer unless a visibility is
-        given. A new ref gets its owner before it exists, so it is never public in between;
-        an existing one keeps its owner (a retried pack_diff gets the same layer back)."""
+        project (the cluster admin's own, unlabelled) publishes an unowned, public layer. A
+        new ref gets its owner before it exists, so it is never public in between; an
+        existing one keeps its owner (a retried pack_diff gets the same layer back)."""
         edge = self.edge_for(sandbox_id)
         info = await edge.get(sandbox_id)
-        owner = project_of_sandbox(info)
         acl = LayerAcl(self.tokens.db)
         claim = None
-        if owner is not None and (visibility is not None or PROJECT_LABEL in info.labels) \
-                and not self.layers.has(ref):
-            claim = await asyncio.to_thread(acl.claim, ref, owner, visibility or "project",
+        if PROJECT_LABEL in info.labels and not await asyncio.to_thread(self.layers.has, ref):
+            claim = await asyncio.to_thread(acl.claim, ref, info.labels[PROJECT_LABEL], visibility or "project",
                                             current_principal.get().token_id)
         try:
             layer = await edge.pack_diff(sandbox_id, ref, scrub_paths, default_scrub, source=source)
-        except BaseException:
-            if claim is not None:
+        except BaseException as e:
+            # the claim goes only when the edge said no and nothing was published: a publish
+            # that timed out or lost its caller may still finish, and a layer without its row
+            # would be public (a stale claim is its project's to take over, see LayerAcl.claim)
+            refused = isinstance(e, DsecError) and not isinstance(e, EdgeUnavailable | DeadlineExceeded)
+            if claim is not None and refused and not await asyncio.shield(asyncio.to_thread(self.layers.has, ref)):
                 await asyncio.shield(asyncio.to_thread(acl.release, claim))
             raise
         return layer, claim if claim is not None else await asyncio.to_thread(acl.get, layer.ref)
@@ -297,6 +300,10 @@ class Apiserver:
             return True
         row = await asyncio.to_thread(LayerAcl(self.tokens.db).get, ref)
         return row is not None and principal.covers(row.project)
+
+    async def layer_removed(self, ref: str) -> None:
+        """A layer was unpublished: its owner row goes with it (a later layer of the name is a new one)."""
+        await asyncio.to_thread(LayerAcl(self.tokens.db).drop, ref)
 
     async def check_visible(self, args: SandboxBase | ForkRequest) -> None:
         """404 when the caller may not see the image or a layer of ``args`` (a fork's

@@ -58,6 +58,7 @@ class Platform(Protocol):
                       ) -> tuple[Layer, Any]: ...
     async def visible_layers(self, refs: builtins.list[str]) -> set[str]: ...
     async def may_change_layer(self, ref: str) -> bool: ...
+    async def layer_removed(self, ref: str) -> None: ...
 
 
 class NewSandbox(BaseModel):
@@ -100,6 +101,7 @@ def _page(items: list[T], key: Callable[[T], Key], desc: bool, after: Key | None
 
 SNAPSHOT_PREFIX, SNAPSHOT_SOURCE = "ws/e2b-snapshot-", "e2b snapshot "
 FORK_PREFIX, FORK_SOURCE = "ws/e2b-fork-", "e2b fork "
+FORK_GRACE_S = 300.0  # an unused fork layer younger than this is kept (its creates may be under way)
 
 
 def _snapshot_meta(layer: Layer) -> dict[str, Any] | None:
@@ -268,6 +270,7 @@ class E2BApi:
         if not await self.platform.may_change_layer(layer.ref):
             raise Forbidden(f"snapshot {snapshot_id!r} belongs to another project", field="templateID")
         self.platform.layers.remove(layer.ref, await self.platform.layers_in_use())
+        await self.platform.layer_removed(layer.ref)
 
     async def fork(self, sandbox_id: str, count: int, timeout: int) -> list[dict[str, Any]]:
         """``count`` new sandboxes with the sandbox's files as they are now (its writes
@@ -294,12 +297,17 @@ class E2BApi:
         return out
 
     async def _drop_unused_forks(self) -> None:
-        """A fork's layer lives while its forks do: earlier ones no sandbox uses are dropped."""
+        """A fork's layer lives while its forks do: earlier ones no sandbox uses are dropped,
+        the caller's own only, and not in their first minutes (a fork's creates may still be
+        on their way to using it)."""
         in_use = await self.platform.layers_in_use()
         for layer in self.platform.layers.list():
-            if layer.ref.startswith(FORK_PREFIX) and not set(layer.all_blobs) & in_use:
+            unused = layer.ref.startswith(FORK_PREFIX) and not set(layer.all_blobs) & in_use
+            if unused and layer.created_at < time.time() - FORK_GRACE_S \
+                    and await self.platform.may_change_layer(layer.ref):
                 with contextlib.suppress(DsecError):
                     self.platform.layers.remove(layer.ref, in_use)
+                    await self.platform.layer_removed(layer.ref)
 
     async def metrics(self, sandbox_id: str, start: float | None, end: float | None) -> list[dict[str, Any]]:
         """The sandbox's use now, from its cgroup and writable layer, stamped with the

@@ -138,6 +138,8 @@ class TemplatesApi:
     async def start(self, template_id: str, build_id: str, spec: TemplateSpec) -> None:
         await self.reap()
         await self._build(template_id, build_id, owned=True)
+        if spec.fromTemplate:  # building on another template: one the caller may use
+            await self._template(spec.fromTemplate.partition(":")[0])
         for s in spec.steps:
             if s.type == "COPY" and s.filesHash and not await self._call(self.contexts.has, s.filesHash):
                 raise InvalidRequest(f"the files of COPY {s.args[0]} (hash {s.filesHash}) were not uploaded",

@@ -111,8 +111,8 @@ def record_event(c: Connection, actor: str, action: str, target: str, project: s
 _SANDBOX_PREFIXES = ("/v1/sandboxes", "/v1/fork", "/v1/fncall", "/v1/jobs", "/v1/batches", "/v1/rollouts",
                      "/v1/projects")
 # E2B's sandbox API answers every read with the sandbox's own envd and traffic tokens, which
-# are enough to exec and write files: all of it is a write
-_E2B_SANDBOXES = ("/sandboxes", "/v2/sandboxes")
+# are enough to exec and write files: all of it is a write (its snapshots too: they are a team's)
+_E2B_SANDBOXES = ("/sandboxes", "/v2/sandboxes", "/snapshots")
 
 
 def permission_for(method: str, path: str, websocket: bool = False) -> str:

@@ -167,7 +167,11 @@ class LayerAcl:
             c.execute(delete(layer_acl).where(and_(layer_acl.c.ref == claim.ref,
                                                    layer_acl.c.created_at == claim.created_at)))
 
-    def drop(self, ref: str) -> None:
-        """The layer was removed: its row goes with it."""
+    def drop(self, ref: str, row: AclRow | None = None) -> None:
+        """The layer was removed: its row goes with it (``row``: only that row, not a claim
+        another publish of the same name made since)."""
+        cond = layer_acl.c.ref == ref
+        if row is not None:
+            cond = and_(cond, layer_acl.c.created_at == row.created_at)
         with self._db.begin() as c:
-            c.execute(delete(layer_acl).where(layer_acl.c.ref == ref))
+            c.execute(delete(layer_acl).where(cond))

@@ -97,9 +97,11 @@ class TemplateCatalog:
 
     # ---- templates ------------------------------------------------------------------
     def template(self, id_or_name: str) -> TemplateRow | None:
+        """By id first, then by name: a name that looks like another template's id never
+        stands for that template."""
         with self.db.connect() as c:
-            r = c.execute(select(templates).where(
-                (templates.c.id == id_or_name) | (templates.c.name == id_or_name))).first()
+            r = c.execute(select(templates).where(templates.c.id == id_or_name)).first() or \
+                c.execute(select(templates).where(templates.c.name == id_or_name)).first()
         return _template(r) if r else None
 
     def templates(self, project: str | None = None) -> list[TemplateRow]:
@@ -146,6 +148,8 @@ class TemplateCatalog:
         for _ in range(3):  # two requests may make the same new name at once: one insert wins
             with self.db.begin() as c:
                 row = c.execute(select(templates).where(templates.c.name == name)).first()
+                if row is None and c.execute(select(templates.c.id).where(templates.c.id == name)).first():
+                    raise Conflict(f"template name {name!r} is another template's id", field="name")
                 if row is None:
                     tid = new_template_id()
                     try:

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from pydantic import Field, field_validator
 
 from dsec.apiserver.core import Apiserver, layer_ref
-from dsec.errors import Forbidden, NotFound
+from dsec.errors import Forbidden, InvalidRequest, NotFound
 from dsec.iam import Principal, current_principal
 from dsec.iam.visibility import AclRow, LayerAcl, Visibility, may_see
 from dsec.layers.store import Layer
@@ -108,6 +108,11 @@ def routes(api: Apiserver) -> APIRouter:
         layer, row = await _visible(ref)
         p = current_principal.get()
         _may_change(p, layer.ref, row, "change")
+        if row is None and req.project is None:
+            if req.visibility == "public":
+                return _shown(layer, None)  # an unowned layer is public already
+            raise InvalidRequest(f"layer {layer.ref!r} belongs to no project: name the project to own it",
+                                 field="project")
         owner = req.project or (row.project if row is not None else "default")
         if row is not None and owner != row.project and not p.all_projects:
             raise Forbidden(f"only the cluster's admin moves a layer to another project (it is {row.project!r}'s)",
@@ -121,6 +126,6 @@ def routes(api: Apiserver) -> APIRouter:
         _may_change(current_principal.get(), layer.ref, row, "remove")
         removed = api.layers.remove(layer.ref, await api.layers_in_use())
         if row is not None:
-            await asyncio.to_thread(acl.drop, layer.ref)
+            await asyncio.to_thread(acl.drop, layer.ref, row)
         return _shown(removed, row)
     return router

@@ -18,6 +18,7 @@ from dsec.apiserver.core import Apiserver, parse_labels
 from dsec.errors import NotFound, PayloadTooLarge
 from dsec.iam import acting_project, current_principal, project_scope
 from dsec.rollouts.store import RolloutStore
+from dsec.wire.models import ForkRequest
 from dsec.wire.rollouts import (
     FINISHED,
     MAX_STEP_BYTES,
@@ -74,7 +75,15 @@ def routes(api: Apiserver) -> APIRouter:
     async def submit(req: SubmitRequest, project: str | None = None) -> SubmitResult:
         """Queued for the rollout workers. A spec whose ``key`` the project used before answers
         that rollout (``created`` counts the new ones): a restarted trainer resubmits safely."""
-        items, created = await asyncio.to_thread(store.submit, acting_project(project), req.rollouts)
+        project = acting_project(project)
+        # the worker makes the sandboxes with its own token (maybe the cluster admin's): the
+        # layers must be the submitter's to see, checked here (once per distinct stack)
+        for snapshot in {r.snapshot for r in req.rollouts if r.snapshot is not None}:
+            await api.check_visible(ForkRequest(snapshot=snapshot))
+        for image, layers in {(r.args.image, tuple(r.args.layers)) for r in req.rollouts
+                              if r.args is not None and r.snapshot is None}:
+            await api.check_refs(image, list(layers))
+        items, created = await asyncio.to_thread(store.submit, project, req.rollouts)
         return SubmitResult(rollouts=items, created=created)
 
     @router.get("/v1/rollouts")
