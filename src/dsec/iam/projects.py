@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -18,16 +19,14 @@ from sqlalchemy import Connection, Engine, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.errors import NotFound, ProjectExists, ProjectNotEmpty, QuotaConflict
-from dsec.iam.quota import ProjectQuotas, in_subtree
+from dsec.iam.quota import COLUMNS, ProjectQuotas, in_subtree, show
 from dsec.iam.tokens import record_event
 from dsec.meta.schema import project_holds, projects, tokens
 from dsec.wire.iam import RESOURCES, ProjectInfo, ProjectPatch, ProjectQuota, ProjectSpec, Usage, lineage, parent_of
 
 TREE_LOCK = 0x64736564  # advisory lock key of tree changes on PostgreSQL
-_QUOTA_COLS = {"sandboxes": "q_sandboxes", "cpu_cores": "q_cpu_milli", "memory_mb": "q_memory_mb",
-               "disk_mb": "q_disk_mb", "starting": "q_starting"}
-_USAGE_COLS = {"sandboxes": "u_sandboxes", "cpu_cores": "u_cpu_milli", "memory_mb": "u_memory_mb",
-               "disk_mb": "u_disk_mb", "starting": "u_starting"}
+_QUOTA_COLS = {r: q for r, (_, q) in COLUMNS.items()}
+_USAGE_COLS = {r: u for r, (u, _) in COLUMNS.items()}
 
 
 def _to_row(q: ProjectQuota) -> dict[str, Any]:
@@ -49,11 +48,6 @@ def _usage(amounts: dict[str, int | float]) -> Usage:
     return Usage(sandboxes=int(amounts["sandboxes"]), cpu_cores=amounts["cpu_cores"] / 1000,
                  memory_mb=int(amounts["memory_mb"]), disk_mb=int(amounts["disk_mb"]),
                  starting=int(amounts["starting"]))
-
-
-def _amount(resource: str, v: int) -> str:
-    return f"{v / 1000:g} CPU cores" if resource == "cpu_cores" else f"{v} MiB" if resource.endswith("_mb") \
-        else str(v)
 
 
 class _Tree:
@@ -84,19 +78,20 @@ class _Tree:
                 d = self.delegated(p, resource)
                 if d <= cap:
                     continue
+                amount = functools.partial(show, resource, unit=False)
                 kids = {c: self.rows[c][col] if self.rows[c][col] is not None else self.delegated(c, resource)
                         for c in sorted(self.children.get(p, []))}
-                shares = ", ".join(f"{c}: {_amount(resource, v)}" for c, v in kids.items() if v)
+                shares = ", ".join(f"{c}: {amount(v)}" for c, v in kids.items() if v)
                 if p == name:
                     raise QuotaConflict(
-                        f"project {p!r} would cap {resource} at {_amount(resource, cap)} but has delegated "
-                        f"{_amount(resource, d)} to its sub-projects ({shares}): shrink them first",
+                        f"project {p!r} would cap {resource} at {amount(cap)} but has delegated "
+                        f"{amount(d)} to its sub-projects ({shares}): shrink them first",
                         field=f"quota.{resource}")
                 branch = lineage(name)[len(lineage(p))]  # p's child on the way to the changed project
                 left = cap - (d - kids[branch])
                 raise QuotaConflict(
-                    f"project {p!r} caps {resource} at {_amount(resource, cap)}; its sub-projects would be delegated "
-                    f"{_amount(resource, d)} ({shares}): {_amount(resource, max(left, 0))} is left for {branch!r}",
+                    f"project {p!r} caps {resource} at {amount(cap)}; its sub-projects would be delegated "
+                    f"{amount(d)} ({shares}): {amount(max(left, 0))} is left for {branch!r}",
                     field=f"quota.{resource}")
 
 

@@ -47,8 +47,8 @@ ADOPT_GRACE_S = 60.0
 # a deadlock should not happen (rows are locked in name order, see _lock); should one, an
 # admission is tried again this many times
 DEADLOCK_RETRIES = 5
-# (counter, quota) columns, and the unit a resource is named in
-_COLUMNS = {
+# each resource's (usage counter, quota) columns of the projects table
+COLUMNS = {
     "sandboxes": ("u_sandboxes", "q_sandboxes"),
     "cpu_cores": ("u_cpu_milli", "q_cpu_milli"),
     "memory_mb": ("u_memory_mb", "q_memory_mb"),
@@ -74,10 +74,25 @@ class Need:
         disk = info.disk_limit_mb if info.disk_limit_mb is not None else (info.vm.disk_mb if info.vm else 0)
         return cls.of(info.cpu_cores_limit, info.memory_limit_mb, disk)
 
+    def amounts(self) -> dict[str, int]:
+        """What it adds to each resource's counter (a sandbox, and one create in flight)."""
+        return {"sandboxes": 1, "cpu_cores": self.cpu_milli, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb,
+                "starting": 1}
 
-def _show(resource: str, value: int | float) -> str:
-    return f"{value / 1000:g} CPU cores" if resource == "cpu_cores" else \
-        f"{value} MiB" if resource.endswith("_mb") else f"{value} {resource}"
+
+def show(resource: str, value: int | float, unit: bool = True) -> str:
+    """A counter's value as people read it (CPU is kept in millicores); ``unit``: also name
+    counted resources ("8000 sandboxes", not "8000")."""
+    if resource == "cpu_cores":
+        return f"{value / 1000:g} CPU cores"
+    if resource.endswith("_mb"):
+        return f"{value} MiB"
+    return f"{value} {resource}" if unit else str(value)
+
+
+def _insert_root(c: Connection, project: str) -> None:
+    c.execute(insert(projects).values(name=project, parent=None, description="", created_at=time.time(),
+                                      created_by=None))
 
 
 class ProjectQuotas:
@@ -102,8 +117,7 @@ class ProjectQuotas:
         try:
             with self._txn() as c:
                 if c.execute(select(projects.c.name).where(projects.c.name == project)).first() is None:
-                    c.execute(insert(projects).values(name=project, parent=None, description="", created_at=time.time(),
-                                                      created_by=None))
+                    _insert_root(c, project)
         except IntegrityError:  # another replica made it first
             pass
 
@@ -141,10 +155,9 @@ class ProjectQuotas:
         one first makes it wait, then re-check the condition against that row's new values."""
         t = projects.c
         names = lineage(project)
-        amounts = {"sandboxes": 1, "cpu_cores": need.cpu_milli, "memory_mb": need.memory_mb,
-                   "disk_mb": need.disk_mb, "starting": 1}
-        conds = [or_(t[q].is_(None), t[u] + amounts[r] <= t[q]) for r, (u, q) in _COLUMNS.items()]
-        values = {u: t[u] + amounts[r] for r, (u, _) in _COLUMNS.items()}
+        amounts = need.amounts()
+        conds = [or_(t[q].is_(None), t[u] + amounts[r] <= t[q]) for r, (u, q) in COLUMNS.items()]
+        values = {u: t[u] + amounts[r] for r, (u, _) in COLUMNS.items()}
         _lock(c, names)
         return c.execute(update(projects).where(t.name.in_(names), *conds).values(**values)).rowcount == len(names)
 
@@ -155,20 +168,19 @@ class ProjectQuotas:
         names = lineage(project)
         with self.db.connect() as c:
             rows = {r["name"]: r for r in c.execute(select(projects).where(projects.c.name.in_(names))).mappings()}
-        amounts = {"sandboxes": 1, "cpu_cores": need.cpu_milli, "memory_mb": need.memory_mb,
-                   "disk_mb": need.disk_mb, "starting": 1}
+        amounts = need.amounts()
         for p in names:
             row = rows.get(p)
             if row is None:
                 if "/" not in p:
                     return p
                 raise NotFound(f"no project {p!r}: create it first (dsec project create {p})", field="project")
-            for r, (u, q) in _COLUMNS.items():
+            for r, (u, q) in COLUMNS.items():
                 if row[q] is not None and row[u] + amounts[r] > row[q]:
                     what = "sandboxes starting at once" if r == "starting" else r.replace("_mb", "").replace("_", " ")
                     err = QuotaExceeded(
-                        f"project {p!r} is at its quota of {what}: {_show(r, row[q])}, {_show(r, row[u])} held in "
-                        f"its subtree, this sandbox needs {_show(r, amounts[r])}", field=f"quota.{r}")
+                        f"project {p!r} is at its quota of {what}: {show(r, row[q])}, {show(r, row[u])} held in "
+                        f"its subtree, this sandbox needs {show(r, amounts[r])}", field=f"quota.{r}")
                     err.limit = row[q]
                     raise err
         return None
@@ -245,8 +257,7 @@ class ProjectQuotas:
                             log.warning("sandbox %s is of project %r, which does not exist: not counted",
                                         info.sandbox_id, project)
                         return False
-                    c.execute(insert(projects).values(name=project, parent=None, description="",
-                                                      created_at=time.time(), created_by=None))
+                    _insert_root(c, project)
                 if c.execute(select(project_holds.c.id).where(project_holds.c.sandbox_id == info.sandbox_id)).first():
                     return False
                 c.execute(insert(project_holds).values(
