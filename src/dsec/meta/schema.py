@@ -4,7 +4,7 @@ there."""
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text, false
 
 metadata = MetaData()
 
@@ -99,6 +99,12 @@ edges = Table(
     Column("changed_at", Float, nullable=False),
     Column("stats", Text, nullable=True),  # NodeStats JSON, from the watcher's last poll
     Column("stats_at", Float, nullable=True),
+    # the detector's verdict (dsec.health): ok | suspect | cordoned, why, and the signals behind it
+    Column("health", String, nullable=False, server_default="ok"),
+    Column("health_reason", Text, nullable=False, server_default=""),
+    Column("health_at", Float, nullable=True),
+    Column("evidence", Text, nullable=False, server_default="[]"),  # JSON list of Evidence
+    Column("cordoned_by", String, nullable=False, server_default=""),  # "" | detector | operator token id
 )
 
 # which edge holds each sandbox made through an apiserver (cluster mode): what a lost
@@ -111,7 +117,46 @@ sandboxes = Table(
     Column("created_at", Float, nullable=False),
     Column("info", Text, nullable=False),  # SandboxInfo JSON as created
     Column("lost_reason", Text, nullable=True),
+    # restored (or drained) onto an edge other than the one its id names: routing looks here
+    Column("moved", Boolean, nullable=False, server_default=false()),
+    Column("restore", Text, nullable=True),  # while a restore runs or after it failed: why
     Index("sandboxes_by_edge", "edge"),
+    Index("sandboxes_moved", "moved"),
+)
+
+# what happened to the fleet and why: health changes, cordons, drains, moves, restores
+fleet_events = Table(
+    "fleet_events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False),
+    Column("edge", String, nullable=False),
+    Column("sandbox_id", String, nullable=True),
+    Column("kind", String, nullable=False),
+    Column("actor", String, nullable=False),  # detector | controller | a token id
+    Column("reason", Text, nullable=False),
+    Column("detail", Text, nullable=False, server_default="{}"),
+    Index("fleet_events_at", "at"),
+)
+
+# a sandbox's checkpoints (dsec.checkpoints): each row is complete; ``stack`` is every blob
+# to stack over the sandbox's own layers to get its files back, bottom to top
+checkpoints = Table(
+    "checkpoints", metadata,
+    Column("sandbox_id", String, primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("kind", String, nullable=False),  # full | delta
+    Column("edge", String, nullable=False),
+    Column("project", String, nullable=False),
+    Column("digest", String, nullable=True),  # this checkpoint's own blob (None: nothing changed)
+    Column("stack", Text, nullable=False),  # JSON list of blob digests
+    Column("bytes", BigInteger, nullable=False),
+    Column("files", Integer, nullable=False),
+    Column("freeze_ms", Float, nullable=False),
+    Column("build_ms", Float, nullable=False),
+    Column("taken_at", Float, nullable=False),
+    Column("record", Text, nullable=False),  # the sandbox's CreateRequest args and info, JSON
+    Column("commands", String, nullable=True),  # its command log's blob in the store
+    Index("checkpoints_taken_at", "taken_at"),
 )
 
 settings = Table(

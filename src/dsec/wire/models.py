@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from dsec.wire.fleet import EdgeSignals, Health
+
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 LAYER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+$")
 
@@ -562,6 +564,10 @@ class NodeStats(BaseModel):
                                 "or why it is off")
     density: dict[str, Any] | None = Field(default=None, description="swap for paused sandboxes, CPU QoS "
                                            "mechanisms (SCHED_IDLE, core scheduling)")
+    signals: EdgeSignals | None = Field(default=None, description="what the health detector reads (dsec.health)")
+    cordoned: bool = Field(default=False, description="this edge refuses new sandboxes (an operator or the "
+                           "detector cordoned it)")
+    health: Health = Field(default="ok", description="the detector's verdict, as the registry has it")
 
 
 # ---- FnCall ------------------------------------------------------------------
