@@ -37,6 +37,7 @@ from dsec.sdk import (
     Sandbox,
 )
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem, BatchRequest
+from dsec.wire.fleet import CheckpointInfo, DrainReport, FleetEvent
 from dsec.wire.iam import ProjectInfo, ProjectQuota, Usage
 from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
 from dsec.wire.layers import Layer
@@ -60,6 +61,7 @@ from dsec.wire.models import (
 from dsec.wire.rollouts import Inference, RolloutCounts, RolloutInfo, RolloutSpec, Step
 
 __all__ = [
+    "CheckpointInfo", "DrainReport", "FleetEvent",
     "AdmissionRejected", "AsyncClient", "AsyncSandbox", "Client", "ContainerArgs", "DeadlineExceeded", "DsecError",
     "EdgeUnavailable", "Forbidden", "ExecEvent", "ExecResult", "FileStat", "FnCallArgs", "FnCallResult",
     "InsufficientStorage", "InvalidRequest", "Layer", "LayerInUse", "MicroVMArgs", "NetworkInfo", "NotFound",

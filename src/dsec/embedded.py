@@ -17,15 +17,18 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from dsec.apiserver.app import Apiserver, build_app
-from dsec.apiserver.core import SandboxIndex
+from dsec.apiserver.core import Routes, SandboxIndex
 from dsec.edge.api import EdgeAPI
 from dsec.edge.config import EdgeConfig
 from dsec.edge.service import Edge
+from dsec.health.detector import Detector, Settings
+from dsec.health.fleet import FleetHealth
 from dsec.host.prep import prepare_cgroups
 from dsec.iam import TokenStore
 from dsec.layers.base import build_busybox
 from dsec.layers.store import LayerStore
 from dsec.meta import open_db, sqlite_url
+from dsec.meta.registry import Registry
 from dsec.placement.engine import Placement
 from dsec.storage.chunks import DEFAULT_CHUNK_SIZE
 from dsec.watcher.watcher import FleetView, Watcher
@@ -77,9 +80,11 @@ def build_edge(data_dir: str, edge_name: str = "edge0", edge_cfg: dict[str, Any]
     """This node's edge (not started): cgroups prepared, its layer store opened (its
     catalog in the cluster's database ``db`` when given)."""
     prepare_cgroups()
-    layer_store = open_store(data_dir, store, db)
+    engine = open_db(db) if db else None
+    layer_store = open_store(data_dir, store, engine)
     build_busybox(layer_store)  # cheap and always available; base/debian:12 comes from `dsec setup`
-    return Edge(EdgeConfig(name=edge_name, data_dir=os.path.abspath(data_dir), **(edge_cfg or {})), layer_store)
+    return Edge(EdgeConfig(name=edge_name, data_dir=os.path.abspath(data_dir), **(edge_cfg or {})), layer_store,
+                meta=engine)
 
 
 async def _nothing() -> None:
@@ -89,13 +94,18 @@ async def _nothing() -> None:
 def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store: LayerStore,
                    start: Callable[[], Awaitable[None]] = _nothing, stop: Callable[[], Awaitable[None]] = _nothing,
                    max_file_bytes: int = EdgeConfig.model_fields["max_file_bytes"].default,
-                   watcher: FleetView | None = None, index: SandboxIndex | None = None) -> FastAPI:
+                   watcher: FleetView | None = None, index: SandboxIndex | None = None,
+                   routes: Routes | None = None) -> FastAPI:
     """The apiserver (with placement and the watcher) in front of ``edges``, in-process or
     remote alike; ``start``/``stop`` bring what it fronts up and down with it. Without a
     ``watcher`` it polls the edges itself."""
-    view = watcher if watcher is not None else Watcher(edges)  # (an empty cluster is falsy)
+    # (an empty cluster is falsy); the edges' health lives in the tokens' database: its
+    # ``edges`` table is the cluster registry's, here holding the edges named by hand
+    view = watcher if watcher is not None else Watcher(
+        edges, health=FleetHealth(Registry(tokens.db), Detector(Settings.from_env())))
     placement = Placement(lambda: view.view)
-    api = Apiserver(edges, view, placement, tokens, layer_store, max_file_bytes=max_file_bytes, index=index)
+    api = Apiserver(edges, view, placement, tokens, layer_store, max_file_bytes=max_file_bytes, index=index,
+                    routes=routes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -161,7 +171,6 @@ def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | 
     registry, its fleet view from the controller's watcher, its tokens and sandbox index
     from the cluster's database; the data dir holds nothing but scratch."""
     from dsec.cluster.view import ClusterEdges
-    from dsec.meta.registry import Registry
 
     data_dir = os.path.abspath(data_dir)
     os.makedirs(data_dir, exist_ok=True)
@@ -169,4 +178,4 @@ def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | 
     registry = Registry(engine)
     edges = ClusterEdges(registry, secret)
     return build_platform(edges, TokenStore(engine, token), open_store(data_dir, store, engine), watcher=edges,
-                          index=registry)
+                          index=registry, routes=edges)

@@ -1,6 +1,7 @@
 """Failpoints: named places in the edge's long operations (create, stop, pause, resume,
-pack_diff) where the fault-injection tests make the edge die or stall, to prove that a
-crash at any step leaves no half-built state once the edge is back.
+pack_diff) and in its reads from the shared layer store, where the fault-injection tests
+make the edge die, stall or fail, to prove that a crash at any step leaves no half-built
+state once the edge is back, and that the fleet's detector sees a sick edge.
 
 Off unless ``DSEC_FAILPOINTS`` is set in the edge's environment, which production never
 does; then a failpoint costs one dict lookup. The value is a comma-separated list of
@@ -12,6 +13,10 @@ does; then a failpoint costs one dict lookup. The value is a comma-separated lis
 
 The names are listed in :data:`POINTS`; an unknown name or action is refused when the
 edge starts, so a test cannot silently inject nothing.
+
+``DSEC_FAILPOINTS=@FILE`` reads that list from FILE instead, again whenever FILE changes
+(no file: none): a fault turned on and off while the edge runs, as a disk or a store goes
+bad and comes back (the fleet health tests), with no restart in between.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import errno
 import os
 import signal
+import time
 
 ENV = "DSEC_FAILPOINTS"
 
@@ -36,6 +42,7 @@ POINTS = frozenset({
     "resume.thawed",     # thawed, record says paused
     "pack_diff.frozen",  # frozen, image not built
     "pack_diff.built",   # layer published, sandbox still frozen
+    "store.read",        # a read from the shared layer store: catalog, metadata, chunk index, chunks
 })
 
 
@@ -60,18 +67,50 @@ def parse(spec: str) -> dict[str, str]:
     return points
 
 
-_points = parse(os.environ.get(ENV, ""))
+_spec = os.environ.get(ENV, "")
+_file = _spec[1:] if _spec.startswith("@") else None
+_points = parse(_spec) if _file is None else {}
+_version: int | None = None  # FILE's mtime when last read
+
+
+def _current() -> dict[str, str]:
+    global _points, _version
+    if _file is None:
+        return _points
+    try:
+        version: int | None = os.stat(_file).st_mtime_ns
+    except FileNotFoundError:
+        version = None
+    if version != _version:
+        _version = version
+        try:
+            with open(_file) as f:
+                _points = parse(f.read().strip())
+        except FileNotFoundError:
+            _points = {}
+    return _points
 
 
 async def failpoint(name: str) -> None:
     """Act as ``DSEC_FAILPOINTS`` says at ``name`` (nothing, unless it names it)."""
-    action = _points.get(name)
+    if (pause := _act(name)) is not None:
+        await asyncio.sleep(pause)
+
+
+def failpoint_sync(name: str) -> None:
+    """:func:`failpoint` for code on a thread (the lazy reader's store reads)."""
+    if (pause := _act(name)) is not None:
+        time.sleep(pause)
+
+
+def _act(name: str) -> float | None:
+    """Kill or raise as configured at ``name``; the seconds to stall there, if any."""
+    action = _current().get(name)
     if action is None:
-        return
+        return None
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-        await asyncio.sleep(3600)  # SIGKILL is not instant; nothing after this point may run
-    elif action == "error":
+        return 3600.0  # SIGKILL is not instant; nothing after this point may run
+    if action == "error":
         raise OSError(errno.EIO, f"injected fault at {name}")
-    else:
-        await asyncio.sleep(float(action[6:]))
+    return float(action[6:])

@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from dsec.batches import BatchRunner, BatchStore
+from dsec.checkpoints.mover import Mover
+from dsec.checkpoints.store import CheckpointStore
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -32,6 +34,7 @@ from dsec.errors import (
     PayloadTooLarge,
     SandboxError,
 )
+from dsec.health.events import FleetEvents
 from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, current_principal, project_of_sandbox
 from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Need, ProjectQuotas
@@ -39,6 +42,7 @@ from dsec.iam.rates import FnCallRates
 from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import Layer, LayerStore
+from dsec.meta.registry import Registry
 from dsec.placement.engine import Placement
 from dsec.watcher.watcher import FleetView
 from dsec.wire.models import (
@@ -83,12 +87,20 @@ class SandboxIndex(Protocol):
     def index_drop(self, sandbox_ids: list[str]) -> None: ...
 
 
+class Routes(Protocol):
+    """Where a sandbox that moved off the edge its id names (restored or drained onto
+    another, dsec.checkpoints) runs now; None for every other sandbox."""
+
+    def holder(self, sandbox_id: str) -> str | None: ...
+
+
 class Apiserver:
     def __init__(self, edges: Mapping[str, EdgeAPI], watcher: FleetView, placement: Placement,
                  tokens: TokenStore, layers: LayerStore, max_file_bytes: int = 256 * 1024 * 1024,
-                 index: SandboxIndex | None = None) -> None:
+                 index: SandboxIndex | None = None, routes: Routes | None = None) -> None:
         self.edges = edges
         self.index = index
+        self.routes = routes
         self.tokens = tokens
         self.layers = layers
         self.watcher = watcher
@@ -104,12 +116,19 @@ class Apiserver:
         self.peak_starting: Counter[str] = Counter()
         self._batch_slots: dict[str, asyncio.Semaphore] = {}
         self.batches = BatchRunner(self, BatchStore(tokens.db), BATCH_STARTING_PER_EDGE)
+        self.checkpoints = CheckpointStore(tokens.db, layers)
+        self.fleet_events = FleetEvents(tokens.db)
+        # moving sandboxes between edges needs the cluster's index (a lone apiserver's edges share no database)
+        self.mover = Mover(lambda: self.edges, placement, index, self.checkpoints, self.fleet_events) \
+            if isinstance(index, Registry) else None
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         try:
             name = parse_sandbox_id(sandbox_id)
         except ValueError as e:
             raise InvalidRequest(str(e), field="sandbox_id") from None
+        if self.routes is not None and (moved := self.routes.holder(sandbox_id)):
+            name = moved
         edge = self.edges.get(name)
         if edge is None:
             raise NotFound(f"no sandbox {sandbox_id!r}: edge {name!r} is not part of this cluster",
@@ -161,6 +180,10 @@ class Apiserver:
                 await asyncio.to_thread(self.index.index_drop, [sandbox_id])
             except Exception as e:  # the controller's sweep drops it later
                 log.warning("sandbox %s not dropped from the index: %s", sandbox_id, e)
+        try:  # its edge dropped them when it ended there; not so for one that ended with its node
+            await asyncio.to_thread(self.checkpoints.drop_sandbox, sandbox_id)
+        except Exception as e:
+            log.warning("sandbox %s's checkpoints not dropped: %s", sandbox_id, e)
 
     async def paused(self, info: SandboxInfo) -> None:
         """A sandbox was paused or resumed through this apiserver: its project's CPU follows
@@ -341,8 +364,10 @@ class Apiserver:
                 raise NotFound(f"unknown layer {ref!r}", field=f"layers[{i}]")
 
     async def layers_in_use(self) -> set[str]:
+        """Blobs running sandboxes hold, and those checkpoints name (a restore needs them)."""
         parts = await asyncio.gather(*(e.layers_in_use() for e in self.edges.values()))
-        return set().union(*parts)
+        blobs, _ = await asyncio.to_thread(self.checkpoints.referenced)
+        return set().union(*parts) | blobs
 
     async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]:
         """What every reachable edge holds (the caller's project only). The edges that did

@@ -28,8 +28,6 @@ layer_app = typer.Typer(help="Environment layers", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
 fncall_app = typer.Typer(help="FnCall: short stateless tasks in pooled warm containers", no_args_is_help=True)
 app.add_typer(fncall_app, name="fncall")
-node_app = typer.Typer(help="This cluster's nodes (edges)", no_args_is_help=True)
-app.add_typer(node_app, name="node")
 token_app = typer.Typer(help="API tokens: one project and one role each (made by an admin of the project or above)",
                         no_args_is_help=True)
 app.add_typer(token_app, name="token")
@@ -242,31 +240,6 @@ def stop(sandbox_ids: list[str], url: UrlOpt = None, token: TokenOpt = None) -> 
             console.print(f"{sid} {info.state.value}")
 
 
-@app.command()
-def nodes(url: UrlOpt = None, token: TokenOpt = None) -> None:
-    """Edges, their health and load."""
-    with _api(url, token) as c:
-        for n in c.nodes():
-            print(n.model_dump_json())
-
-
-@node_app.command("info")
-def node_info(url: UrlOpt = None, token: TokenOpt = None,
-              as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Each edge's capabilities: backends, and for VMs the accelerator (KVM only when a
-    probe boot showed it runs guests, else TCG), agent channel, QEMU and guest kernel."""
-    with _api(url, token) as c:
-        items = c.nodes()
-    if as_json:
-        print(json.dumps([n.model_dump(mode="json") for n in items], indent=1))
-        return
-    for n in items:
-        console.print(f"[bold]{n.edge}[/bold] {'healthy' if n.healthy else 'UNHEALTHY'}: {n.cpus} CPUs, "
-                      f"{n.memory_mb} MiB, {n.sandboxes} sandboxes; backends {', '.join(b.value for b in n.backends)}")
-        for k, v in (n.vm or {}).items():
-            console.print(f"  vm.{k}: {v}")
-
-
 def _store(data_dir: str | None, store: str | None = None):  # type: ignore[no-untyped-def]
     """The layer store the local `dsec layer` commands work on; with $DSEC_DB set, a
     cluster's (its catalog is in that database)."""
@@ -422,9 +395,12 @@ app.add_typer(cluster_app, name="cluster")
 from dsec.cli.jobs import job_app  # noqa: E402
 
 app.add_typer(job_app, name="job")
+from dsec.cli.nodes import node_app, nodes  # noqa: E402
 from dsec.cli.projects import project_app  # noqa: E402
 from dsec.cli.rollouts import rollout_app, worker  # noqa: E402
 
+app.add_typer(node_app, name="node")
+app.command("nodes")(nodes)
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(project_app, name="project")
 app.command("rollout-worker")(worker)

@@ -30,13 +30,17 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from dsec.checkpoints.mover import Mover
+from dsec.checkpoints.store import CheckpointStore
 from dsec.cluster import postgres
 from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE, ClusterConfig
 from dsec.cluster.daemon import Daemon, dsec_argv, free_port, http_ok
 from dsec.cluster.view import ClusterEdges
 from dsec.errors import DsecError
+from dsec.health.events import FleetEvents
 from dsec.meta import open_db
 from dsec.meta.registry import Registry
+from dsec.placement.engine import Placement
 
 log = logging.getLogger("dsec.cluster")
 CONTROLLER = "controller"
@@ -151,6 +155,9 @@ class Controller:
         self.round: dict[str, float] = {}  # when the last round ended, and what each step took
         self._stop = threading.Event()
         self._view: ClusterEdges | None = None
+        self._mover: Mover | None = None
+        self._restoring: dict[str, asyncio.Task[Any]] = {}  # sandbox -> its restore, under way
+        self._registered: dict[str, float] = {}  # edge -> the registration whose stale copies were swept
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self._thread.start()
 
@@ -225,6 +232,9 @@ class Controller:
 
     async def _loop(self) -> None:
         self._view = ClusterEdges(self.registry, self.cfg.secret, poll=True)
+        view = self._view
+        self._mover = Mover(lambda: view, Placement(lambda: view.view), self.registry,
+                            CheckpointStore(self.registry.db, None), FleetEvents(self.registry.db))
         try:
             while not self._stop.is_set():
                 try:
@@ -234,8 +244,10 @@ class Controller:
                     await self._view.refresh()
                     t2 = time.monotonic()
                     await asyncio.wait_for(self._clean_returned(), CLEAN_TIMEOUT_S)
+                    await asyncio.wait_for(self._evict_stale(), CLEAN_TIMEOUT_S)
+                    await self._restore_lost()
                     self.round = {"at": time.time(), "ray_s": t1 - t0, "watch_s": t2 - t1,
-                                  "clean_s": time.monotonic() - t2}
+                                  "clean_s": time.monotonic() - t2, "restoring": len(self._restoring)}
                     self.last_error = ""
                 except Exception as e:  # keep going: the next round may find the database or Ray back
                     self.last_error = f"{type(e).__name__}: {e}"
@@ -282,6 +294,49 @@ class Controller:
                 self.apiservers[i] = ray.remote(ApiserverActor).options(  # type: ignore[attr-defined]
                     name=f"apiserver:{i}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                     max_restarts=-1, max_task_retries=0, num_cpus=0, **where).remote(self.cfg.model_dump(), i)
+
+    async def _restore_lost(self) -> None:
+        """Start restoring every checkpointed sandbox of a lost edge (in tasks of their own,
+        MOVES_AT_ONCE at a time, each bounded); one whose restore failed stays failed, with
+        the reason, until an operator retries it (POST /v1/sandboxes/{id}/restore)."""
+        assert self._mover is not None
+        for r in await asyncio.to_thread(self.registry.edges):
+            if r.state != "lost":
+                continue
+            ids = [sid for sid in await asyncio.to_thread(self.registry.restorable_ids, r.name)
+                   if sid not in self._restoring]
+            for sid in await asyncio.to_thread(self._mover.checkpoints.sandboxes, ids):
+                self._restoring[sid] = asyncio.create_task(self._restore_one(sid, r.name))
+
+    async def _restore_one(self, sandbox_id: str, edge: str) -> None:
+        assert self._mover is not None
+        try:
+            info = await self._mover.restore_lost(sandbox_id, edge)
+            self._event("sandbox_restored", sandbox=sandbox_id, lost_edge=edge, edge=info.edge)
+        except Exception as e:  # recorded (index and fleet event) by the mover
+            self._event("sandbox_restore_failed", sandbox=sandbox_id, lost_edge=edge, error=str(e))
+        finally:
+            self._restoring.pop(sandbox_id, None)
+
+    async def _evict_stale(self) -> None:
+        """An edge that (re)registered may hold sandboxes that run elsewhere now (restored
+        while its node was away, or restored twice by a controller that restarted mid-way):
+        evict those there, keeping their checkpoints. Once per registration."""
+        assert self._view is not None
+        for name, edge in self._view.active().items():
+            row = self._view.rows.get(name)
+            if row is None or self._registered.get(name) == row.registered_at:
+                continue
+            infos = await asyncio.wait_for(edge.list_sandboxes(), CLEAN_TIMEOUT_S)
+            live = [i.sandbox_id for i in infos if i.state in ("running", "paused", "creating")]
+            index = await asyncio.to_thread(self.registry.index_rows, live)
+            stale = {sid: holder for sid, (holder, restore) in index.items()
+                     if holder != name and restore is None and sid not in self._restoring}
+            for sid, holder in stale.items():
+                with contextlib.suppress(DsecError, OSError, TimeoutError):
+                    await asyncio.wait_for(edge.evict(sid, holder), CLEAN_TIMEOUT_S)
+                    self._event("stale_copy_evicted", edge=name, sandbox=sid, holder=holder)
+            self._registered[name] = row.registered_at
 
     async def _clean_returned(self) -> None:
         """An edge back after its node was lost may still hold sandboxes the cluster has

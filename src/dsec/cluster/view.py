@@ -19,6 +19,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from dsec.cluster.lost import lost_edge
 from dsec.edge.api import EdgeAPI
 from dsec.edge.remote.client import RemoteEdge, remote_edge
+from dsec.health.detector import Detector, Settings
+from dsec.health.fleet import FleetHealth, overlay
 from dsec.meta.registry import EdgeRow, Registry
 from dsec.watcher.watcher import Refresher, poll_stats
 from dsec.wire.models import NodeStats
@@ -38,6 +40,9 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
         self._urls: dict[str, str] = {}
         self.rows: dict[str, EdgeRow] = {}
         self.view: dict[str, NodeStats] = {}
+        self.moved: dict[str, str] = {}  # sandboxes restored or drained off the edge their id names
+        # the poller judges every edge's health each round; a replica reads the verdicts
+        self.health = FleetHealth(registry, Detector(Settings.from_env()))
 
     def __getitem__(self, name: str) -> EdgeAPI:
         return self._edges[name]
@@ -47,6 +52,16 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
 
     def __len__(self) -> int:
         return len(self._edges)
+
+    def holder(self, sandbox_id: str) -> str | None:
+        """Where a moved sandbox runs now (dsec.apiserver.core.Routes)."""
+        return self.moved.get(sandbox_id)
+
+    def _forward(self, sandbox_id: str) -> EdgeAPI | None:
+        """For a lost edge's stand-in: the edge a sandbox moved to since this replica last
+        read the moves (a blocking read: the stand-in calls it in a thread)."""
+        name = self.registry.holder(sandbox_id)
+        return self._edges.get(name) if name else None
 
     def active(self) -> dict[str, EdgeAPI]:
         return {n: e for n, e in self._edges.items() if self.rows[n].state == "active"}
@@ -62,7 +77,7 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
                 continue
             await self._drop(r.name)
             self._edges[r.name] = (remote_edge(r.name, r.url, self.secret) if r.state == "active"
-                                   else lost_edge(r.name, r.reason, self.registry))
+                                   else lost_edge(r.name, r.reason, self.registry, self._forward))
             self._urls[r.name] = key
 
     async def _drop(self, name: str) -> None:
@@ -78,6 +93,10 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
             log.warning("registry not read: %s", e)
             return self.view
         await self._sync(rows)
+        try:
+            self.moved = await asyncio.to_thread(self.registry.holders)
+        except SQLAlchemyError as e:
+            log.warning("moved sandboxes not read: %s", e)
         now = time.time()
         view: dict[str, NodeStats] = {}
         stale: list[str] = []
@@ -96,13 +115,17 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
                 known = self.view.get(name) or self.rows[name].stats
                 if known is not None:
                     view[name] = known.model_copy(update={"healthy": False})
+        judged = self.rows
         if self.poll:
             try:
                 await asyncio.to_thread(self.registry.put_stats, view)
+                # every edge here is active: Ray has its node alive (a dead one's is lost)
+                judged = {**judged, **await self.health.round(dict(zip(stale, polled, strict=True)), self._edges,
+                                                         self.rows)}
             except SQLAlchemyError as e:
                 log.warning("fleet view not written: %s", e)
-        self.view = view
-        return view
+        self.view = overlay(view, judged)
+        return self.view
 
     async def close(self) -> None:
         await super().close()

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from dsec.layers.store import Layer
 from dsec.wire.edge import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
+from dsec.wire.fleet import CheckpointInfo, RestoreSpec
 from dsec.wire.models import (
     AuditRecord,
     CommandRecord,
@@ -135,8 +136,18 @@ class FnCallOps(Protocol):
     async def fncall_languages(self, image: str) -> list[str]: ...
 
 
-class EdgeAPI(SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, Protocol):
+class FleetOps(Protocol):
+    """Fault tolerance (docs/fault-tolerance.md): cordoning the edge, and sandbox
+    checkpoints taken here and restored here under their own ids."""
+
+    async def set_cordon(self, cordoned: bool, reason: str = "") -> None: ...
+    async def checkpoint(self, sandbox_id: str, full: bool = False) -> CheckpointInfo: ...
+    async def restore(self, spec: RestoreSpec) -> SandboxInfo: ...
+    async def evict(self, sandbox_id: str, moved_to: str) -> SandboxInfo: ...
+
+
+class EdgeAPI(SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, FleetOps, Protocol):
     name: str
 
 
-GROUPS: tuple[type, ...] = (SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps)
+GROUPS: tuple[type, ...] = (SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, FleetOps)

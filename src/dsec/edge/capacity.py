@@ -4,6 +4,7 @@ watcher, usage per sandbox, storage and metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 
@@ -30,6 +31,8 @@ from dsec.wire.models import (
     VMArgs,
 )
 
+log = logging.getLogger("dsec.edge")
+
 
 class Capacity(EdgeCore):
     """Admission, stats, usage."""
@@ -54,7 +57,17 @@ class Capacity(EdgeCore):
             mem += max(sb.rec.args.memory_admitted_mb, sb.memory_held_mb)
         return cpu, int(mem), n
 
+    async def set_cordon(self, cordoned: bool, reason: str = "") -> None:
+        """Take no new sandboxes (``cordoned``), or take them again. Kept in memory only:
+        the fleet's records hold the cordon and assert it again every round."""
+        if cordoned and self.signals.cordon != (reason or "cordoned"):
+            log.info("cordoned: %s", reason or "no reason given")
+        self.signals.cordon = (reason or "cordoned") if cordoned else None
+
     def _admit(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> None:
+        if self.signals.cordon is not None:
+            raise AdmissionRejected(f"edge {self.name} is cordoned ({self.signals.cordon}): it takes no new "
+                                    "sandboxes")
         # node-wide memory stalls refuse new work only while the node is also short of
         # memory: one sandbox thrashing inside its own limit stalls itself, not the node
         mem_state = memory.pressure()
@@ -82,7 +95,9 @@ class Capacity(EdgeCore):
             backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
             memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
-            memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job)
+            memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job,
+            signals=self.signals.read(self.volume.mnt if self.volume.available else self.cfg.data_dir),
+            cordoned=self.signals.cordon is not None)
 
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         self._get_live(sandbox_id)

@@ -17,6 +17,7 @@ Records of an ended sandbox go with its tombstone.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hashlib
 import json
 import os
@@ -166,6 +167,23 @@ class CommandLog:
                                      result=ExecResult.model_validate_json(result) if result else None,
                                      **json.loads(request)))
         return out
+
+    COLUMNS = ("key", "seq", "fingerprint", "state", "request", "result", "bytes", "started_at", "finished_at")
+
+    def export(self, sandbox_id: str) -> builtins.list[dict[str, object]]:
+        """The sandbox's records as rows, oldest first (what a checkpoint carries)."""
+        rows = self._db.execute(f"SELECT {', '.join(self.COLUMNS)} FROM commands WHERE sandbox=? AND "
+                                "state!='running' ORDER BY seq", (sandbox_id,))
+        return [dict(zip(self.COLUMNS, r, strict=True)) for r in rows]
+
+    def restore(self, sandbox_id: str, rows: builtins.list[dict[str, object]]) -> int:
+        """Take ``rows`` (an export) back as the sandbox's records; keys it has already win."""
+        sql = (f"INSERT OR IGNORE INTO commands (sandbox, {', '.join(self.COLUMNS)}) "
+               f"VALUES (?{',?' * len(self.COLUMNS)})")
+        with self._db:
+            n = sum(self._db.execute(sql, (sandbox_id, *(r.get(c) for c in self.COLUMNS))).rowcount for r in rows)
+        self._counts.pop(sandbox_id, None)
+        return n
 
     def sweep(self, live: set[str]) -> None:
         """Every minute at most: note the sandboxes that ended, and drop the records of those

@@ -27,6 +27,7 @@ from dsec.edge.sandbox import (
     Sandbox,
     mem_total_mb,
 )
+from dsec.edge.signals import Signals
 from dsec.edge.state import EdgeState
 from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
@@ -71,7 +72,7 @@ class EdgeCore(InteractiveOps):
         self.cfg = cfg
         self.name = cfg.name
         self.layers = layers
-        root = os.path.join(cfg.data_dir, "edges", cfg.name)
+        root = self.root = os.path.join(cfg.data_dir, "edges", cfg.name)
         os.makedirs(root, exist_ok=True)
         self.volume = SandboxVolume(root, cfg.sandbox_volume_gb)
         self.volume.setup()
@@ -85,6 +86,7 @@ class EdgeCore(InteractiveOps):
         self.cmdlog = CommandLog(os.path.join(root, "commands.db"))  # keyed commands (edge/cmdlog.py)
         self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
+        self.signals = Signals()  # what the fleet's health detector reads (edge/signals.py)
         self.watchers = Watchers()  # polled directory watchers clients hold here
         self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
@@ -136,6 +138,8 @@ class EdgeCore(InteractiveOps):
             self.detectors.command(sandbox_id, cmdline)
 
     def _storage_error(self, data: str, message: str) -> None:
+        """A read from the shared store failed (``data``: the blob or what was read)."""
+        self.signals.store_errors += 1
         for sb in list(self.sandboxes.values()):
             if any(self.layers.data_of(d) == data for d in sb.rec.digests):
                 self.on_event(sb.id, "storage_error", message)
@@ -157,11 +161,13 @@ class EdgeCore(InteractiveOps):
 
     def _get_live(self, sandbox_id: str) -> Sandbox | None:
         try:
-            if parse_sandbox_id(sandbox_id) != self.name:
-                raise NotFound(f"sandbox {sandbox_id!r} does not live on edge {self.name}", field="sandbox_id")
+            home = parse_sandbox_id(sandbox_id)
         except ValueError as e:
             raise InvalidRequest(str(e), field="sandbox_id") from None
         sb = self.sandboxes.get(sandbox_id)
+        # an id names the edge that made it; a sandbox restored here from another keeps its id
+        if home != self.name and sb is None and self.state.get(sandbox_id) is None:
+            raise NotFound(f"sandbox {sandbox_id!r} does not live on edge {self.name}", field="sandbox_id")
         if sb is None or sb.stopping:
             return None
         return sb
@@ -219,4 +225,10 @@ class EdgeCore(InteractiveOps):
         raise NotImplementedError
 
     def _storage_stats(self) -> StorageStats:
+        raise NotImplementedError
+
+    def _forget_checkpoints(self, sb: Sandbox, keep: bool) -> None:
+        raise NotImplementedError
+
+    def _schedule_checkpoints(self) -> None:
         raise NotImplementedError

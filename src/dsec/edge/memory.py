@@ -66,15 +66,22 @@ def ensure_swap(fraction: float = 0.5, device: str = "zram0") -> str:
     return f"/dev/{device} ({size >> 20} MiB zram, lz4)"
 
 
-def pressure() -> dict[str, float]:
-    """Memory pressure (PSI, % of the last 10 s): ``some`` (a task stalled on memory) and
-    ``full`` (all non-idle tasks stalled), plus MemAvailable in MiB."""
+def psi(resource: str) -> dict[str, float]:
+    """``/proc/pressure/<resource>`` (cpu, memory, io): avg10 of ``some`` and ``full`` (%);
+    empty where the kernel has no PSI."""
     out: dict[str, float] = {}
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/pressure/memory") as f:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with open(f"/proc/pressure/{resource}") as f:
             for line in f:
                 kind, *fields = line.split()
                 out[kind] = float(dict(x.split("=") for x in fields)["avg10"])
+    return out
+
+
+def pressure() -> dict[str, float]:
+    """Memory pressure (PSI, % of the last 10 s): ``some`` (a task stalled on memory) and
+    ``full`` (all non-idle tasks stalled), plus MemAvailable in MiB."""
+    out: dict[str, float] = dict(psi("memory"))
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -56,6 +56,7 @@ class Sandbox:
     memory_held_mb: int = 0  # charged to its cgroup at the last look (admission counts it)
     memfail_seen: int = 0
     memfail_reported: float = 0.0
+    keep_checkpoints: bool = False  # its end here is not its end: it moved, or its restore here failed
 
     @property
     def id(self) -> str:

@@ -17,6 +17,8 @@ import socket
 import time
 from collections.abc import AsyncIterator
 
+from sqlalchemy import Engine
+
 from dsec.agent.aether import (
     DEFAULT_PATH,
     Aether,
@@ -31,10 +33,13 @@ from dsec.agent.watch import ensure_instances as ensure_inotify_instances
 from dsec.backends.api import SandboxLost
 from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import VMInstance
+from dsec.checkpoints.store import CheckpointStore
 from dsec.edge import memory
 from dsec.edge.auditing import Auditing
 from dsec.edge.capacity import Capacity
+from dsec.edge.checkpointing import Checkpointing
 from dsec.edge.cmdlog import KeyedExec
+from dsec.edge.config import EdgeConfig
 from dsec.edge.core import ID_ALPHABET
 from dsec.edge.interactive import exec_events
 from dsec.edge.recovery import Recovery
@@ -49,6 +54,7 @@ from dsec.edge.sweepers import Sweepers
 from dsec.edge.teardown import Teardown
 from dsec.errors import (
     AdmissionRejected,
+    DeadlineExceeded,
     InsufficientStorage,
     InvalidRequest,
     NotFound,
@@ -59,7 +65,8 @@ from dsec.errors import (
 )
 from dsec.faults import failpoint
 from dsec.host import linux
-from dsec.layers.store import layer_kind
+from dsec.layers.store import LayerStore, layer_kind
+from dsec.meta import open_db, sqlite_url
 from dsec.wire.models import (
     Backend,
     ContainerArgs,
@@ -82,7 +89,13 @@ from dsec.wire.models import (
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExec):
+class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExec, Checkpointing):
+    def __init__(self, cfg: EdgeConfig, layers: LayerStore, meta: Engine | None = None) -> None:
+        """``meta``: the metadata database checkpoints are recorded in (a cluster's, so that
+        another edge can restore them); by default the data dir's own."""
+        super().__init__(cfg, layers)
+        self._init_checkpoints(CheckpointStore(meta or open_db(sqlite_url(cfg.data_dir)), layers))
+
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
         linux.become_subreaper()  # a container's init is orphaned by crun run -d: the edge reaps it
@@ -157,24 +170,40 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         return digests
 
     async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> SandboxInfo:
+        return await self._create(args)
+
+    async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
+                      extra: list[str] | None = None, origin: SandboxInfo | None = None,
+                      restored_from: str | None = None) -> SandboxInfo:
+        """A new sandbox, or (``sandbox_id`` given) one restored here from a checkpoint: the
+        ``extra`` blobs stacked over its layers, its creation time and lifetime those of
+        ``origin``."""
         t0 = time.monotonic()
-        digests = self._resolve_layers(args)
+        digests = self._resolve_layers(args) + (extra or [])
         if isinstance(args, ContainerArgs) and args.network_rules is not None:
             self.network.validate(args.network_rules)
         try:
             self._admit(args)
         except AdmissionRejected:
             self.metrics.rejected.inc()
+            self.signals.admission_refusals += 1
             raise
-        sid = self._new_id()  # the edge names its sandboxes: an id is a path on this host
+        # the edge names its sandboxes (an id is a path on this host); a restored one keeps its id
+        sid = sandbox_id or self._new_id()
+        if sandbox_id is not None and sandbox_id in self.sandboxes:
+            raise SandboxBusy(f"sandbox {sandbox_id} is already on edge {self.name}")
         now = time.time()
+        born = origin.created_at if origin else now
         info = SandboxInfo(
             sandbox_id=sid, edge=self.name, backend=Backend(args.backend), state=SandboxState.creating,
-            image=args.image, layers=args.layers, created_at=now, last_active_at=now, labels=args.labels,
+            image=args.image, layers=args.layers, created_at=born, last_active_at=now, labels=args.labels,
             job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit,
             disk_limit_mb=args.disk_limit_mb if isinstance(args, ContainerArgs) else None,
-            expires_at=now + args.max_lifetime_s if args.max_lifetime_s else None)
+            expires_at=born + args.max_lifetime_s if args.max_lifetime_s else None,
+            checkpoint_every_s=args.checkpoint_every_s if isinstance(args, ContainerArgs) else None,
+            restored_from=restored_from)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
+        sb.keep_checkpoints = sandbox_id is not None  # a failed restore leaves the checkpoint for the next try
         self.sandboxes[sid] = sb  # reserves its share before the first await
         sb.creator = asyncio.current_task()
         try:
@@ -190,9 +219,12 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             info.state = SandboxState.running
             if isinstance(args, ContainerArgs) and args.protected_paths:
                 await self.protect(sid, args.protected_paths)
+            sb.keep_checkpoints = False
             self.state.put(sb.rec)
         except BaseException as e:
             sb.creator = None
+            if not sb.stopping:  # (a create its caller stopped is no failure of this edge's)
+                self.signals.create_failures += 1
             if sb.teardown is None:  # else a stop is already tearing it down (and waits for us)
                 await self._teardown(sb, SandboxState.failed, f"create failed: {explain(e)}")
             task = asyncio.current_task()
@@ -207,6 +239,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             sb.creator = None
         self.metrics.created.inc()
         self.metrics.create_seconds.observe(time.monotonic() - t0)
+        self.signals.created(time.monotonic() - t0)
         self._still_wanted(sb)
         self.on_event(sid, "created", f"{args.image} {args.layers}")
         return info
@@ -380,6 +413,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         self.audit.record(sb.id, "exec", f"[{req.session}] {cmd}" if req.session else cmd)
         self.detectors.command(sb.id, cmd)
         sb.ops += 1
+        self.signals.execs += 1
         try:
             res = await agent.exec(req, on_data)
             if res.stdout_truncated or res.stderr_truncated:
@@ -388,9 +422,14 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             self.metrics.exec_seconds.labels(self.name, "session" if req.session else "exec").observe(
                 res.duration_ms / 1000)
             return res
+        except DeadlineExceeded:  # the sandbox's init did not answer in time
+            self.signals.agent_deadline_misses += 1
+            self.signals.exec_failures += 1
+            raise
         except ChannelLost:
             if sb.stopping:  # stopped while the command ran
                 raise SandboxNotRunning(f"sandbox {sandbox_id} was stopped while the command ran") from None
+            self.signals.exec_failures += 1
             raise
         finally:
             sb.ops -= 1

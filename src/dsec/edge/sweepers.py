@@ -128,6 +128,7 @@ class Sweepers(EdgeCore):
                 await self._relieve_pressure()
                 await self._check_disk_quotas()
                 await self._audit_sweep()
+                self._schedule_checkpoints()
                 now = time.time()
                 for sb in list(self.sandboxes.values()):
                     args, info = sb.rec.args, sb.rec.info

@@ -125,6 +125,10 @@ def permission_for(method: str, path: str, websocket: bool = False) -> str:
         return "layers:write"  # publishing: pack_diff, E2B's snapshots
     if path.startswith(("/v3/templates", "/v2/templates", "/templates")) and (writes or "/files/" in path):
         return "layers:write"  # E2B's template builds publish layers; a files URL is an upload's
+    if writes and path.startswith("/v1/sandboxes/") and path.endswith(("/move", "/restore")):
+        return "cluster"  # moving a sandbox between edges is the operator's
+    if path.startswith("/v1/fleet"):
+        return "cluster"  # the fleet's event log names operators' tokens and every project's sandboxes
     if path.startswith(_E2B_SANDBOXES):
         return "sandbox"
     if path.startswith(_SANDBOX_PREFIXES):

@@ -1,22 +1,26 @@
 """The cluster's shared records, over the metadata database: the edge registry (who is in
-the cluster, where, and whether its node is lost), the fleet view the controller's watcher
+the cluster, where, whether its node is lost, and its health: the detector's verdict or an
+operator's cordon), the fleet view the controller's watcher
 writes and every apiserver replica reads, the index of sandboxes by edge (what a lost
 node held), and cluster settings (the apiservers' URLs). Blocking calls: services run
 them in a thread."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, delete, insert, select, update
+from sqlalchemy import Engine, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.meta.schema import edges, sandboxes, settings
-from dsec.wire.models import NodeStats, SandboxInfo, SandboxState
+from dsec.wire.fleet import Evidence, Health
+from dsec.wire.models import NodeStats, SandboxInfo, SandboxState, parse_sandbox_id
 
 EdgeState = Literal["active", "lost", "removed"]
+RESTORING = "restoring"  # sandboxes.restore while a restore runs
 
 
 class EdgeRow(BaseModel):
@@ -29,6 +33,12 @@ class EdgeRow(BaseModel):
     changed_at: float
     stats: NodeStats | None = None
     stats_at: float | None = None
+    # the health detector's verdict (dsec.health), or an operator's cordon
+    health: Health = "ok"
+    health_reason: str = ""
+    health_at: float | None = None
+    evidence: list[Evidence] = []
+    cordoned_by: str = ""  # "" | "detector" | the operator's token id
 
 
 class Registry:
@@ -58,6 +68,28 @@ class Registry:
         with self.db.begin() as c:
             c.execute(update(edges).where(edges.c.name == name).values(state=state, reason=reason,
                                                                       changed_at=time.time()))
+
+    def ensure(self, name: str, url: str) -> None:
+        """An edge named by hand (``dsec serve``, ``dsec apiserver --edges``) has a row, for
+        its health; one already there keeps its verdict and cordon."""
+        with self.db.begin() as c:
+            if c.execute(select(edges.c.name).where(edges.c.name == name)).first() is None:
+                now = time.time()
+                c.execute(insert(edges).values(name=name, url=url, node_id="", state="active", reason="",
+                                               registered_at=now, changed_at=now))
+
+    def set_health(self, name: str, health: Health, reason: str, evidence: list[Evidence], cordoned_by: str,
+                   only_if_by: tuple[str, ...] | None = None) -> bool:
+        """Record a verdict or a cordon; with ``only_if_by``, only while the edge's cordon is
+        held by one of those ("" for none): the detector never overrides an operator who
+        acted since it read the row. False: no such edge (or the condition failed)."""
+        cond = [edges.c.name == name]
+        if only_if_by is not None:
+            cond.append(edges.c.cordoned_by.in_(only_if_by))
+        with self.db.begin() as c:
+            return bool(c.execute(update(edges).where(*cond).values(
+                health=health, health_reason=reason, health_at=time.time(), cordoned_by=cordoned_by,
+                evidence=json.dumps([e.model_dump() for e in evidence]))).rowcount)
 
     def put_stats(self, polled: dict[str, NodeStats]) -> None:
         now = time.time()
@@ -94,13 +126,64 @@ class Registry:
                              .values(lost_reason=reason)).rowcount
 
     def lost(self, edge: str) -> list[SandboxInfo]:
-        """The sandboxes a lost edge held, reported failed with the reason."""
+        """The sandboxes a lost edge held, reported failed with the reason (``restoring``
+        while one comes back elsewhere from its checkpoint)."""
         with self.db.connect() as c:
-            rows = c.execute(select(sandboxes.c.info, sandboxes.c.lost_reason)
+            rows = c.execute(select(sandboxes.c.info, sandboxes.c.lost_reason, sandboxes.c.restore)
                              .where(sandboxes.c.edge == edge, sandboxes.c.lost_reason.is_not(None))
                              .order_by(sandboxes.c.created_at)).all()
-        return [SandboxInfo.model_validate_json(info).model_copy(update={"state": SandboxState.failed, "error": why})
-                for info, why in rows]
+        out = []
+        for info, why, restore in rows:
+            state = SandboxState.restoring if restore == RESTORING else SandboxState.failed
+            error = why if not restore or restore == RESTORING else f"{why}; {restore}"
+            out.append(SandboxInfo.model_validate_json(info).model_copy(update={"state": state, "error": error}))
+        return out
+
+    # ---- sandboxes that moved (restored or drained onto another edge) ---------------------
+    def set_restore(self, sandbox_id: str, restore: str | None) -> None:
+        """Note a restore under way (RESTORING), or why the last one failed, or clear it."""
+        with self.db.begin() as c:
+            c.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(restore=restore))
+
+    def moved(self, info: SandboxInfo, project: str) -> None:
+        """``info.sandbox_id`` now runs on ``info.edge``: routing goes there from now on."""
+        values = {"edge": info.edge, "moved": info.edge != parse_sandbox_id(info.sandbox_id), "lost_reason": None,
+                  "restore": None, "info": info.model_dump_json()}
+        with self.db.begin() as c:
+            if c.execute(update(sandboxes).where(sandboxes.c.id == info.sandbox_id).values(**values)).rowcount == 0:
+                c.execute(insert(sandboxes).values(id=info.sandbox_id, project=project, created_at=info.created_at,
+                                                   **values))
+
+    def holders(self) -> dict[str, str]:
+        """Every moved sandbox -> the edge it runs on now."""
+        with self.db.connect() as c:
+            return dict(c.execute(select(sandboxes.c.id, sandboxes.c.edge).where(sandboxes.c.moved)).all())
+
+    def holder(self, sandbox_id: str) -> str | None:
+        """The edge the index says holds ``sandbox_id`` (None: not indexed)."""
+        with self.db.connect() as c:
+            return c.execute(select(sandboxes.c.edge).where(sandboxes.c.id == sandbox_id)).scalar()
+
+    def restorable_ids(self, edge: str) -> list[str]:
+        """A lost edge's sandboxes not yet restored, nor failed to restore."""
+        with self.db.connect() as c:
+            return list(c.execute(select(sandboxes.c.id).where(
+                sandboxes.c.edge == edge, sandboxes.c.lost_reason.is_not(None),
+                or_(sandboxes.c.restore.is_(None), sandboxes.c.restore == RESTORING))).scalars())
+
+    def index_rows(self, sandbox_ids: list[str]) -> dict[str, tuple[str, str | None]]:
+        """id -> (the edge the index says holds it, its restore note)."""
+        out: dict[str, tuple[str, str | None]] = {}
+        with self.db.connect() as c:
+            for i in range(0, len(sandbox_ids), 500):
+                q = select(sandboxes.c.id, sandboxes.c.edge, sandboxes.c.restore).where(
+                    sandboxes.c.id.in_(sandbox_ids[i:i + 500]))
+                out.update((sid, (edge, restore)) for sid, edge, restore in c.execute(q))
+        return out
+
+    def project_of(self, sandbox_id: str) -> str | None:
+        with self.db.connect() as c:
+            return c.execute(select(sandboxes.c.project).where(sandboxes.c.id == sandbox_id)).scalar()
 
     # ---- settings ------------------------------------------------------------------
     def setting(self, key: str) -> str | None:
@@ -138,4 +221,5 @@ class Registry:
 def _edge(row: object) -> EdgeRow:
     r = dict(row)  # type: ignore[call-overload]
     stats = r.pop("stats")
-    return EdgeRow(**r, stats=NodeStats.model_validate_json(stats) if stats else None)
+    evidence = [Evidence.model_validate(e) for e in json.loads(r.pop("evidence") or "[]")]
+    return EdgeRow(**r, stats=NodeStats.model_validate_json(stats) if stats else None, evidence=evidence)

@@ -1,4 +1,5 @@
-"""Placement: filter the watcher's view to eligible edges, then power-of-k choices
+"""Placement: filter the watcher's view to eligible edges (healthy, not cordoned, ok before
+suspect: dsec.health), then power-of-k choices
 (sample k, take the least loaded). Each engine overlays its own in-flight placements
 on the last snapshot, so a burst does not pile onto the node that looked emptiest a
 second ago. No durable state."""
@@ -50,9 +51,13 @@ class Placement:
         return Room.of(st, inf.cpu, inf.memory_mb, inf.count)
 
     def eligible(self, args: Demand, exclude: set[str]) -> list[NodeStats]:
-        return [st for st in self._snapshot().values()
-                if st.healthy and st.edge not in exclude and args.backend in [b.value for b in st.backends]
-                and refusal(self._room(st), args) is None]
+        """Healthy, uncordoned edges with the backend and room; only ``ok`` ones while any
+        has room (a ``suspect`` edge gets work only when no ok edge can take it)."""
+        cands = [st for st in self._snapshot().values()
+                 if st.healthy and not st.cordoned and st.health != "cordoned" and st.edge not in exclude
+                 and args.backend in [b.value for b in st.backends] and refusal(self._room(st), args) is None]
+        ok = [st for st in cands if st.health == "ok"]
+        return ok or cands
 
     def choose(self, args: Demand, exclude: set[str] | None = None) -> str:
         cands = self.eligible(args, exclude or set())

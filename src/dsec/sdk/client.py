@@ -25,8 +25,10 @@ from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavail
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.iam import AsyncProjects
 from dsec.sdk.jobs import AsyncJob
+from dsec.sdk.nodes import AsyncNodes
 from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchInfo
+from dsec.wire.fleet import CheckpointInfo
 from dsec.wire.iam import IamEvent, TokenInfo
 from dsec.wire.jobs import JobInfo, JobQuota, JobSpec
 from dsec.wire.layers import Layer
@@ -47,7 +49,6 @@ from dsec.wire.models import (
     KeysRequest,
     MicroVMArgs,
     NetworkInfo,
-    NodeStats,
     PackDiffRequest,
     SandboxEvent,
     SandboxInfo,
@@ -349,6 +350,31 @@ class AsyncSandbox:
         return Layer.model_validate(await self._client._json("POST", f"{self._base}/pack_diff",
                                                              json=body.model_dump(exclude_unset=True),
                                                              timeout=timeout))
+
+    async def checkpoint(self, *, full: bool = False, timeout: float = 600.0) -> CheckpointInfo:
+        """Take a checkpoint now (sandboxes created with ``checkpoint_every_s`` are also
+        checkpointed on schedule): what changed in its writable layer since the last one,
+        after a freeze of milliseconds, with its command log (docs/fault-tolerance.md)."""
+        return CheckpointInfo.model_validate(await self._client._json(
+            "POST", f"{self._base}/checkpoint", json={"full": full}, timeout=timeout))
+
+    async def checkpoints(self) -> builtins.list[CheckpointInfo]:
+        """Its checkpoints in the store, oldest first (retention keeps the newest chains)."""
+        return [CheckpointInfo.model_validate(c) for c in await self._client._json("GET", f"{self._base}/checkpoints")]
+
+    async def move(self, *, timeout: float = 330.0) -> SandboxInfo:
+        """Move it to another edge (cluster admins): paused, checkpointed, restored there
+        under the same id, its processes restarted; its files and command log come along."""
+        self.info = SandboxInfo.model_validate(await self._client._json("POST", f"{self._base}/move",
+                                                                        timeout=timeout))
+        return self.info
+
+    async def restore(self, *, timeout: float = 600.0) -> SandboxInfo:
+        """Bring it back from its newest checkpoint on another edge after its node was lost
+        (the cluster does this by itself; this retries one whose restore failed)."""
+        self.info = SandboxInfo.model_validate(await self._client._json("POST", f"{self._base}/restore",
+                                                                        timeout=timeout))
+        return self.info
 
     async def events(self) -> builtins.list[SandboxEvent]:
         """What happened to this sandbox: creation, prefetch, storage errors, access lists saved, ..."""
@@ -719,8 +745,11 @@ class AsyncClient:
     async def revoke_token(self, token_id: str) -> None:
         await self._json("DELETE", f"/v1/tokens/{token_id}")
 
-    async def nodes(self) -> builtins.list[NodeStats]:
-        return [NodeStats.model_validate(x) for x in await self._json("GET", "/v1/nodes")]
+    @property
+    def nodes(self) -> AsyncNodes:
+        """The fleet (docs/fault-tolerance.md): ``await client.nodes()`` lists every edge with
+        its load and health; ``.get``, ``.cordon``, ``.uncordon``, ``.events``."""
+        return AsyncNodes(self)
 
     async def create_job(self, name: str, *, quota: JobQuota | None = None, labels: dict[str, str] | None = None,
                          project: str | None = None) -> AsyncJob:

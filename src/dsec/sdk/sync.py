@@ -16,6 +16,7 @@ from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.client import AsyncClient, AsyncSandbox
 from dsec.sdk.iam import AsyncProjects
 from dsec.sdk.jobs import AsyncJob
+from dsec.sdk.nodes import AsyncNodes
 from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem
 from dsec.wire.jobs import JobInfo
@@ -149,6 +150,10 @@ class Sandbox(_Face):
     http = _blocking(AsyncSandbox.http)
     tty_url = _plain(AsyncSandbox.tty_url)
     pack_diff = _blocking(AsyncSandbox.pack_diff)
+    checkpoint = _blocking(AsyncSandbox.checkpoint)
+    checkpoints = _blocking(AsyncSandbox.checkpoints)
+    move = _blocking(AsyncSandbox.move)
+    restore = _blocking(AsyncSandbox.restore)
     events = _blocking(AsyncSandbox.events)
     save_access_list = _blocking(AsyncSandbox.save_access_list)
     audit = _blocking(AsyncSandbox.audit)
@@ -264,6 +269,22 @@ class Projects(_Face):
     delete = _blocking(AsyncProjects.delete)
 
 
+class Nodes(_Face):
+    """Blocking face of the fleet's nodes; the same methods as :class:`dsec.sdk.nodes.AsyncNodes`
+    (``client.nodes()`` lists them)."""
+
+    def __init__(self, portal: _Portal, inner: AsyncNodes) -> None:
+        self._portal = portal
+        self._inner = inner
+
+    __call__ = _blocking(AsyncNodes.__call__)
+    list = _blocking(AsyncNodes.list)
+    get = _blocking(AsyncNodes.get)
+    cordon = _blocking(AsyncNodes.cordon)
+    uncordon = _blocking(AsyncNodes.uncordon)
+    events = _blocking(AsyncNodes.events)
+
+
 class Client(_Face):
     """Blocking client; the same methods as :class:`AsyncClient`."""
 
@@ -294,6 +315,12 @@ class Client(_Face):
     def projects(self) -> Projects:
         """The project tree: sub-projects, quotas, usage (docs/iam.md)."""
         return Projects(self._portal, self._inner.projects)
+
+    @property
+    def nodes(self) -> Nodes:
+        """The fleet: ``client.nodes()`` lists every edge with its load and health; cordon,
+        uncordon, events (docs/fault-tolerance.md)."""
+        return Nodes(self._portal, self._inner.nodes)
 
     @property
     def rollouts(self) -> Rollouts:
@@ -342,7 +369,6 @@ class Client(_Face):
     tokens = _blocking(AsyncClient.tokens)
     revoke_token = _blocking(AsyncClient.revoke_token)
     iam_events = _blocking(AsyncClient.iam_events)
-    nodes = _blocking(AsyncClient.nodes)
     create_job = _to_job(AsyncClient.create_job)
     job = _to_job(AsyncClient.job)
     jobs = _blocking(AsyncClient.jobs)

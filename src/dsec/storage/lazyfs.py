@@ -38,6 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.faults import failpoint_sync
 from dsec.storage.backend import BackendKind, BlobBackend, open_backend
 from dsec.storage.cache import ChunkCache
 from dsec.storage.chunks import ChunkIndex
@@ -203,6 +204,7 @@ class ChunkReader:
         return min(self.fetch_timeout_s, 0.5), False
 
     def _fetch(self, data: str, off: int, length: int, digest: bytes) -> bytes:
+        failpoint_sync("store.read")  # (inherited from the edge's environment; tests only)
         for _ in range(3):  # a short or torn read is retried, then refused
             got = self.backend.read_range(f"{data}.data", off, length)
             if len(got) == length and hashlib.sha256(got).digest() == digest:

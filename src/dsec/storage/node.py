@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 from dsec.errors import SandboxError
+from dsec.faults import failpoint
 from dsec.host import linux
 from dsec.layers.store import LayerStore, check_erofs, sha256_file
 from dsec.storage.chunks import ChunkIndex
@@ -222,11 +223,19 @@ class NodeLayers:
         fetch bound; a miss is the request's clear error."""
         limit = timeout or self.fetch_timeout_s
         try:
+            if self.store.backend.kind != "local":  # (a local store is this node's own disk)
+                await failpoint("store.read")
             return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._io, fn, *args), limit)
         except TimeoutError:
-            raise SandboxError(f"shared layer store did not deliver {what} within {limit:g} s") from None
+            raise self._failed(what, f"shared layer store did not deliver {what} within {limit:g} s") from None
         except OSError as e:
-            raise SandboxError(f"shared layer store: cannot read {what}: {e.strerror or e}") from None
+            raise self._failed(what, f"shared layer store: cannot read {what}: {e.strerror or e}") from None
+
+    def _failed(self, what: str, message: str) -> SandboxError:
+        """A read from the store failed: the edge counts it (its health) and the error is
+        the request's."""
+        self.on_error(what, message)
+        return SandboxError(message)
 
     async def _prepare(self, digest: str, record_tag: str | None) -> tuple[str, str | None]:
         data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
@@ -273,6 +282,10 @@ class NodeLayers:
         closes every fd it inherits, and closing a FUSE file with a read stuck on it
         blocks; the edge's fork would block with it). Returns the copy's path."""
         tmp = f"{dest}.{os.getpid()}.tmp"
+        try:
+            await failpoint("store.read")
+        except OSError as e:
+            raise self._failed(name[:12], f"shared layer store: cannot read {name[:12]}: {e.strerror}") from None
         proc = await asyncio.create_subprocess_exec(
             "cp", "--", self.store.backend.path(name), tmp, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -285,13 +298,14 @@ class NodeLayers:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             if isinstance(sys.exc_info()[1], TimeoutError):
-                raise SandboxError(f"shared layer store did not deliver {name[:12]} within {limit:g} s") from None
+                raise self._failed(name[:12], f"shared layer store did not deliver {name[:12]} within {limit:g} s"
+                                   ) from None
             raise
         if proc.returncode != 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             why = err.decode(errors="replace").strip().rsplit(": ", 1)[-1]
-            raise SandboxError(f"shared layer store: cannot read {name[:12]}: {why}")
+            raise self._failed(name[:12], f"shared layer store: cannot read {name[:12]}: {why}")
         self.copied_bytes += os.path.getsize(tmp)
         return tmp
 

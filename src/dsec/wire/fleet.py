@@ -76,3 +76,15 @@ class RestoreSpec(BaseModel):
     sandbox_id: str
     seq: int
     reason: str = Field(description="why it moves: node lost, drain, operator")
+
+
+class CheckpointRequest(BaseModel):
+    full: bool = Field(False, description="all of the writable layer, not only what changed since the last one")
+
+
+class DrainReport(BaseModel):
+    """What a drain (or a lost node's recovery) did with each sandbox."""
+
+    moved: dict[str, str] = Field(default_factory=dict, description="sandbox -> the edge it runs on now")
+    failed: dict[str, str] = Field(default_factory=dict, description="sandbox -> why it did not move")
+    left: dict[str, str] = Field(default_factory=dict, description="sandbox -> why it was not moved")

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from dsec.wire.fleet import EdgeSignals, Health
+from dsec.wire.fleet import CheckpointInfo, EdgeSignals, Health
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 LAYER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+$")
@@ -52,6 +52,7 @@ class SandboxState(StrEnum):
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
+    restoring = "restoring"  # its node was lost or drained: coming back on another edge from its checkpoint
 
 
 def parse_sandbox_id(sandbox_id: str) -> str:
@@ -204,6 +205,10 @@ class ContainerArgs(SandboxBase):
     protected_paths: list[str] = Field(
         default_factory=list, max_length=64, description="paths (say, the tests that grade the rollout) whose "
         "files are fingerprinted at start; any later change, addition or removal is flagged in the audit log")
+    checkpoint_every_s: Annotated[int, Field(ge=5, le=7 * 24 * 3600)] | None = Field(
+        default=None, description="take an incremental checkpoint of the writable layer (and the command log) "
+        "to the shared store this often, so the sandbox comes back under its own id on another edge should its "
+        "node fail or be drained (docs/fault-tolerance.md); None: never")
     network_rules: dict[str, bool] | None = Field(
         default=None, description="egress allowlist: service name (pypi, npm, debian, or one the operator "
         "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed. None: no network interface at all (loopback "
@@ -371,6 +376,10 @@ class SandboxInfo(BaseModel):
     usage: SandboxUsage | None = Field(default=None, description="filled on request (?usage=true, GET .../usage)")
     pause: PauseInfo | None = Field(default=None, description="the last pause: memory before and after, timings")
     network: NetworkInfo | None = Field(default=None, description="containers with network_rules: link and egress")
+    checkpoint_every_s: int | None = Field(default=None, description="containers: its checkpoint interval")
+    checkpoint: CheckpointInfo | None = Field(default=None, description="its newest checkpoint")
+    restored_from: str | None = Field(default=None, description="the edge it ran on before its last restore, "
+                                      "and why it moved")
 
 
 class SandboxUsage(BaseModel):

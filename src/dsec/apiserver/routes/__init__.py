@@ -2,6 +2,7 @@
 
 from dsec.apiserver.routes import (
     batches,
+    checkpoints,
     display,
     exec,
     files,
@@ -9,6 +10,7 @@ from dsec.apiserver.routes import (
     jobs,
     layers,
     node,
+    nodes,
     ports,
     projects,
     rollouts,
@@ -16,4 +18,5 @@ from dsec.apiserver.routes import (
     tokens,
 )
 
-MODULES = (tokens, projects, node, sandboxes, jobs, batches, rollouts, exec, display, layers, fncall, files, ports)
+MODULES = (tokens, projects, node, nodes, checkpoints, sandboxes, jobs, batches, rollouts, exec, display, layers,
+           fncall, files, ports)

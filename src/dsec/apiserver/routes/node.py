@@ -1,4 +1,5 @@
-"""The node-level routes: health, Prometheus metrics, the edges' stats and storage."""
+"""The node-level routes: health, Prometheus metrics, the edges' storage (their stats and
+health: routes/nodes.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from dsec.apiserver.core import Apiserver
-from dsec.wire.models import (
-    NodeStats,
-    StorageStats,
-)
+from dsec.wire.models import StorageStats
 
 
 def routes(api: Apiserver) -> APIRouter:
@@ -25,10 +23,6 @@ def routes(api: Apiserver) -> APIRouter:
         # a scrape reads every sandbox's cgroup (and now and then walks its writable layer): not on the loop
         body = b"".join([await e.metrics_text() for e in api.edges.values()])
         return Response(body, media_type="text/plain; version=0.0.4")
-
-    @router.get("/v1/nodes")
-    async def nodes() -> list[NodeStats]:
-        return list((await api.watcher.refresh()).values())
 
     @router.get("/v1/storage")
     async def storage() -> list[StorageStats]:

@@ -30,7 +30,7 @@ HEARTBEAT_S = 20.0
 
 
 class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.NodeOps, api.LayerOps,
-                 api.FnCallOps):
+                 api.FnCallOps, api.FleetOps):
     """An edge daemon at ``url`` (``http://host:port``), known to the cluster as ``name``."""
 
     def __init__(self, name: str, url: str, secret: str, max_connections: int = 256) -> None:

@@ -1,0 +1,327 @@
+"""Checkpoints on the edge: taking them on schedule (containers created with
+``checkpoint_every_s``) or on request, restoring one here under the sandbox's own id, and
+evicting a sandbox that now runs elsewhere.
+
+A checkpoint freezes the sandbox only for a btrfs snapshot of its directory (a few
+milliseconds: btrfs writes its dirty data out first, so the snapshot holds every write that
+returned before it), thaws it, and does the rest while it runs: the snapshot is pruned to
+what changed since the last checkpoint (dsec.checkpoints.delta), built into an EROFS blob
+in the shared store, and recorded with the sandbox's record and command log. Every
+``FULL_EVERY``-th checkpoint is full, so a restore stacks at most that many deltas. Without
+the btrfs volume the changed files are copied while frozen instead (longer freezes).
+
+What comes back on another edge: the files, the command log (keyed commands replay), the
+record (labels, job, limits, lifetime). What does not: processes, memory, tmpfs contents,
+network connections (docs/fault-tolerance.md says why there is no CRIU here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy.exc import IntegrityError
+
+from dsec.checkpoints import delta
+from dsec.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore
+from dsec.edge.core import EdgeCore
+from dsec.edge.sandbox import Sandbox, explain
+from dsec.errors import InvalidRequest, NotFound, SandboxBusy, SandboxNotRunning
+from dsec.layers.store import ImportOptions
+from dsec.wire.fleet import CheckpointInfo, RestoreSpec
+from dsec.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
+
+log = logging.getLogger("dsec.edge")
+FULL_EVERY = 8  # a chain: one full checkpoint and up to FULL_EVERY - 1 deltas over it
+BUILDS_AT_ONCE = 2  # mkfs.erofs is CPU-bound: the edge builds this many checkpoints at a time
+CHECKPOINT_TIMEOUT_S = 600.0  # a checkpoint's build and upload; a sandbox's next waits for it
+
+
+@dataclass
+class Chain:
+    """Where a sandbox's checkpoints stand on this edge (kept beside its manifest)."""
+
+    seq: int = 0  # the newest checkpoint's
+    stack: list[str] = field(default_factory=list)  # its complete stack
+    inherited: list[str] = field(default_factory=list)  # what it was restored from (under every full)
+    deltas: int = 0  # deltas since the last full (-1: none taken here yet, the next is full)
+    commands_seq: int = 0  # the command log's newest seq in that checkpoint
+    taken_at: float = 0.0
+
+
+class Checkpointing(EdgeCore):
+    checkpoints: CheckpointStore
+    _chains: dict[str, Chain]
+    _ckpt_tasks: dict[str, asyncio.Task[CheckpointInfo | None]]
+    _builds: asyncio.Semaphore
+
+    def _init_checkpoints(self, store: CheckpointStore) -> None:
+        self.checkpoints = store
+        self._chains = {}
+        self._ckpt_tasks = {}
+        self._builds = asyncio.Semaphore(BUILDS_AT_ONCE)
+        self.ckpt_dir = os.path.join(self.volume.mnt if self.volume.available else self.root, "checkpoints")
+        self.manifest_dir = os.path.join(self.root, "manifests")
+        os.makedirs(self.manifest_dir, exist_ok=True)
+        if os.path.isdir(self.ckpt_dir):  # snapshots a previous process left half-used
+            for name in os.listdir(self.ckpt_dir):
+                self.volume.remove(os.path.join(self.ckpt_dir, name))
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+
+    # ---- the chain's state on this edge ----------------------------------------------
+    def _chain_path(self, sandbox_id: str) -> str:
+        return os.path.join(self.manifest_dir, f"{sandbox_id}.json")
+
+    def _chain(self, sb: Sandbox) -> tuple[Chain, delta.Manifest]:
+        """The chain as of the newest checkpoint, from its file; a missing or stale file
+        (a checkpoint recorded after it) starts a full one."""
+        chain, manifest = self._chains.get(sb.id), None
+        path = self._chain_path(sb.id)
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            manifest = {k: tuple(v) for k, v in raw.pop("manifest").items()}
+            chain = Chain(**raw)
+        except (OSError, ValueError, TypeError, KeyError):
+            chain = chain or Chain(deltas=-1)
+        latest = self.checkpoints.latest(sb.id)
+        if latest is not None and latest.seq != chain.seq:  # recorded elsewhere or after the file
+            chain = Chain(seq=latest.seq, stack=latest.stack, inherited=chain.inherited, deltas=-1)
+            manifest = None
+        return chain, manifest or {}  # type: ignore[return-value]
+
+    def _save_chain(self, sandbox_id: str, chain: Chain, manifest: delta.Manifest) -> None:
+        path = self._chain_path(sandbox_id)
+        with open(path + ".tmp", "w") as f:
+            json.dump({**chain.__dict__, "manifest": manifest}, f, separators=(",", ":"))
+        os.replace(path + ".tmp", path)
+        self._chains[sandbox_id] = chain
+
+    # ---- taking one --------------------------------------------------------------------
+    async def checkpoint(self, sandbox_id: str, full: bool = False) -> CheckpointInfo:
+        """Take a checkpoint now (after the one under way, if any) and return it."""
+        sb = self._checkpointable(sandbox_id)
+        running = self._ckpt_tasks.get(sandbox_id)
+        if running is not None and not running.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(running)
+        task = asyncio.create_task(self._take(sb, full=full, forced=True))
+        self._ckpt_tasks[sandbox_id] = task
+        cp = await asyncio.shield(task)
+        assert cp is not None
+        return cp
+
+    def _checkpointable(self, sandbox_id: str) -> Sandbox:
+        sb = self._get_live(sandbox_id)
+        if sb is None:
+            info = self._tombstone(sandbox_id)
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is {info.state.value}: nothing to checkpoint")
+        if not isinstance(sb.rec.args, ContainerArgs):
+            raise InvalidRequest("checkpoints are taken of container sandboxes (a VM's memory snapshot is not "
+                                 "built yet)", field="sandbox_id")
+        if sb.rec.info.state not in (SandboxState.running, SandboxState.paused):
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is {sb.rec.info.state.value}")
+        return sb
+
+    def _schedule_checkpoints(self) -> None:
+        """From the TTL loop: start the checkpoints that are due (one per sandbox at a time)."""
+        now = time.time()
+        for sb in list(self.sandboxes.values()):
+            args = sb.rec.args
+            if (not isinstance(args, ContainerArgs) or not args.checkpoint_every_s or sb.stopping
+                    or sb.rec.info.state != SandboxState.running or sb.agent is None):
+                continue
+            task = self._ckpt_tasks.get(sb.id)
+            if task is not None and not task.done():
+                continue
+            last = self._chains[sb.id].taken_at if sb.id in self._chains else sb.rec.info.created_at
+            if now - last >= args.checkpoint_every_s:
+                self._ckpt_tasks[sb.id] = asyncio.create_task(self._take(sb, full=False, forced=False))
+
+    async def _take(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
+        """One checkpoint of ``sb``; scheduled ones log their failures and are tried again
+        at the next interval, forced ones raise."""
+        try:
+            async with asyncio.timeout(CHECKPOINT_TIMEOUT_S):
+                return await self._take_one(sb, full, forced)
+        except Exception as e:
+            if forced:
+                raise
+            self.on_event(sb.id, "checkpoint_failed", explain(e))
+            if sb.id in self._chains:  # not again before the next interval
+                self._chains[sb.id].taken_at = time.time()
+            return None
+
+    async def _take_one(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
+        chain, before = await asyncio.to_thread(self._chain, sb)
+        if full or chain.deltas < 0 or chain.deltas + 1 >= FULL_EVERY:
+            full, before = True, {}
+        commands = self.cmdlog.export(sb.id)
+        commands_seq = max((int(c["seq"]) for c in commands), default=0)  # type: ignore[call-overload]
+        work = os.path.join(self.ckpt_dir, f"{sb.id}.{chain.seq + 1}")
+        freeze_ms = await self._snapshot(sb, work)
+        t0 = time.monotonic()
+        try:
+            async with self._builds:
+                upper = os.path.join(work, "upper")
+                now = await asyncio.to_thread(delta.scan, upper)
+                d = await asyncio.to_thread(delta.prune, upper, now, before)
+                if d.files == 0 and commands_seq == chain.commands_seq and not forced and not full:
+                    chain.taken_at = time.time()
+                    self._chains[sb.id] = chain
+                    return None  # nothing changed: nothing to write
+                digest = None
+                if d.files or full:
+                    digest = await asyncio.to_thread(self.layers.build_blob, upper, ImportOptions())
+                cmd_name = await asyncio.to_thread(self._put_commands, sb.id, commands)
+        finally:
+            await asyncio.to_thread(self._drop_work, work)
+        stack = [*chain.inherited, *([digest] if digest else [])] if full else \
+            [*chain.stack, *([digest] if digest else [])]
+        info = sb.rec.info
+        cp = Checkpoint(
+            sandbox_id=sb.id, seq=chain.seq + 1, kind="full" if full else "delta", edge=self.name, digest=digest,
+            stack=stack, bytes=self._blob_bytes(digest), files=d.files, freeze_ms=freeze_ms,
+            build_ms=(time.monotonic() - t0) * 1e3, taken_at=time.time(),
+            project=info.labels.get("dsec.project", "default"), commands=cmd_name,
+            record={"args": sb.rec.args.model_dump(mode="json"),
+                    "info": info.model_dump(mode="json", exclude={"checkpoint", "usage"})})
+        if sb.teardown is not None and not sb.keep_checkpoints:
+            return None  # stopped meanwhile: its checkpoints are being dropped
+        try:
+            await asyncio.to_thread(self.checkpoints.add, cp)
+        except IntegrityError:  # another edge recorded this seq: it holds the sandbox now
+            raise SandboxBusy(f"sandbox {sb.id}'s checkpoint {cp.seq} was recorded by another edge") from None
+        await asyncio.to_thread(self._save_chain, sb.id, Chain(
+            seq=cp.seq, stack=stack, inherited=chain.inherited, deltas=0 if full else chain.deltas + 1,
+            commands_seq=commands_seq, taken_at=cp.taken_at), now)
+        public = CheckpointInfo(**cp.model_dump(include=set(CheckpointInfo.model_fields)))
+        info.checkpoint = public
+        self.on_event(sb.id, "checkpoint", f"{cp.kind} #{cp.seq}: {d.files} entries, {cp.bytes} bytes, "
+                      f"frozen {freeze_ms:.1f} ms, built in {cp.build_ms:.0f} ms")
+        return public
+
+    async def _snapshot(self, sb: Sandbox, work: str) -> float:
+        """Freeze ``sb`` (unless paused), copy its directory to ``work``, thaw; the freeze in ms."""
+        async with sb.lock:
+            if sb.stopping:
+                raise SandboxNotRunning(f"sandbox {sb.id} is stopping")
+            frozen = sb.rec.info.state == SandboxState.paused  # already: leave it so
+            if not frozen:
+                await self.containers.freeze(sb)
+            t0 = time.perf_counter()
+            try:
+                if self.volume.is_subvolume(sb.dir):
+                    await asyncio.to_thread(self.volume.snapshot, sb.dir, work)
+                else:
+                    os.makedirs(work)
+                    await asyncio.to_thread(subprocess.run, ["cp", "-a", "--reflink=auto",
+                                                            os.path.join(sb.dir, "upper"), work], check=True)
+                return (time.perf_counter() - t0) * 1e3
+            finally:
+                if not frozen:
+                    await self.containers.thaw(sb)
+
+    def _drop_work(self, work: str) -> None:
+        if os.path.lexists(work):
+            self.volume.remove(work) if self.volume.is_subvolume(work) else shutil.rmtree(work, ignore_errors=True)
+
+    def _blob_bytes(self, digest: str | None) -> int:
+        if digest is None:
+            return 0
+        size = os.path.getsize(self.layers.blob_path(digest))
+        if data := self.layers.data_of(digest):
+            size += os.path.getsize(self.layers.data_path(data))
+        return size
+
+    def _put_commands(self, sandbox_id: str, commands: list[dict[str, object]]) -> str | None:
+        """The command log as a blob in the store (named by its content)."""
+        if not commands:
+            return None
+        raw = json.dumps(commands, separators=(",", ":")).encode()
+        name = f"{hashlib.sha256(raw).hexdigest()}.{COMMANDS_EXT}"
+        if not self.layers.backend.exists(name):
+            fd, tmp = tempfile.mkstemp(dir=self.layers.backend.tempdir())
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+            self.layers.backend.put(tmp, name)
+        return name
+
+    def _forget_checkpoints(self, sb: Sandbox, keep: bool) -> None:
+        """At the end of ``sb`` here: its chain file goes; its checkpoints too unless it
+        moved (or its restore here failed: the checkpoint is still the sandbox)."""
+        task = self._ckpt_tasks.pop(sb.id, None)
+        if task is not None and not task.done():
+            task.cancel()
+        self._chains.pop(sb.id, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._chain_path(sb.id))
+        if not keep and isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.checkpoint_every_s is not None:
+            try:
+                self.checkpoints.drop_sandbox(sb.id)
+            except Exception as e:  # the database is away: the apiserver's stop drops them too
+                log.warning("sandbox %s: checkpoints not dropped: %s", sb.id, e)
+
+    # ---- restore and evict ----------------------------------------------------------------
+    async def restore(self, spec: RestoreSpec) -> SandboxInfo:
+        """Bring checkpoint ``spec.seq`` of ``spec.sandbox_id`` back here, under its own id:
+        its layers with the checkpoint's stack over them, its command log, its record."""
+        cp = await asyncio.to_thread(self.checkpoints.get, spec.sandbox_id, spec.seq)
+        if cp is None:
+            raise NotFound(f"sandbox {spec.sandbox_id} has no checkpoint {spec.seq}", field="seq")
+        if spec.sandbox_id in self.sandboxes:
+            sb = self.sandboxes[spec.sandbox_id]
+            if not sb.stopping:  # a retry of a restore that went through
+                return sb.rec.info
+        args = _args(cp.record["args"])
+        old = SandboxInfo.model_validate(cp.record["info"])
+        commands = await asyncio.to_thread(self._get_commands, cp.commands)
+        info = await self._create(args, sandbox_id=spec.sandbox_id, extra=cp.stack, origin=old,
+                                  restored_from=f"{old.edge} ({spec.reason})")
+        await asyncio.to_thread(self.cmdlog.restore, spec.sandbox_id, commands)
+        chain = Chain(seq=cp.seq, stack=cp.stack, inherited=cp.stack, deltas=-1,
+                      commands_seq=max((int(c.get("seq") or 0) for c in commands), default=0),  # type: ignore[call-overload]
+                      taken_at=time.time())
+        await asyncio.to_thread(self._save_chain, spec.sandbox_id, chain, {})
+        info.checkpoint = CheckpointInfo(**cp.model_dump(include=set(CheckpointInfo.model_fields)))
+        self.on_event(spec.sandbox_id, "restored", f"from checkpoint #{cp.seq} of edge {old.edge} ({spec.reason})")
+        return info
+
+    def _get_commands(self, name: str | None) -> list[dict[str, object]]:
+        if not name:
+            return []
+        with open(self.layers.backend.path(name), "rb") as f:
+            rows: list[dict[str, object]] = json.loads(f.read())
+        return rows
+
+    async def evict(self, sandbox_id: str, moved_to: str) -> SandboxInfo:
+        """Stop ``sandbox_id`` here because it now runs on ``moved_to``; its checkpoints stay."""
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            return self._tombstone(sandbox_id)
+        sb.keep_checkpoints = True
+        await self._teardown(sb, SandboxState.stopped, f"moved to edge {moved_to}")
+        sb.rec.info.error = f"moved to edge {moved_to}"
+        await asyncio.to_thread(self.state.put, sb.rec)
+        return sb.rec.info
+
+    async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
+                      extra: list[str] | None = None, origin: SandboxInfo | None = None,
+                      restored_from: str | None = None) -> SandboxInfo:
+        raise NotImplementedError
+
+
+def _args(raw: dict[str, object]) -> ContainerArgs:
+    try:
+        return ContainerArgs.model_validate(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"the checkpoint's record is not a container's: {e}", field="seq") from None
