@@ -1,0 +1,519 @@
+"""Fleet health (docs/fault-tolerance.md, "Detection" and "Cordon").
+
+The detector on synthetic sequences at its default settings: each fault it knows found on
+the sick edge only; idle and uniformly loaded fleets never flagged; counter resets; the
+cordon budget; operator cordons untouched. Then end to end on three real edge daemons
+behind an apiserver (tests/conftest.py's Cluster), one injected fault at a time: slow
+creates (a failpoint's sleep), failing shared-store reads (the ``store.read`` failpoint),
+a disk filled for real, an edge that stops answering (SIGSTOP). Each time the sick edge
+goes suspect then cordoned with evidence naming the signal, the others stay ok, no new
+sandbox lands on it, and the events say so; then an operator lifts the cordon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import dsec
+from dsec.health.detector import Detector, Settings
+from dsec.storage.moosefs import MooseFS
+from dsec.wire.fleet import EdgeSignals
+from dsec.wire.models import Backend, NodeStats
+from tests.conftest import TOKEN, Cluster
+
+GB = 1 << 30
+
+
+def stats(name: str, **signals: float) -> NodeStats:
+    s = EdgeSignals(**{"started_at": 1000.0, "disk_used_bytes": 10 * GB, "disk_total_bytes": 100 * GB, **signals})
+    return NodeStats(edge=name, healthy=True, backends=[Backend.container], cpus=8, memory_mb=16384,
+                     cpu_overcommit=8, memory_overcommit=1.5, sandboxes=0, cpu_reserved=0, memory_reserved_mb=0,
+                     max_sandboxes=4096, signals=s)
+
+
+class Fleet:
+    """Synthetic edges: cumulative counters a test moves each round, fed to a detector."""
+
+    def __init__(self, names: tuple[str, ...] = ("a", "b", "c"), settings: Settings | None = None) -> None:
+        self.d = Detector(settings)
+        self.t = 0.0
+        self.c: dict[str, dict[str, float]] = {n: {} for n in names}
+        self.down: set[str] = set()
+        self.history: list[dict[str, str]] = []
+
+    def add(self, name: str, **inc: float) -> None:
+        for k, v in inc.items():
+            self.c[name][k] = self.c[name].get(k, 0) + v
+
+    def step(self, dt: float = 1.0, **gauges: dict[str, float]) -> dict[str, str]:
+        self.t += dt
+        polled = {n: None if n in self.down else stats(n, **c, **gauges.get(n, {})) for n, c in self.c.items()}
+        verdicts = self.d.observe(self.t, polled)
+        out = {n: v.health for n, v in verdicts.items()}
+        self.history.append(out)
+        self.verdicts = verdicts
+        return out
+
+    def flagged(self) -> set[str]:
+        return {n for h in self.history for n, v in h.items() if v != "ok"}
+
+
+def creates(f: Fleet, name: str, n: int, seconds: float) -> None:
+    f.add(name, creates=n, create_seconds=n * seconds)
+
+
+# ---- the detector at its defaults --------------------------------------------------
+def test_idle_fleet_is_never_flagged() -> None:
+    f = Fleet(("a", "b", "c", "d"))
+    rng = random.Random(1)
+    for _ in range(3600):  # an hour of rounds: PSI noise, a rare create, no faults
+        if rng.random() < 0.02:
+            creates(f, rng.choice("abcd"), 1, rng.uniform(0.1, 0.4))
+        f.step(**{n: {"psi_cpu": rng.uniform(0, 5), "psi_io": rng.uniform(0, 10)} for n in "abcd"})
+    assert f.flagged() == set()
+
+
+def test_uniform_load_is_never_flagged() -> None:
+    """Every edge slows down together (create latency x10, pressure up): a fleet-wide load,
+    not one sick edge."""
+    f = Fleet()
+    rng = random.Random(2)
+    for i in range(600):
+        slow = 10.0 if i > 200 else 1.0
+        for n in "abc":
+            creates(f, n, rng.randint(2, 6), 0.2 * slow * rng.uniform(0.8, 1.25))
+            f.add(n, execs=50, agent_deadline_misses=rng.randint(0, 3) if i > 200 else 0)
+        f.step(**{n: {"psi_cpu": 70.0 if i > 200 else 3.0} for n in "abc"})
+    assert f.flagged() == set()
+
+
+def test_slow_creates_against_peers() -> None:
+    f = Fleet()
+    for _ in range(30):
+        for n in "abc":
+            creates(f, n, 2, 0.3)
+        f.step()
+    assert f.flagged() == set()
+    seen: list[str] = []
+    for _ in range(20):
+        creates(f, "a", 2, 0.3)
+        creates(f, "b", 2, 0.3)
+        creates(f, "c", 2, 2.5)  # c got slow
+        seen.append(f.step()["c"])
+    assert seen[0] == "suspect" and seen[-1] == "cordoned"
+    ev = f.verdicts["c"].evidence
+    assert ev[0].signal == "create_latency" and ev[0].value > 2 and ev[0].baseline == pytest.approx(0.3)
+    assert {f.history[-1]["a"], f.history[-1]["b"]} == {"ok"}
+    # it gets no creates once cordoned: the verdict holds, and stays until an operator lifts it
+    for _ in range(200):
+        creates(f, "a", 2, 0.3)
+        creates(f, "b", 2, 0.3)
+        assert f.step()["c"] == "cordoned"
+
+
+def test_no_latency_verdict_without_samples() -> None:
+    """Fewer than min_samples creates: no verdict, however slow they were."""
+    f = Fleet()
+    for _ in range(100):
+        for n in "ab":
+            creates(f, n, 3, 0.3)
+        if f.t % 40 == 0:
+            creates(f, "c", 1, 30.0)  # one very slow create now and then: 3 per lookback
+        f.step()
+    assert f.flagged() == set()
+
+
+def test_slow_creates_against_own_history_with_too_few_peers() -> None:
+    f = Fleet(("solo",))
+    for _ in range(60):
+        creates(f, "solo", 2, 0.25)
+        f.step()
+    for _ in range(30):
+        creates(f, "solo", 2, 2.0)
+        f.step()
+    v = f.verdicts["solo"]
+    # suspect with the evidence, never cordoned: the detector may not empty a one-edge fleet
+    assert v.health == "suspect" and v.evidence[0].signal == "create_latency"
+    assert "own baseline" in v.evidence[0].detail
+
+
+@pytest.mark.parametrize(("fault", "signal_name"), [
+    ("store", "store_errors"), ("disk", "disk"), ("failures", "create_failures"), ("down", "unreachable"),
+    ("execs", "exec_failures"), ("deadlines", "agent_deadline_misses"), ("psi", "psi_io")])
+def test_each_fault_is_found_on_the_sick_edge_only(fault: str, signal_name: str) -> None:
+    f = Fleet()
+    for _ in range(30):
+        for n in "abc":
+            creates(f, n, 1, 0.3)
+            f.add(n, execs=20)
+        f.step()
+    gauges: dict[str, dict[str, float]] = {}
+    for _ in range(15):
+        for n in "abc":
+            creates(f, n, 1, 0.3)
+            f.add(n, execs=20, agent_deadline_misses=0)
+        if fault == "store":
+            f.add("c", store_errors=1)
+        elif fault == "disk":
+            gauges = {"c": {"disk_used_bytes": 97 * GB}}
+        elif fault == "failures":
+            f.add("c", create_failures=3)
+        elif fault == "down":
+            f.down = {"c"}
+        elif fault == "execs":
+            f.add("c", exec_failures=15)
+        elif fault == "deadlines":
+            f.add("c", agent_deadline_misses=1)
+        elif fault == "psi":
+            gauges = {"a": {"psi_io": 2.0}, "b": {"psi_io": 4.0}, "c": {"psi_io": 85.0}}
+        f.step(**gauges)
+    assert f.history[-1] == {"a": "ok", "b": "ok", "c": "cordoned"}, f.history[-1]
+    assert f.verdicts["c"].evidence[0].signal == signal_name
+    assert f.flagged() == {"c"}
+    first = next(i for i, h in enumerate(f.history) if h["c"] != "ok")
+    cordoned = next(i for i, h in enumerate(f.history) if h["c"] == "cordoned")
+    assert f.history[first]["c"] == "suspect" and cordoned - first >= Settings().cordon_after_s
+
+
+def test_a_blip_clears_without_a_cordon() -> None:
+    f = Fleet()
+    f.down = {"b"}
+    for _ in range(5):  # an edge restart: a few rounds without an answer
+        f.step()
+    assert f.history[-1]["b"] == "suspect"
+    f.down = set()
+    for _ in range(5):
+        f.step()
+    assert f.history[-1]["b"] == "ok" and "cordoned" not in {h["b"] for h in f.history}
+
+
+def test_counters_restarting_with_the_edge_are_no_fault() -> None:
+    f = Fleet()
+    for _ in range(30):
+        for n in "abc":
+            creates(f, n, 2, 0.3)
+            f.add(n, store_errors=0)
+        f.step()
+    f.c["b"] = {}  # b restarted: its counters are back at zero (and its started_at is new)
+    for _ in range(30):
+        for n in "abc":
+            creates(f, n, 2, 0.3)
+        f.t += 1
+        polled = {n: stats(n, **c, **({"started_at": 2000.0} if n == "b" else {})) for n, c in f.c.items()}
+        assert {v.health for v in f.d.observe(f.t, polled).values()} == {"ok"}
+
+
+def test_the_detector_cordons_at_most_a_third_of_the_fleet() -> None:
+    f = Fleet(("a", "b", "c", "d", "e", "f"))
+    for _ in range(30):
+        f.add("a", store_errors=1)
+        f.add("b", store_errors=1)
+        f.add("c", store_errors=1)
+        f.step()
+    last = f.history[-1]
+    assert sorted(n for n, h in last.items() if h == "cordoned") == ["a", "b"]  # 6 * 0.34 -> 2
+    assert last["c"] == "suspect"
+
+
+def test_reset_after_an_operator_uncordons() -> None:
+    f = Fleet()
+    for _ in range(20):
+        f.add("c", store_errors=1)
+        f.step()
+    assert f.history[-1]["c"] == "cordoned"
+    f.d.reset("c")  # the operator lifted it and the store works again
+    for _ in range(20):
+        f.step()
+    assert f.history[-1]["c"] == "ok"
+
+
+def test_settings_from_the_environment_are_checked() -> None:
+    s = Settings.from_env("cordon_after_s=3, min_samples=2")
+    assert s.cordon_after_s == 3.0 and s.min_samples == 2 and s.window_s == Settings().window_s
+    with pytest.raises(ValueError, match="unknown setting 'cordon_after'"):
+        Settings.from_env("cordon_after=3")
+    with pytest.raises(ValueError, match="not a number"):
+        Settings.from_env("min_samples=x")
+
+
+# ---- end to end: three edge daemons, one apiserver ------------------------------------
+# Shorter than the defaults (measured at the defaults: bench/health.py) to fit the test
+# budget: cordon after 3 s suspect instead of 10, a latency verdict from 3 creates instead
+# of 5 (three edges each get a few in seconds), and 5 rounds without an answer (an edge the
+# machine shared with other tests may stall a daemon for a round or two).
+E2E_HEALTH = "cordon_after_s=3,min_samples=3,unreachable_rounds=5,clear_rounds=2"
+NAMES = ("n1", "n2", "n3")
+VOLUME_GB = 1  # each edge's sandbox volume: small, so filling it for real is cheap
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("health")
+    fs = MooseFS(str(root / "moosefs"))  # the shared store every edge reads on demand, as nodes do
+    fs.start()
+    try:
+        store = os.path.join(fs.mount, "dsec")
+        os.makedirs(store)
+        os.makedirs(root / "fleet")
+        args = {n: ["--sandbox-volume-gb", str(VOLUME_GB)] for n in NAMES}
+        c = Cluster(str(root / "fleet"), NAMES, store, args)
+        c.api.env = {"DSEC_HEALTH": E2E_HEALTH}
+        for name, e in c.edges.items():  # faults are turned on and off by writing this file
+            e.env = {"DSEC_FAILPOINTS": f"@{_failpoints(c, name)}"}
+        try:
+            c.start()
+            yield c
+        finally:
+            stop_all_and_volumes(c)
+    finally:
+        fs.stop()
+
+
+def stop_all_and_volumes(c: Cluster) -> None:
+    from tests.conftest import stop_all
+
+    for e in c.edges.values():  # a stopped (SIGSTOP) edge cannot be stopped otherwise
+        if e.proc is not None:
+            os.kill(e.proc.pid, signal.SIGCONT)
+    stop_all(c)
+
+
+def _edge_of(sid: str) -> str:
+    return sid.rsplit("-", 1)[0]
+
+
+async def _health(c: dsec.AsyncClient) -> dict[str, str]:
+    return {n.edge: n.health for n in await c.nodes()}
+
+
+async def _until_health(c: dsec.AsyncClient, edge: str, want: str, timeout: float = 60.0,
+                        drive: object = None) -> list[str]:
+    """Poll until ``edge``'s health is ``want``; returns every health seen on the way."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = (await c.nodes.get(edge)).health
+        if not seen or seen[-1] != h:
+            seen.append(h)
+        if h == want:
+            return seen
+        if drive is not None:
+            await drive()  # type: ignore[operator]
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{edge} never went {want}: {seen}; {await _health(c)}")
+
+
+def _failpoints(c: Cluster, name: str) -> str:
+    return os.path.join(c.root, f"{name}.failpoints")
+
+
+def _inject(c: Cluster, name: str, failpoints: str | None) -> None:
+    """Turn faults on (``failpoints``) or off at edge ``name`` while it runs."""
+    path = _failpoints(c, name)
+    if failpoints is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(failpoints)
+    os.replace(path + ".tmp", path)
+
+
+async def _check_cordoned(c: dsec.AsyncClient, edge: str, signal_name: str, made: list[dsec.AsyncSandbox]) -> None:
+    """``edge`` went suspect then cordoned on ``signal_name``, alone; new sandboxes avoid it;
+    the events say so; an operator's uncordon lifts it."""
+    node = await c.nodes.get(edge)
+    assert node.health == "cordoned" and node.cordoned and node.cordoned_by == "detector"
+    assert signal_name in [e.signal for e in node.evidence], node.evidence
+    others = await _health(c)
+    assert [others[n] for n in NAMES if n != edge] == ["ok", "ok"], others
+    fresh = [await c.run_container(dsec.ContainerArgs(image="base/busybox", job="health")) for _ in range(4)]
+    made += fresh
+    assert edge not in {_edge_of(s.sandbox_id) for s in fresh}
+    events = await c.nodes.events(edge)
+    kinds = [e.kind for e in events if e.actor == "detector"]
+    assert kinds[-2:] == ["suspect", "cordoned"], kinds
+    assert signal_name in {x["signal"] for x in events[-1].detail["evidence"]}
+
+
+async def _uncordon(c: dsec.AsyncClient, edge: str) -> None:
+    node = await c.nodes.uncordon(edge, "fault cleared by the test")
+    assert node.health == "ok" and not node.cordoned
+    last = (await c.nodes.events(edge))[-1]
+    assert last.kind == "uncordoned" and last.reason == "fault cleared by the test" and last.actor != "detector"
+
+
+async def _create_until(c: dsec.AsyncClient, made: list[dsec.AsyncSandbox], edge: str, until: object,
+                        limit: int = 30) -> int:
+    """Create sandboxes (one at a time, kept) until ``until()``; failures are counted, not raised."""
+    failed = 0
+    for _ in range(limit):
+        if await until():  # type: ignore[operator]
+            break
+        try:
+            made.append(await c.run_container(dsec.ContainerArgs(image="base/busybox", job="health")))
+        except dsec.DsecError:
+            failed += 1
+    return failed
+
+
+async def _stop(c: dsec.AsyncClient, made: list[dsec.AsyncSandbox]) -> None:
+    await c.stop_many(job="health")
+    made.clear()
+
+
+async def test_slow_creates_get_an_edge_cordoned(fleet: Cluster) -> None:
+    _inject(fleet, "n3", "create.attached=sleep:2")
+    made: list[dsec.AsyncSandbox] = []
+    async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
+        try:
+            async def flagged() -> bool:
+                return (await c.nodes.get("n3")).health != "ok"
+            await _create_until(c, made, "n3", flagged)
+            seen = await _until_health(c, "n3", "cordoned")
+            assert seen[0] == "suspect" or "suspect" in seen, seen
+            await _check_cordoned(c, "n3", "create_latency", made)
+        finally:
+            await _stop(c, made)
+            _inject(fleet, "n3", None)
+            await _uncordon(c, "n3")
+
+
+async def test_failing_store_reads_get_an_edge_cordoned(fleet: Cluster) -> None:
+    _inject(fleet, "n2", "store.read=error")
+    made: list[dsec.AsyncSandbox] = []
+    async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
+        try:
+            async def flagged() -> bool:
+                return (await c.nodes.get("n2")).health != "ok"
+            await _create_until(c, made, "n2", flagged)
+            seen = await _until_health(c, "n2", "cordoned")
+            assert "suspect" in seen or seen == ["cordoned"], seen
+            await _check_cordoned(c, "n2", "store_errors", made)
+            assert (await c.nodes.get("n2")).signals.store_errors >= 3  # type: ignore[union-attr]
+        finally:
+            await _stop(c, made)
+            _inject(fleet, "n2", None)
+            await _uncordon(c, "n2")
+
+
+async def test_a_full_disk_gets_an_edge_cordoned(fleet: Cluster) -> None:
+    volume = os.path.join(fleet.root, "n1", "edges", "n1", "volume")
+    assert os.path.ismount(volume)
+    st = os.statvfs(volume)
+    fill = os.path.join(volume, "health-test-fill")
+    made: list[dsec.AsyncSandbox] = []
+    fd = os.open(fill, os.O_WRONLY | os.O_CREAT, 0o600)  # real blocks, all but 8 MiB of what is free
+    try:
+        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (8 << 20))
+    finally:
+        os.close(fd)
+    async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
+        try:
+            seen = await _until_health(c, "n1", "cordoned")
+            assert seen[0] == "suspect" or "suspect" in seen, seen
+            await _check_cordoned(c, "n1", "disk", made)
+            assert (await c.nodes.get("n1")).evidence[0].value >= 0.95
+        finally:
+            os.unlink(fill)
+            os.sync()  # btrfs gives the blocks back at its next commit
+            await _stop(c, made)
+            for _ in range(100):  # the edge reports the space back before the cordon is lifted
+                sig = (await c.nodes.get("n1")).signals
+                if sig is not None and sig.disk_used_bytes < 0.9 * sig.disk_total_bytes:
+                    break
+                await asyncio.sleep(0.2)
+            await _uncordon(c, "n1")
+
+
+async def test_an_edge_that_stops_answering_gets_cordoned(fleet: Cluster) -> None:
+    proc = fleet.edges["n3"].proc
+    assert proc is not None
+    made: list[dsec.AsyncSandbox] = []
+    os.kill(proc.pid, signal.SIGSTOP)
+    async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
+        try:
+            seen = await _until_health(c, "n3", "cordoned")
+            assert "suspect" in seen, seen
+            assert (await c.nodes.get("n3")).state == "unreachable"
+            os.kill(proc.pid, signal.SIGCONT)
+            # back, it is still cordoned (until an operator says otherwise), and its
+            # daemon was told so again: it refuses creates itself
+            await _until_health(c, "n3", "cordoned")
+            for _ in range(50):
+                if (await c.nodes.get("n3")).state == "up":
+                    break
+                await asyncio.sleep(0.2)
+            await _check_cordoned(c, "n3", "unreachable", made)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            await _stop(c, made)
+            await _uncordon(c, "n3")
+
+
+async def test_a_cordon_by_hand_holds_until_lifted_by_hand(fleet: Cluster) -> None:
+    made: list[dsec.AsyncSandbox] = []
+    async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
+        try:
+            node = await c.nodes.cordon("n2", "kernel upgrade")
+            assert node.health == "cordoned" and node.cordoned_by not in ("", "detector")
+            assert node.health_reason == "kernel upgrade"
+            await asyncio.sleep(3)  # rounds of a detector that finds nothing wrong with n2
+            assert (await c.nodes.get("n2")).health == "cordoned"
+            made += [await c.run_container(dsec.ContainerArgs(image="base/busybox", job="health")) for _ in range(4)]
+            assert "n2" not in {_edge_of(s.sandbox_id) for s in made}
+            ev = (await c.nodes.events("n2", kind="cordoned"))[-1]
+            assert ev.reason == "kernel upgrade" and ev.actor == node.cordoned_by
+        finally:
+            await _stop(c, made)
+            await _uncordon(c, "n2")
+        assert (await c.nodes.get("n2")).health == "ok"
+
+
+def test_cli_nodes_cordon_uncordon_events(fleet: Cluster) -> None:
+    env = {**os.environ, "DSEC_URL": fleet.url, "DSEC_TOKEN": TOKEN, "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "dsec.cli.main"]
+
+    def run(*a: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *a], capture_output=True, text=True, timeout=60, env=env)
+    out = run("node", "cordon", "n1", "--reason", "disk swap")
+    assert out.returncode == 0 and "cordoned" in out.stdout, out.stdout + out.stderr
+    table = run("nodes")
+    assert table.returncode == 0, table.stderr
+    line = next(x for x in table.stdout.splitlines() if " n1 " in x)
+    assert "cordoned" in line and "disk swap" in line, table.stdout
+    events = run("node", "events", "--edge", "n1")
+    assert "disk swap" in events.stdout and "cordoned" in events.stdout, events.stdout
+    out = run("node", "uncordon", "n1")
+    assert out.returncode == 0 and "n1: ok" in out.stdout, out.stdout + out.stderr
+    bad = run("node", "cordon", "nope", "--reason", "x")
+    assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_bad_input_is_refused_naming_the_field(fleet: Cluster) -> None:
+    hdr = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(f"{fleet.url}/v1/nodes/n9/cordon", json={"reason": "x"}, headers=hdr)
+    assert r.status_code == 404 and r.json()["field"] == "name"
+    assert httpx.get(f"{fleet.url}/v1/nodes/n9", headers=hdr).status_code == 404
+    r = httpx.post(f"{fleet.url}/v1/nodes/n1/cordon", json={}, headers=hdr)
+    assert r.status_code == 400 and r.json()["field"] == "reason"
+    r = httpx.post(f"{fleet.url}/v1/nodes/n1/cordon", json={"reason": "x", "force": True}, headers=hdr)
+    assert r.status_code == 400 and r.json()["field"] == "force"
+    r = httpx.get(f"{fleet.url}/v1/fleet/events", params={"limit": 0}, headers=hdr)
+    assert r.status_code == 400 and r.json()["field"] == "limit"
+    with dsec.Client(url=fleet.url, token=TOKEN) as c:  # a reader may see the nodes, not cordon them
+        reader = c.create_token("default", "reader").token
+    hdr = {"Authorization": f"Bearer {reader}"}
+    assert httpx.get(f"{fleet.url}/v1/nodes", headers=hdr).status_code == 200
+    assert httpx.post(f"{fleet.url}/v1/nodes/n1/cordon", json={"reason": "x"}, headers=hdr).status_code == 403
+    assert httpx.get(f"{fleet.url}/v1/fleet/events", headers=hdr).status_code == 403
