@@ -20,21 +20,23 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 import dsec
+from dsec.edge.remote.client import remote_edge
 from dsec.health.detector import Detector, Settings
 from dsec.storage.moosefs import MooseFS
 from dsec.wire.fleet import EdgeSignals
 from dsec.wire.models import Backend, NodeStats
-from tests.conftest import TOKEN, Cluster
+from tests.conftest import SECRET, TOKEN, Cluster
 
 GB = 1 << 30
 
 
-def stats(name: str, **signals: float) -> NodeStats:
+def stats(name: str, **signals: Any) -> NodeStats:
     s = EdgeSignals(**{"started_at": 1000.0, "disk_used_bytes": 10 * GB, "disk_total_bytes": 100 * GB, **signals})
     return NodeStats(edge=name, healthy=True, backends=[Backend.container], cpus=8, memory_mb=16384,
                      cpu_overcommit=8, memory_overcommit=1.5, sandboxes=0, cpu_reserved=0, memory_reserved_mb=0,
@@ -55,11 +57,12 @@ class Fleet:
         for k, v in inc.items():
             self.c[name][k] = self.c[name].get(k, 0) + v
 
-    def step(self, dt: float = 1.0, **gauges: dict[str, float]) -> dict[str, str]:
+    def step(self, gauges: dict[str, dict[str, float]] | None = None, dt: float = 1.0) -> dict[str, str]:
+        gauges = gauges or {}
         self.t += dt
         polled = {n: None if n in self.down else stats(n, **c, **gauges.get(n, {})) for n, c in self.c.items()}
         verdicts = self.d.observe(self.t, polled)
-        out = {n: v.health for n, v in verdicts.items()}
+        out: dict[str, str] = {n: v.health for n, v in verdicts.items()}
         self.history.append(out)
         self.verdicts = verdicts
         return out
@@ -79,7 +82,7 @@ def test_idle_fleet_is_never_flagged() -> None:
     for _ in range(3600):  # an hour of rounds: PSI noise, a rare create, no faults
         if rng.random() < 0.02:
             creates(f, rng.choice("abcd"), 1, rng.uniform(0.1, 0.4))
-        f.step(**{n: {"psi_cpu": rng.uniform(0, 5), "psi_io": rng.uniform(0, 10)} for n in "abcd"})
+        f.step({n: {"psi_cpu": rng.uniform(0, 5), "psi_io": rng.uniform(0, 10)} for n in "abcd"})
     assert f.flagged() == set()
 
 
@@ -93,7 +96,7 @@ def test_uniform_load_is_never_flagged() -> None:
         for n in "abc":
             creates(f, n, rng.randint(2, 6), 0.2 * slow * rng.uniform(0.8, 1.25))
             f.add(n, execs=50, agent_deadline_misses=rng.randint(0, 3) if i > 200 else 0)
-        f.step(**{n: {"psi_cpu": 70.0 if i > 200 else 3.0} for n in "abc"})
+        f.step({n: {"psi_cpu": 70.0 if i > 200 else 3.0} for n in "abc"})
     assert f.flagged() == set()
 
 
@@ -176,7 +179,7 @@ def test_each_fault_is_found_on_the_sick_edge_only(fault: str, signal_name: str)
             f.add("c", agent_deadline_misses=1)
         elif fault == "psi":
             gauges = {"a": {"psi_io": 2.0}, "b": {"psi_io": 4.0}, "c": {"psi_io": 85.0}}
-        f.step(**gauges)
+        f.step(gauges)
     assert f.history[-1] == {"a": "ok", "b": "ok", "c": "cordoned"}, f.history[-1]
     assert f.verdicts["c"].evidence[0].signal == signal_name
     assert f.flagged() == {"c"}
@@ -258,16 +261,21 @@ VOLUME_GB = 1  # each edge's sandbox volume: small, so filling it for real is ch
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = tmp_path_factory.mktemp("health")
-    fs = MooseFS(str(root / "moosefs"))  # the shared store every edge reads on demand, as nodes do
+    yield from run_fleet(str(tmp_path_factory.mktemp("health")), {"DSEC_HEALTH": E2E_HEALTH})
+
+
+def run_fleet(root: str, api_env: dict[str, str]) -> Iterator[Cluster]:
+    """Three edges over a MooseFS store, each with a failpoint file (:func:`inject`) and a
+    small sandbox volume, behind an apiserver with ``api_env``; everything stopped after."""
+    fs = MooseFS(os.path.join(root, "moosefs"))  # the shared store every edge reads on demand, as nodes do
     fs.start()
     try:
         store = os.path.join(fs.mount, "dsec")
         os.makedirs(store)
-        os.makedirs(root / "fleet")
+        os.makedirs(os.path.join(root, "fleet"))
         args = {n: ["--sandbox-volume-gb", str(VOLUME_GB)] for n in NAMES}
-        c = Cluster(str(root / "fleet"), NAMES, store, args)
-        c.api.env = {"DSEC_HEALTH": E2E_HEALTH}
+        c = Cluster(os.path.join(root, "fleet"), NAMES, store, args)
+        c.api.env = api_env
         for name, e in c.edges.items():  # faults are turned on and off by writing this file
             e.env = {"DSEC_FAILPOINTS": f"@{_failpoints(c, name)}"}
         try:
@@ -317,7 +325,7 @@ def _failpoints(c: Cluster, name: str) -> str:
     return os.path.join(c.root, f"{name}.failpoints")
 
 
-def _inject(c: Cluster, name: str, failpoints: str | None) -> None:
+def inject(c: Cluster, name: str, failpoints: str | None) -> None:
     """Turn faults on (``failpoints``) or off at edge ``name`` while it runs."""
     path = _failpoints(c, name)
     if failpoints is None:
@@ -373,7 +381,7 @@ async def _stop(c: dsec.AsyncClient, made: list[dsec.AsyncSandbox]) -> None:
 
 
 async def test_slow_creates_get_an_edge_cordoned(fleet: Cluster) -> None:
-    _inject(fleet, "n3", "create.attached=sleep:2")
+    inject(fleet, "n3", "create.attached=sleep:2")
     made: list[dsec.AsyncSandbox] = []
     async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
         try:
@@ -385,12 +393,12 @@ async def test_slow_creates_get_an_edge_cordoned(fleet: Cluster) -> None:
             await _check_cordoned(c, "n3", "create_latency", made)
         finally:
             await _stop(c, made)
-            _inject(fleet, "n3", None)
+            inject(fleet, "n3", None)
             await _uncordon(c, "n3")
 
 
 async def test_failing_store_reads_get_an_edge_cordoned(fleet: Cluster) -> None:
-    _inject(fleet, "n2", "store.read=error")
+    inject(fleet, "n2", "store.read=error")
     made: list[dsec.AsyncSandbox] = []
     async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
         try:
@@ -403,7 +411,7 @@ async def test_failing_store_reads_get_an_edge_cordoned(fleet: Cluster) -> None:
             assert (await c.nodes.get("n2")).signals.store_errors >= 3  # type: ignore[union-attr]
         finally:
             await _stop(c, made)
-            _inject(fleet, "n2", None)
+            inject(fleet, "n2", None)
             await _uncordon(c, "n2")
 
 
@@ -454,6 +462,17 @@ async def test_an_edge_that_stops_answering_gets_cordoned(fleet: Cluster) -> Non
                 if (await c.nodes.get("n3")).state == "up":
                     break
                 await asyncio.sleep(0.2)
+            edge = remote_edge("n3", fleet.edges["n3"].url, SECRET)
+            try:
+                for _ in range(50):  # the next round tells the daemon itself
+                    if (await edge.stats()).cordoned:
+                        break
+                    await asyncio.sleep(0.2)
+                assert (await edge.stats()).cordoned
+                with pytest.raises(dsec.AdmissionRejected, match="cordoned"):
+                    await edge.create(dsec.ContainerArgs(image="base/busybox"))
+            finally:
+                await edge.close()
             await _check_cordoned(c, "n3", "unreachable", made)
         finally:
             os.kill(proc.pid, signal.SIGCONT)

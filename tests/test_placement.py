@@ -64,3 +64,16 @@ def test_in_flight_overlay_spreads_a_burst_on_one_snapshot() -> None:
     fresh = {n: node(n) for n in ("a", "b")}
     p2 = Placement(lambda: fresh, k=2)
     assert p2.choose(ARGS) in ("a", "b")
+
+
+def test_never_a_cordoned_edge_and_a_suspect_one_only_when_no_ok_edge_has_room() -> None:
+    view = {"a": node("a").model_copy(update={"health": "cordoned", "cordoned": True}),
+            "b": node("b").model_copy(update={"health": "suspect"}),
+            "c": node("c", cpu_reserved=2)}
+    p = Placement(lambda: view, k=2, rng=random.Random(4))
+    assert {p.choose(ARGS) for _ in range(50)} == {"c"}  # b is emptier, but suspect
+    view["c"] = node("c", cpu_reserved=4)  # the ok edge is full: the suspect one takes it
+    assert {p.choose(ARGS) for _ in range(50)} == {"b"}
+    view["b"] = node("b", cpu_reserved=4).model_copy(update={"health": "suspect"})
+    with pytest.raises(dsec.AdmissionRejected):  # the cordoned edge is empty, and still never chosen
+        p.choose(ARGS)

@@ -397,3 +397,27 @@ def test_cluster_cli(rc: RayDsec, tmp_path: Any) -> None:
     bad = subprocess.run([*cli, "apiserver", "--secret-file", str(key), "--db", "postgresql://dsec@127.0.0.1:1/dsec",
                           "--token", "t" * 20], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--db" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+async def test_nodes_and_a_cordon_by_hand_through_the_replicas(rc: RayDsec) -> None:
+    """The fleet's health through the replicas (read from the registry the controller's
+    detector writes): a cordon made on one replica is seen on the other and keeps creates off
+    that edge; the uncordon on the other lifts it, and both are events."""
+    a_url, b_url = rc.urls[:2]
+    async with rc.client(a_url) as a, rc.client(b_url) as b:
+        up = sorted(n.edge for n in await a.nodes() if n.state == "up" and n.health == "ok")
+        assert len(up) >= 2, [(n.edge, n.state, n.health) for n in await a.nodes()]
+        target = up[0]
+        node = await a.nodes.cordon(target, "ray test: by hand")
+        made: list[dsec.AsyncSandbox] = []
+        try:
+            assert node.health == "cordoned" and node.cordoned_by not in ("", "detector")
+            assert (await b.nodes.get(target)).health == "cordoned"
+            made = [await b.run_container(dsec.ContainerArgs(image="base/busybox")) for _ in range(4)]
+            assert target not in {_edge(s.sandbox_id) for s in made}
+        finally:
+            await asyncio.gather(*(s.stop() for s in made))
+            node = await b.nodes.uncordon(target)
+        assert node.health == "ok"
+        kinds = [(e.kind, e.reason) for e in await a.nodes.events(target)]
+        assert ("cordoned", "ray test: by hand") in kinds and kinds[-1][0] == "uncordoned"

@@ -92,6 +92,7 @@ class Routes(Protocol):
     another, dsec.checkpoints) runs now; None for every other sandbox."""
 
     def holder(self, sandbox_id: str) -> str | None: ...
+    def moved_here(self, sandbox_id: str, edge: str) -> None: ...
 
 
 class Apiserver:
@@ -119,8 +120,13 @@ class Apiserver:
         self.checkpoints = CheckpointStore(tokens.db, layers)
         self.fleet_events = FleetEvents(tokens.db)
         # moving sandboxes between edges needs the cluster's index (a lone apiserver's edges share no database)
-        self.mover = Mover(lambda: self.edges, placement, index, self.checkpoints, self.fleet_events) \
-            if isinstance(index, Registry) else None
+        self.mover = Mover(lambda: self.edges, placement, index, self.checkpoints, self.fleet_events,
+                           self._moved) if isinstance(index, Registry) else None
+
+    def _moved(self, info: SandboxInfo) -> None:
+        """Route to where a sandbox this process moved runs now, before the next read of the index."""
+        if self.routes is not None:
+            self.routes.moved_here(info.sandbox_id, info.edge)
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         try:
@@ -145,6 +151,11 @@ class Apiserver:
         req = self._own(req)
         job = req.args.job
         project = req.args.labels.get(PROJECT_LABEL, "default")
+        if job is not None and isinstance(req.args, ContainerArgs) and req.args.checkpoint_every_s is None:
+            rec = await asyncio.to_thread(self.job_store.get, project, job)
+            if rec is not None and rec.checkpoint_every_s:  # the job's checkpoint interval, unless it says its own
+                req = req.model_copy(update={"args": req.args.model_copy(
+                    update={"checkpoint_every_s": rec.checkpoint_every_s})})
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
         hold = await asyncio.to_thread(self.quotas.admit, project, job,
                                        Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))

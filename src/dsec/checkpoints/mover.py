@@ -31,8 +31,11 @@ MAX_TARGETS = 3  # edges tried for one restore before it is reported failed
 
 class Mover:
     def __init__(self, edges: Callable[[], Mapping[str, EdgeAPI]], placement: Placement, registry: Registry,
-                 checkpoints: CheckpointStore, events: FleetEvents) -> None:
-        self.edges, self.placement, self.registry = edges, placement, registry
+                 checkpoints: CheckpointStore, events: FleetEvents,
+                 on_moved: Callable[[SandboxInfo], None] = lambda _: None) -> None:
+        """``on_moved``: told at once where a sandbox runs now (this process's routing;
+        other processes read the index)."""
+        self.edges, self.placement, self.registry, self.on_moved = edges, placement, registry, on_moved
         self.checkpoints, self.events = checkpoints, events
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)
         self._busy: set[str] = set()  # sandboxes being moved by this process
@@ -86,6 +89,7 @@ class Mover:
                 await self._event(lost_edge, "restore_failed", actor, why, sandbox_id, seq=cp.seq)
                 raise
             await asyncio.to_thread(self.registry.moved, info, project)
+            self.on_moved(info)
         await self._event(info.edge, "restored", actor, f"edge {lost_edge} lost", sandbox_id, seq=cp.seq,
                           taken_at=cp.taken_at, previous=lost_edge)
         return info
@@ -145,6 +149,7 @@ class Mover:
             raise
         project = before.labels.get("dsec.project", "default")
         await asyncio.to_thread(self.registry.moved, info, project)
+        self.on_moved(info)
         try:
             await src.evict(sandbox_id, info.edge)
         except (DsecError, OSError) as e:  # it is frozen there; the controller's sweep evicts it later

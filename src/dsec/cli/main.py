@@ -395,11 +395,16 @@ app.add_typer(cluster_app, name="cluster")
 from dsec.cli.jobs import job_app  # noqa: E402
 
 app.add_typer(job_app, name="job")
+from dsec.cli.checkpoints import checkpoint_app, drain, move, restore  # noqa: E402
 from dsec.cli.nodes import node_app, nodes  # noqa: E402
 from dsec.cli.projects import project_app  # noqa: E402
 from dsec.cli.rollouts import rollout_app, worker  # noqa: E402
 
 app.add_typer(node_app, name="node")
+app.add_typer(checkpoint_app, name="checkpoint")
+app.command("move")(move)
+app.command("restore")(restore)
+node_app.command("drain")(drain)
 app.command("nodes")(nodes)
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(project_app, name="project")

@@ -157,7 +157,7 @@ class Controller:
         self._view: ClusterEdges | None = None
         self._mover: Mover | None = None
         self._restoring: dict[str, asyncio.Task[Any]] = {}  # sandbox -> its restore, under way
-        self._registered: dict[str, float] = {}  # edge -> the registration whose stale copies were swept
+        self._registered: dict[str, str] = {}  # edge -> the registration whose stale copies were swept
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self._thread.start()
 
@@ -325,9 +325,14 @@ class Controller:
         assert self._view is not None
         for name, edge in self._view.active().items():
             row = self._view.rows.get(name)
-            if row is None or self._registered.get(name) == row.registered_at:
+            # a registration is where it serves from: a node back, or a daemon on a new port
+            if row is None or self._registered.get(name) == f"{row.node_id} {row.url}":
                 continue
-            infos = await asyncio.wait_for(edge.list_sandboxes(), CLEAN_TIMEOUT_S)
+            try:
+                infos = await asyncio.wait_for(edge.list_sandboxes(), CLEAN_TIMEOUT_S)
+            except (DsecError, OSError, TimeoutError) as e:  # next round
+                log.warning("edge %s not listed for stale copies: %s", name, e)
+                continue
             live = [i.sandbox_id for i in infos if i.state in ("running", "paused", "creating")]
             index = await asyncio.to_thread(self.registry.index_rows, live)
             stale = {sid: holder for sid, (holder, restore) in index.items()
@@ -336,7 +341,7 @@ class Controller:
                 with contextlib.suppress(DsecError, OSError, TimeoutError):
                     await asyncio.wait_for(edge.evict(sid, holder), CLEAN_TIMEOUT_S)
                     self._event("stale_copy_evicted", edge=name, sandbox=sid, holder=holder)
-            self._registered[name] = row.registered_at
+            self._registered[name] = f"{row.node_id} {row.url}"
 
     async def _clean_returned(self) -> None:
         """An edge back after its node was lost may still hold sandboxes the cluster has

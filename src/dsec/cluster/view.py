@@ -23,7 +23,7 @@ from dsec.health.detector import Detector, Settings
 from dsec.health.fleet import FleetHealth, overlay
 from dsec.meta.registry import EdgeRow, Registry
 from dsec.watcher.watcher import Refresher, poll_stats
-from dsec.wire.models import NodeStats
+from dsec.wire.models import NodeStats, parse_sandbox_id
 
 log = logging.getLogger("dsec.cluster")
 STALE_S = 5.0  # stats older than this are polled afresh (replica) or mark the edge unhealthy
@@ -56,6 +56,12 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
     def holder(self, sandbox_id: str) -> str | None:
         """Where a moved sandbox runs now (dsec.apiserver.core.Routes)."""
         return self.moved.get(sandbox_id)
+
+    def moved_here(self, sandbox_id: str, edge: str) -> None:
+        if parse_sandbox_id(sandbox_id) == edge:  # back on the edge its id names
+            self.moved.pop(sandbox_id, None)
+        else:
+            self.moved[sandbox_id] = edge
 
     def _forward(self, sandbox_id: str) -> EdgeAPI | None:
         """For a lost edge's stand-in: the edge a sandbox moved to since this replica last

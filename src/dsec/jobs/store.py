@@ -21,11 +21,12 @@ class JobStore:
 
     def create(self, project: str, spec: JobSpec) -> JobInfo:
         info = JobInfo(name=spec.name, project=project, labels=spec.labels, quota=spec.quota, state="active",
-                       created_at=time.time())
+                       created_at=time.time(), checkpoint_every_s=spec.checkpoint_every_s)
         try:
             with self.db.begin() as c:
                 c.execute(insert(jobs).values(project=project, name=spec.name, labels=json.dumps(spec.labels),
                                               quota=spec.quota.model_dump_json(), state="active",
+                                              checkpoint_every_s=spec.checkpoint_every_s,
                                               created_at=info.created_at))
         except IntegrityError:  # the primary key: the name is taken in this project
             raise JobExists(f"project {project!r} already has a job {spec.name!r}", field="name") from None
@@ -65,4 +66,5 @@ def _info(row: Any) -> JobInfo:
     r = dict(row)
     return JobInfo(name=r["name"], project=r["project"], labels=json.loads(r["labels"] or "{}"),
                    quota=JobQuota.model_validate_json(r["quota"] or "{}"), state=r["state"],
-                   created_at=r["created_at"], paused_at=r["paused_at"], stopped_at=r["stopped_at"])
+                   created_at=r["created_at"], paused_at=r["paused_at"], stopped_at=r["stopped_at"],
+                   checkpoint_every_s=r.get("checkpoint_every_s"))

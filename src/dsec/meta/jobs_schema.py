@@ -4,7 +4,7 @@ labels, quota and state, so every apiserver replica serves every job. Alembic's 
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, String, Table, Text
+from sqlalchemy import Column, Float, Integer, String, Table, Text
 
 from dsec.meta.schema import metadata
 
@@ -18,4 +18,5 @@ jobs = Table(
     Column("created_at", Float, nullable=False),
     Column("paused_at", Float, nullable=True),
     Column("stopped_at", Float, nullable=True),
+    Column("checkpoint_every_s", Integer, nullable=True),  # its container sandboxes' default (0009)
 )

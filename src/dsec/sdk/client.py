@@ -752,11 +752,13 @@ class AsyncClient:
         return AsyncNodes(self)
 
     async def create_job(self, name: str, *, quota: JobQuota | None = None, labels: dict[str, str] | None = None,
-                         project: str | None = None) -> AsyncJob:
+                         project: str | None = None, checkpoint_every_s: int | None = None) -> AsyncJob:
         """A job: a named group of sandboxes (those created with ``job=name``) with a quota on
         their count, CPU cores and memory, paused, resumed and stopped as one. ``project``:
-        admin tokens only (others act in their token's project)."""
-        body = JobSpec(name=name, labels=labels or {}, quota=quota or JobQuota()).model_dump(mode="json")
+        admin tokens only (others act in their token's project). ``checkpoint_every_s``: its
+        container sandboxes are checkpointed this often unless they say otherwise."""
+        body = JobSpec(name=name, labels=labels or {}, quota=quota or JobQuota(),
+                       checkpoint_every_s=checkpoint_every_s).model_dump(mode="json")
         params = {"project": project} if project else None
         return AsyncJob(self, JobInfo.model_validate(await self._json("POST", "/v1/jobs", json=body, params=params)))
 

@@ -1,5 +1,5 @@
 """The SDK's nodes face (``client.nodes``, docs/fault-tolerance.md): every edge with its
-load and health, an operator's cordon and uncordon, and the fleet's event log. Calling it
+load and health, an operator's cordon, uncordon and drain, and the fleet's event log. Calling it
 (``await client.nodes()``) lists the nodes, as it always did."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import builtins
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from dsec.wire.fleet import FleetEvent
+from dsec.wire.fleet import DrainReport, FleetEvent
 from dsec.wire.nodes import NodeInfo
 
 if TYPE_CHECKING:
@@ -43,6 +43,12 @@ class AsyncNodes:
         """(the cluster's admin) Lift a cordon, the operator's or the detector's."""
         return NodeInfo.model_validate(await self._client._json("POST", _path(name) + "/uncordon",
                                                                 json={"reason": reason}))
+
+    async def drain(self, name: str, *, timeout: float = 960.0) -> DrainReport:
+        """(the cluster's admin) Move every checkpointed sandbox off ``name`` to other edges
+        (cordon it first, or new ones land there); the report says what moved where, what
+        failed and why, and what was left running there (docs/fault-tolerance.md)."""
+        return DrainReport.model_validate(await self._client._json("POST", _path(name) + "/drain", timeout=timeout))
 
     async def events(self, edge: str | None = None, *, sandbox_id: str | None = None, kind: str | None = None,
                      after: int = 0, limit: int = 200) -> builtins.list[FleetEvent]:

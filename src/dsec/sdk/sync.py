@@ -283,6 +283,7 @@ class Nodes(_Face):
     cordon = _blocking(AsyncNodes.cordon)
     uncordon = _blocking(AsyncNodes.uncordon)
     events = _blocking(AsyncNodes.events)
+    drain = _blocking(AsyncNodes.drain)
 
 
 class Client(_Face):

@@ -40,6 +40,9 @@ class JobSpec(Strict):
     name: str
     labels: dict[str, str] = Field(default_factory=dict, description="the job's own labels (to find it by)")
     quota: JobQuota = Field(default_factory=JobQuota)
+    checkpoint_every_s: Annotated[int, Field(ge=5, le=7 * 24 * 3600)] | None = Field(
+        default=None, description="checkpoint the job's container sandboxes this often unless they say otherwise "
+        "(ContainerArgs.checkpoint_every_s; docs/fault-tolerance.md)")
 
     @field_validator("name")
     @classmethod
@@ -57,6 +60,7 @@ class JobInfo(BaseModel):
     project: str
     labels: dict[str, str] = Field(default_factory=dict)
     quota: JobQuota = Field(default_factory=JobQuota)
+    checkpoint_every_s: int | None = None
     state: JobState = "active"
     created_at: float
     paused_at: float | None = None

@@ -49,10 +49,15 @@ def routes(api: Apiserver) -> APIRouter:
         return api.watcher.health
 
     async def rows() -> dict[str, EdgeRow]:
-        return {r.name: r for r in await asyncio.to_thread(health().registry.edges) if r.state != "removed"}
+        """The rows of the edges this apiserver fronts (a database may hold rows of edges
+        an earlier ``--edges`` named)."""
+        return {r.name: r for r in await asyncio.to_thread(health().registry.edges)
+                if r.state != "removed" and r.name in api.edges}
 
     async def one(name: str) -> NodeInfo:
-        row = await health().row(name)  # NotFound naming the field
+        if name not in api.edges:
+            raise NotFound(f"no edge {name!r} in this fleet", field="name")
+        row = await health().row(name)
         return node_info(name, api.watcher.view.get(name), row)
 
     @router.get("/v1/nodes")
@@ -70,12 +75,14 @@ def routes(api: Apiserver) -> APIRouter:
     async def cordon(name: str, req: CordonRequest) -> NodeInfo:
         """No new sandboxes on this edge until it is uncordoned (by hand: the detector never
         lifts an operator's cordon); what runs there runs on."""
+        await one(name)  # NotFound naming the field
         await health().cordon(name, req.reason, current_principal.get().token_id, api.edges.get(name))
         return await one(name)
 
     @router.post("/v1/nodes/{name}/uncordon")
     async def uncordon(name: str, req: UncordonRequest | None = None) -> NodeInfo:
         """Lift a cordon (the operator's or the detector's) and the detector's verdict."""
+        await one(name)
         await health().uncordon(name, current_principal.get().token_id, api.edges.get(name),
                                 req.reason if req else "")
         return await one(name)

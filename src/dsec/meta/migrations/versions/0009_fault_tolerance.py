@@ -1,5 +1,6 @@
 """Fleet fault tolerance: edge health (ok / suspect / cordoned, with the evidence),
-fleet events, sandbox checkpoints, and sandboxes that moved to another edge.
+fleet events, sandbox checkpoints (and a job's checkpoint interval), and sandboxes that
+moved to another edge.
 
 Revision ID: 0009
 Revises: 0008
@@ -26,6 +27,8 @@ def upgrade() -> None:
         t.add_column(sa.Column("moved", sa.Boolean, nullable=False, server_default=sa.false()))
         t.add_column(sa.Column("restore", sa.Text, nullable=True))
     op.create_index("sandboxes_moved", "sandboxes", ["moved"])
+    with op.batch_alter_table("jobs") as t:
+        t.add_column(sa.Column("checkpoint_every_s", sa.Integer, nullable=True))
     op.create_table(
         "fleet_events",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -63,6 +66,8 @@ def downgrade() -> None:
     op.drop_table("checkpoints")
     op.drop_index("fleet_events_at", "fleet_events")
     op.drop_table("fleet_events")
+    with op.batch_alter_table("jobs") as t:
+        t.drop_column("checkpoint_every_s")
     op.drop_index("sandboxes_moved", "sandboxes")
     with op.batch_alter_table("sandboxes") as t:
         t.drop_column("restore")
