@@ -42,6 +42,8 @@ POINTS = frozenset({
     "resume.thawed",     # thawed, record says paused
     "pack_diff.frozen",  # frozen, image not built
     "pack_diff.built",   # layer published, sandbox still frozen
+    "checkpoint.frozen",  # frozen for a checkpoint's snapshot, none taken
+    "checkpoint.built",  # its blob in the store, not recorded; the snapshot not yet dropped
     "store.read",        # a read from the shared layer store: catalog, metadata, chunk index, chunks
 })
 

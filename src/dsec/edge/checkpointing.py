@@ -36,6 +36,7 @@ from dsec.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import Sandbox, explain
 from dsec.errors import InvalidRequest, NotFound, SandboxBusy, SandboxNotRunning
+from dsec.faults import failpoint
 from dsec.layers.store import ImportOptions
 from dsec.wire.fleet import CheckpointInfo, RestoreSpec
 from dsec.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
@@ -183,6 +184,7 @@ class Checkpointing(EdgeCore):
                 if d.files or full:
                     digest = await asyncio.to_thread(self.layers.build_blob, upper, ImportOptions())
                 cmd_name = await asyncio.to_thread(self._put_commands, sb.id, commands)
+                await failpoint("checkpoint.built")
         finally:
             await asyncio.to_thread(self._drop_work, work)
         stack = [*chain.inherited, *([digest] if digest else [])] if full else \
@@ -220,6 +222,7 @@ class Checkpointing(EdgeCore):
                 await self.containers.freeze(sb)
             t0 = time.perf_counter()
             try:
+                await failpoint("checkpoint.frozen")
                 if self.volume.is_subvolume(sb.dir):
                     await asyncio.to_thread(self.volume.snapshot, sb.dir, work)
                 else:
