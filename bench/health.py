@@ -28,7 +28,7 @@ from container import report  # noqa: E402
 
 import dsec  # noqa: E402
 from tests.conftest import TOKEN, Cluster  # noqa: E402
-from tests.test_health import NAMES, inject, run_fleet  # noqa: E402
+from tests.test_health import NAMES, fill_disk, inject, run_fleet  # noqa: E402
 
 JOB = "bench-health"
 
@@ -57,6 +57,8 @@ async def detect(c: dsec.AsyncClient, edge: str, start: Callable[[], None],
         if h != "ok" and suspect is None:
             suspect = time.monotonic() - t0
         if h == "cordoned":
+            print(f"{edge}: suspect after {suspect or 0:.1f} s, cordoned after {time.monotonic() - t0:.1f} s",
+                  flush=True)
             return suspect or 0.0, time.monotonic() - t0
         if drive is not None:
             await drive()
@@ -77,16 +79,6 @@ async def reset(c: dsec.AsyncClient, fleet: Cluster, edge: str) -> None:
     raise RuntimeError("the fleet did not come back to ok")
 
 
-def fill_disk(path: str) -> None:
-    """Real blocks in the volume ``path`` is on, all but 8 MiB of what is free."""
-    st = os.statvfs(os.path.dirname(path))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (8 << 20))
-    finally:
-        os.close(fd)
-
-
 async def faults(c: dsec.AsyncClient, fleet: Cluster, repeats: int) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     for i in range(repeats):
@@ -100,8 +92,10 @@ async def faults(c: dsec.AsyncClient, fleet: Cluster, repeats: int) -> dict[str,
         await reset(c, fleet, "n2")
         fill = os.path.join(fleet.root, "n1", "edges", "n1", "volume", f"bench-fill-{i}")
         try:
+            async def top_up(path: str = fill) -> None:  # space btrfs gives back late is filled too
+                fill_disk(path)
             out.setdefault("sandbox volume filled (all but 8 MiB)", []).append(await detect(
-                c, "n1", functools.partial(fill_disk, fill), None))
+                c, "n1", functools.partial(fill_disk, fill), top_up))
         finally:
             os.unlink(fill)
             os.sync()
@@ -139,8 +133,9 @@ async def main() -> None:
         fleet = next(gen)
         try:
             async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
-                false_pos, idle_s = await idle(c, a.idle_s)
                 found = await faults(c, fleet, a.repeats)
+                false_pos, idle_s = await idle(c, a.idle_s)  # (after the faults: every edge back to ok)
+                print(f"idle: {false_pos} detector events in {idle_s} s", flush=True)
         finally:
             for _ in gen:  # stops the fleet and its store
                 pass

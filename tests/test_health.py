@@ -13,6 +13,7 @@ sandbox lands on it, and the events say so; then an operator lifts the cordon.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 import signal
@@ -296,6 +297,26 @@ def stop_all_and_volumes(c: Cluster) -> None:
     stop_all(c)
 
 
+def fill_disk(path: str) -> None:
+    """Grow ``path`` by real blocks until its filesystem has 8 MiB left, as far as it gives
+    them: btrfs returns the space of deleted subvolumes late, so what it says is free may
+    not be yet, and space may come back after (call again to top it up)."""
+    st = os.statvfs(os.path.dirname(path))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        size = st.f_bavail * st.f_frsize - (8 << 20)
+        while size > 0:
+            try:
+                os.posix_fallocate(fd, os.fstat(fd).st_size, size)
+                return
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                size -= 32 << 20
+    finally:
+        os.close(fd)
+
+
 def _edge_of(sid: str) -> str:
     return sid.rsplit("-", 1)[0]
 
@@ -418,17 +439,15 @@ async def test_failing_store_reads_get_an_edge_cordoned(fleet: Cluster) -> None:
 async def test_a_full_disk_gets_an_edge_cordoned(fleet: Cluster) -> None:
     volume = os.path.join(fleet.root, "n1", "edges", "n1", "volume")
     assert os.path.ismount(volume)
-    st = os.statvfs(volume)
     fill = os.path.join(volume, "health-test-fill")
     made: list[dsec.AsyncSandbox] = []
-    fd = os.open(fill, os.O_WRONLY | os.O_CREAT, 0o600)  # real blocks, all but 8 MiB of what is free
-    try:
-        os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (8 << 20))
-    finally:
-        os.close(fd)
+    fill_disk(fill)
+
+    async def top_up() -> None:
+        fill_disk(fill)
     async with dsec.AsyncClient(url=fleet.url, token=TOKEN) as c:
         try:
-            seen = await _until_health(c, "n1", "cordoned")
+            seen = await _until_health(c, "n1", "cordoned", drive=top_up)
             assert seen[0] == "suspect" or "suspect" in seen, seen
             await _check_cordoned(c, "n1", "disk", made)
             assert (await c.nodes.get("n1")).evidence[0].value >= 0.95
