@@ -125,6 +125,19 @@ def test_slow_creates_against_peers() -> None:
         assert f.step()["c"] == "cordoned"
 
 
+def test_a_latency_hovering_at_the_threshold_does_not_flap() -> None:
+    f = Fleet()
+    for i in range(40):
+        creates(f, "a", 5, 0.05)
+        creates(f, "b", 5, 0.05)
+        # above the line (3x the peers and 0.5 s more) for two rounds, then just below it
+        creates(f, "c", 5, 0.6 if i % 8 < 2 else 0.45)
+        f.step()
+    seen = [h["c"] for h in f.history]
+    first = seen.index("suspect")
+    assert "ok" not in seen[first:] and seen[-1] == "cordoned", seen
+
+
 def test_no_latency_verdict_without_samples() -> None:
     """Fewer than min_samples creates: no verdict, however slow they were."""
     f = Fleet()

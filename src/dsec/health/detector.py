@@ -259,12 +259,17 @@ class Detector:
                 continue
             lat = latency[name]
             peers = [v for k, v in latency.items() if k != name]
-            verdict = self._outlier(lat, peers, cfg.latency_ratio, cfg.latency_floor_s)
+            # hysteresis: a flag already raised clears only well below the line that raised it,
+            # so an estimate hovering at the threshold does not flap between suspect and ok
+            ratio, floor = cfg.latency_ratio, cfg.latency_floor_s
+            if e.held is not None:
+                ratio, floor = (1 + ratio) / 2, floor / 2
+            verdict = self._outlier(lat, peers, ratio, floor)
             if verdict is not None:
                 base, against = _median(latency, name), "the peers' median"
             else:  # too few peers: this edge's own history
                 base, against = e.baseline, "its own baseline"
-                verdict = base is not None and lat >= cfg.latency_ratio * base and lat - base >= cfg.latency_floor_s
+                verdict = base is not None and lat >= ratio * base and lat - base >= floor
             if verdict:
                 e.held = Evidence(signal="create_latency", value=round(lat, 3), baseline=base,
                                   threshold=cfg.latency_ratio,
