@@ -49,7 +49,8 @@ async def steady(c: dsec.AsyncClient, a: argparse.Namespace) -> tuple[list[dsec.
     sb = await c.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=256))
     chunk = max(1, a.rate_kib // 10)
     await sb.exec("mkdir -p /work && cd /work && setsid sh -c 'i=0; while true; do i=$((i+1)); "
-                  f"head -c {chunk}K /dev/urandom >> data$((i % 4)); echo $i > progress; sleep 0.1; done' "
+                  f"dd if=/dev/urandom bs=1024 count={chunk} 2>/dev/null >> data$((i % 4)); echo $i > progress; "
+                  "sleep 0.1; done' "
                   ">/dev/null 2>&1 </dev/null &")
     cps: list[dsec.CheckpointInfo] = []
     written: list[int] = []
@@ -78,7 +79,9 @@ async def first_exec(c: dsec.AsyncClient) -> float:
 
 async def moves(c: dsec.AsyncClient, a: argparse.Namespace) -> tuple[list[float], list[float], list[float]]:
     sb = await c.run_container(dsec.ContainerArgs(image="base/busybox", checkpoint_every_s=3600))
-    await sb.exec(f"mkdir -p /work && head -c {a.restore_mib}M /dev/urandom > /work/blob && echo ok > /work/f")
+    r = await sb.exec(f"mkdir -p /work && dd if=/dev/urandom of=/work/blob bs=1M count={a.restore_mib} 2>/dev/null "
+                      "&& echo ok > /work/f")
+    assert r.exit_code == 0, r
     await sb.checkpoint()
     move_s, creates = [], []
     for _ in range(a.repeats):
@@ -99,7 +102,9 @@ async def node_loss(c: dsec.AsyncClient, local: LocalCluster, a: argparse.Namesp
         if sb.info.edge == victim:
             break
         await sb.stop()
-    await sb.exec(f"mkdir -p /work && head -c {a.restore_mib}M /dev/urandom > /work/blob && echo ok > /work/f")
+    r = await sb.exec(f"mkdir -p /work && dd if=/dev/urandom of=/work/blob bs=1M count={a.restore_mib} 2>/dev/null "
+                      "&& echo ok > /work/f")
+    assert r.exit_code == 0, r
     await sb.checkpoint()
     t0 = time.perf_counter()
     await asyncio.to_thread(local.remove_node, victim)

@@ -102,7 +102,7 @@ def test_deltas_stacked_give_back_the_tree_the_sandbox_saw(vol: SandboxVolume, t
     sb = Layered(vol, str(base))
     try:
         sb.sh("echo new1 > new1; echo a2 > etc/a; rm etc/b; mkdir -p d1/sub; echo f > d1/sub/f; "
-              "echo g > d1/g; ln -s etc/a link1; echo h > hard1; ln hard1 hard2")
+              "echo g > d1/g; ln -s etc/a link1; echo h > hard1; ln hard1 hard2; echo q > data/x/q")
         first = sb.checkpoint()
         assert first.files > 0 and first.whiteouts == 0
         assert _tree(sb.merged) == sb.restored(str(tmp_path / "r1"))
@@ -123,6 +123,12 @@ def test_deltas_stacked_give_back_the_tree_the_sandbox_saw(vol: SandboxVolume, t
 
         # nothing changed: an empty delta (and the tree unchanged)
         assert sb.checkpoint().files == 0
+        # one more deletion of an image file: one whiteout, not every whiteout again (overlayfs
+        # links them all to one inode, whose ctime every new one moves)
+        sb.sh("rm data/x/w; rm etc/a")
+        d = sb.checkpoint()
+        assert (d.whiteouts, d.files) == (1, 5), d  # data/x/w's; etc/a's, and their directories
+        assert not os.path.lexists(os.path.join(sb.deltas[-1], "etc/b"))  # the old whiteout stays out
         # an opaque dir that was opaque before merges with what the earlier checkpoints hold
         sb.sh("echo w2 > data/x/w2; touch etc/new; rm -rf keep")
         sb.checkpoint()
@@ -131,6 +137,9 @@ def test_deltas_stacked_give_back_the_tree_the_sandbox_saw(vol: SandboxVolume, t
         sb.deltas = []
         sb.checkpoint(full=True)
         assert sb.restored(str(tmp_path / "r4")) == _tree(sb.merged)
+        # deeper than Python recurses
+        sb.sh("i=0; while [ $i -lt 1200 ]; do mkdir n; cd n; i=$((i+1)); done; echo deep > f")
+        assert sb.checkpoint().files == 1201
     finally:
         sb.close()
 

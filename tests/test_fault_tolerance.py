@@ -110,10 +110,15 @@ async def test_a_lost_node_s_checkpointed_sandboxes_come_back_elsewhere_with_the
             # its processes did not (no CRIU): the writer is gone, the sandbox runs
             await asyncio.sleep(0.5)
             assert int((await sb.exec("cat /work/progress.txt")).stdout) == progress
-            # every replica routes to it, by the same id
+            # every replica routes to it, by the same id (each reads the moves once a second)
             for url in rc.urls:
                 async with rc.client(url) as other:
-                    assert (await (await other.connect(sb.sandbox_id)).exec("echo hi")).stdout == "hi\n"
+                    async def answers(other: dsec.AsyncClient = other) -> bool:
+                        try:
+                            return (await (await other.connect(sb.sandbox_id)).exec("echo hi")).stdout == "hi\n"
+                        except dsec.EdgeUnavailable:
+                            return False
+                    await _until(answers, f"{url} routes to the restored sandbox", 10)
             info2 = await _until(lambda: _running_elsewhere(c, sb2.sandbox_id, victim), "the second one too", 120)
             assert info2.sandbox_id == sb2.sandbox_id
             # one without checkpoints failed with its node, as before
@@ -185,7 +190,7 @@ async def test_drain_moves_checkpointed_sandboxes_and_leaves_the_others(rc: RayD
         # bad input
         with pytest.raises(dsec.InvalidRequest, match="checkpoint_every_s"):
             await plain.move()
-        with pytest.raises(dsec.NotFound):
+        with pytest.raises(dsec.InvalidRequest, match="only a sandbox of a lost edge"):
             await (await c.connect(sb.sandbox_id)).restore()
         assert "nope" in (await _api(rc, "POST", "/v1/nodes/nope/drain", 404))["message"]
         await c.stop_many(job="ft-drain")
@@ -206,6 +211,13 @@ async def test_checkpoint_retention_and_bad_input(rc: RayDsec) -> None:
         assert [cp.seq for cp in kept] == list(range(9, 19)), [cp.seq for cp in kept]
         full = await sb.checkpoint(full=True)
         assert full.kind == "full" and len(full.stack) == 1
+        # a job's interval is its sandboxes' default; their own wins
+        job = await c.create_job("ft-job", checkpoint_every_s=3600)
+        assert job.info.checkpoint_every_s == 3600
+        in_job = await c.run_container(dsec.ContainerArgs(image="base/busybox", job="ft-job"))
+        own = await c.run_container(dsec.ContainerArgs(image="base/busybox", job="ft-job", checkpoint_every_s=60))
+        assert (in_job.info.checkpoint_every_s, own.info.checkpoint_every_s) == (3600, 60)
+        await c.stop_many(job="ft-job")
         with pytest.raises(pydantic.ValidationError, match="checkpoint_every_s"):
             dsec.ContainerArgs(checkpoint_every_s=1)
         bad = await _api(rc, "POST", "/v1/sandboxes", 400, json={"args": {"checkpoint_every_s": 1}})

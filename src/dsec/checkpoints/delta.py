@@ -46,15 +46,26 @@ def _opaque(path: str) -> bool:
 
 
 def scan(root: str) -> Manifest:
-    """Every path below ``root`` (the upper dir), relative, with its identity."""
+    """Every path below ``root`` (the upper dir), relative, with its identity. Iterative: a
+    sandbox may nest directories deeper than Python recurses."""
     out: Manifest = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = os.path.join(dirpath, name)
-            st = os.lstat(full)
-            rel = os.path.relpath(full, root)
-            out[rel] = (st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size, st.st_mode,
-                        stat.S_ISDIR(st.st_mode) and _opaque(full))
+    todo = [""]
+    while todo:
+        rel_dir = todo.pop()
+        with os.scandir(os.path.join(root, rel_dir)) as it:
+            for entry in it:
+                rel = os.path.join(rel_dir, entry.name) if rel_dir else entry.name
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    # a whiteout: overlayfs makes them all links of one inode, whose ctime moves
+                    # with every new deletion; a whiteout is a whiteout whatever its inode says
+                    out[rel] = (0, 0, 0, 0, st.st_mode, False)
+                    continue
+                is_dir = stat.S_ISDIR(st.st_mode)
+                out[rel] = (st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size, st.st_mode,
+                            is_dir and _opaque(entry.path))
+                if is_dir:
+                    todo.append(rel)
     return out
 
 
@@ -79,7 +90,11 @@ def prune(root: str, now: Manifest, before: Manifest) -> Delta:
     for top in whole:
         prefix = top + "/"
         keep.update(r for r in now if r == top or r.startswith(prefix))
-    gone = [rel for rel in before if rel not in now and _is_dir_or_root(now, _parent(rel))]
+    # a removed path needs a whiteout, except below a newly opaque directory (which hides
+    # all of what earlier layers hold of it: a whiteout there would show as a dead entry)
+    hidden = tuple(top + "/" for top in whole)
+    gone = [rel for rel in before if rel not in now and _is_dir_or_root(now, _parent(rel))
+            and not rel.startswith(hidden)]
     # the directories holding what stays stay
     for rel in list(keep) + gone:
         p = _parent(rel)

@@ -10,14 +10,23 @@ bounded, and so is the number of moves at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
 from dsec.checkpoints.store import CheckpointStore
 from dsec.edge.api import EdgeAPI
-from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, SandboxError
+from dsec.errors import (
+    AdmissionRejected,
+    DsecError,
+    InvalidRequest,
+    NotFound,
+    SandboxBusy,
+    SandboxError,
+    SandboxNotRunning,
+)
 from dsec.health.events import FleetEvents
-from dsec.meta.registry import RESTORING, Registry
+from dsec.meta.registry import RESTORE_FAILED, RESTORING, Registry
 from dsec.placement.engine import Placement
 from dsec.wire.fleet import DrainReport, RestoreSpec
 from dsec.wire.models import ContainerArgs, SandboxInfo, SandboxState
@@ -38,7 +47,6 @@ class Mover:
         self.edges, self.placement, self.registry, self.on_moved = edges, placement, registry, on_moved
         self.checkpoints, self.events = checkpoints, events
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)
-        self._busy: set[str] = set()  # sandboxes being moved by this process
 
     async def _event(self, edge: str, kind: str, actor: str, reason: str, sandbox_id: str | None = None,
                      **detail: object) -> None:
@@ -71,45 +79,37 @@ class Mover:
                 log.warning("restore of %s on %s failed: %s", sandbox_id, name, e)
         raise SandboxError(f"no edge restored it: {last}" if last else "no edge to restore it on")
 
+    async def _settle(self, info: SandboxInfo) -> None:
+        """Record where a restored sandbox runs now; one stopped meanwhile (its row is gone)
+        is evicted from its new edge at once."""
+        if await asyncio.to_thread(self.registry.moved, info):
+            self.on_moved(info)
+            return
+        with contextlib.suppress(DsecError, OSError, TimeoutError):
+            await asyncio.wait_for(self.edges()[info.edge].stop(info.sandbox_id), RESTORE_TIMEOUT_S)
+        raise SandboxNotRunning(f"sandbox {info.sandbox_id} was stopped while it moved")
+
     async def restore_lost(self, sandbox_id: str, lost_edge: str, actor: str = "controller") -> SandboxInfo:
         """Bring back a sandbox of a lost edge from its newest checkpoint."""
         cp = await asyncio.to_thread(self.checkpoints.latest, sandbox_id)
         if cp is None:
             raise NotFound(f"sandbox {sandbox_id} has no checkpoint to restore", field="sandbox_id")
         args = ContainerArgs.model_validate(cp.record["args"])
-        project = await asyncio.to_thread(self.registry.project_of, sandbox_id) or cp.project
         async with self._gate:
-            await asyncio.to_thread(self.registry.set_restore, sandbox_id, RESTORING)
+            if not await asyncio.to_thread(self.registry.claim_move, sandbox_id, RESTORING):
+                raise SandboxBusy(f"sandbox {sandbox_id} is being restored or moved already")
             try:
                 info = await self._restore_somewhere(sandbox_id, cp.seq, args, f"edge {lost_edge} lost",
                                                      {lost_edge})
             except (DsecError, OSError) as e:
-                why = f"restore failed: {e}"
+                why = f"{RESTORE_FAILED}{e}"
                 await asyncio.to_thread(self.registry.set_restore, sandbox_id, why)
                 await self._event(lost_edge, "restore_failed", actor, why, sandbox_id, seq=cp.seq)
                 raise
-            await asyncio.to_thread(self.registry.moved, info, project)
-            self.on_moved(info)
+            await self._settle(info)
         await self._event(info.edge, "restored", actor, f"edge {lost_edge} lost", sandbox_id, seq=cp.seq,
                           taken_at=cp.taken_at, previous=lost_edge)
         return info
-
-    async def recover_edge(self, lost_edge: str, ids: list[str], actor: str = "controller") -> DrainReport:
-        """Every checkpointed sandbox of ``ids`` (the lost edge's) back elsewhere, bounded."""
-        report = DrainReport()
-        have = await asyncio.to_thread(self.checkpoints.sandboxes, ids)
-        for sid in ids:
-            if sid not in have:
-                report.left[sid] = "no checkpoint"
-
-        async def one(sid: str) -> None:
-            try:
-                report.moved[sid] = (await self.restore_lost(sid, lost_edge, actor)).edge
-            except (DsecError, OSError) as e:
-                report.failed[sid] = str(e)
-
-        await asyncio.gather(*(one(sid) for sid in ids if sid in have))
-        return report
 
     async def move(self, sandbox_id: str, source: str, reason: str, actor: str) -> SandboxInfo:
         """Move a live checkpointed sandbox off ``source``: pause it there (so nothing is
@@ -118,14 +118,15 @@ class Mover:
         src = self.edges().get(source)
         if src is None:
             raise NotFound(f"no edge {source!r}", field="edge")
-        if sandbox_id in self._busy:
-            raise InvalidRequest(f"sandbox {sandbox_id} is already being moved", field="sandbox_id")
-        self._busy.add(sandbox_id)
+        if not await asyncio.to_thread(self.registry.claim_move, sandbox_id, "moving"):
+            raise SandboxBusy(f"sandbox {sandbox_id} is being moved or restored already (or is not in this "
+                              "cluster's index)")
         try:
             async with self._gate, asyncio.timeout(MOVE_TIMEOUT_S):
                 return await self._move(src, sandbox_id, source, reason, actor)
-        finally:
-            self._busy.discard(sandbox_id)
+        finally:  # moved: its row no longer says so; not moved: it stays where it was
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(self.registry.release_move, sandbox_id, "moving"))
 
     async def _move(self, src: EdgeAPI, sandbox_id: str, source: str, reason: str, actor: str) -> SandboxInfo:
         before = await src.get(sandbox_id)
@@ -147,9 +148,10 @@ class Mover:
                 except (DsecError, OSError) as e:
                     log.warning("sandbox %s not resumed on %s after a failed move: %s", sandbox_id, source, e)
             raise
-        project = before.labels.get("dsec.project", "default")
-        await asyncio.to_thread(self.registry.moved, info, project)
-        self.on_moved(info)
+        await self._settle(info)
+        if was_paused:  # it moves as it was: paused (and its quota counts it so)
+            with contextlib.suppress(DsecError, OSError):
+                info = await asyncio.wait_for(self.edges()[info.edge].pause(sandbox_id), RESTORE_TIMEOUT_S)
         try:
             await src.evict(sandbox_id, info.edge)
         except (DsecError, OSError) as e:  # it is frozen there; the controller's sweep evicts it later

@@ -101,12 +101,18 @@ class CheckpointStore:
         oldest_kept = fulls[self.keep_chains - 1]
         self._drop(and_(checkpoints.c.sandbox_id == sandbox_id, checkpoints.c.seq < oldest_kept))
 
-    def drop_sandbox(self, sandbox_id: str) -> int:
-        """Forget every checkpoint of ``sandbox_id`` (it was stopped for good)."""
-        return self._drop(checkpoints.c.sandbox_id == sandbox_id)
+    def drop_sandbox(self, sandbox_id: str, holder: str | None = None) -> int:
+        """Forget every checkpoint of ``sandbox_id`` (it was stopped for good). ``holder``:
+        only if the cluster's index names that edge as the sandbox's (or has no row): a stale
+        copy ending on another edge drops nothing."""
+        return self._drop(checkpoints.c.sandbox_id == sandbox_id, sandbox_id if holder else None, holder)
 
-    def _drop(self, where: Any) -> int:
+    def _drop(self, where: Any, sandbox_id: str | None = None, holder: str | None = None) -> int:
         with self.db.begin() as c:
+            if sandbox_id is not None:
+                now = c.execute(select(sandboxes.c.edge).where(sandboxes.c.id == sandbox_id)).scalar()
+                if now is not None and now != holder:
+                    return 0
             rows = c.execute(delete(checkpoints).where(where)
                              .returning(checkpoints.c.stack, checkpoints.c.commands)).all()
         if not rows:
@@ -120,10 +126,13 @@ class CheckpointStore:
         return len(rows)
 
     def referenced(self) -> tuple[set[str], set[str]]:
-        """Every blob and command log some checkpoint still names."""
+        """Every blob (its stack's, and its own layers' as recorded) and command log some
+        checkpoint still names."""
         with self.db.connect() as c:
-            rows = c.execute(select(checkpoints.c.stack, checkpoints.c.commands)).all()
-        return {d for stack, _ in rows for d in json.loads(stack)}, {cmd for _, cmd in rows if cmd}
+            rows = c.execute(select(checkpoints.c.stack, checkpoints.c.commands, checkpoints.c.record)).all()
+        blobs = {d for stack, _, _ in rows for d in json.loads(stack)}
+        blobs |= {d for _, _, record in rows for d in json.loads(record).get("digests") or []}
+        return blobs, {cmd for _, cmd, _ in rows if cmd}
 
     def _delete_unreferenced(self, blobs: set[str], commands: set[str]) -> None:
         if self.layers is None:

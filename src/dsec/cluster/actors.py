@@ -47,6 +47,7 @@ CONTROLLER = "controller"
 RECONCILE_S = 1.0
 CLEAN_TIMEOUT_S = 30.0  # stopping what a returned edge still holds: bounded like any call
 DOWN_WAIT_S = 60.0  # `down --stop-sandboxes` waits this long for edges still starting
+STALE_SWEEP_S = 60.0  # copies of sandboxes that run elsewhere now are looked for this often per edge
 
 
 def _secret_file(directory: str, secret: str) -> str:
@@ -157,7 +158,7 @@ class Controller:
         self._view: ClusterEdges | None = None
         self._mover: Mover | None = None
         self._restoring: dict[str, asyncio.Task[Any]] = {}  # sandbox -> its restore, under way
-        self._registered: dict[str, str] = {}  # edge -> the registration whose stale copies were swept
+        self._registered: dict[str, tuple[str, float]] = {}  # edge -> (registration, when) stale copies swept
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self._thread.start()
 
@@ -325,8 +326,10 @@ class Controller:
         assert self._view is not None
         for name, edge in self._view.active().items():
             row = self._view.rows.get(name)
-            # a registration is where it serves from: a node back, or a daemon on a new port
-            if row is None or self._registered.get(name) == f"{row.node_id} {row.url}":
+            # at each registration (a node back, a daemon on a new port), and every STALE_SWEEP_S
+            key = f"{row.node_id} {row.url}" if row else ""
+            seen = self._registered.get(name)
+            if row is None or (seen and seen[0] == key and time.monotonic() - seen[1] < STALE_SWEEP_S):
                 continue
             try:
                 infos = await asyncio.wait_for(edge.list_sandboxes(), CLEAN_TIMEOUT_S)
@@ -337,11 +340,16 @@ class Controller:
             index = await asyncio.to_thread(self.registry.index_rows, live)
             stale = {sid: holder for sid, (holder, restore) in index.items()
                      if holder != name and restore is None and sid not in self._restoring}
+            failed = 0
             for sid, holder in stale.items():
-                with contextlib.suppress(DsecError, OSError, TimeoutError):
+                try:
                     await asyncio.wait_for(edge.evict(sid, holder), CLEAN_TIMEOUT_S)
                     self._event("stale_copy_evicted", edge=name, sandbox=sid, holder=holder)
-            self._registered[name] = f"{row.node_id} {row.url}"
+                except (DsecError, OSError, TimeoutError) as e:
+                    failed += 1
+                    log.warning("stale copy of %s on %s not evicted: %s", sid, name, e)
+            if not failed:  # else the next round tries again
+                self._registered[name] = (key, time.monotonic())
 
     async def _clean_returned(self) -> None:
         """An edge back after its node was lost may still hold sandboxes the cluster has

@@ -28,6 +28,7 @@ from dsec.wire.models import NodeStats, parse_sandbox_id
 log = logging.getLogger("dsec.cluster")
 STALE_S = 5.0  # stats older than this are polled afresh (replica) or mark the edge unhealthy
 POLL_TIMEOUT_S = 2.0
+OWN_MOVES_S = 10.0  # a move this process made outranks the index read this long
 
 
 class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
@@ -41,6 +42,7 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
         self.rows: dict[str, EdgeRow] = {}
         self.view: dict[str, NodeStats] = {}
         self.moved: dict[str, str] = {}  # sandboxes restored or drained off the edge their id names
+        self._own_moves: dict[str, tuple[str, float]] = {}
         # the poller judges every edge's health each round; a replica reads the verdicts
         self.health = FleetHealth(registry, Detector(Settings.from_env()))
 
@@ -58,6 +60,7 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
         return self.moved.get(sandbox_id)
 
     def moved_here(self, sandbox_id: str, edge: str) -> None:
+        self._own_moves[sandbox_id] = (edge, time.monotonic())
         if parse_sandbox_id(sandbox_id) == edge:  # back on the edge its id names
             self.moved.pop(sandbox_id, None)
         else:
@@ -100,7 +103,17 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
             return self.view
         await self._sync(rows)
         try:
-            self.moved = await asyncio.to_thread(self.registry.holders)
+            moved = await asyncio.to_thread(self.registry.holders)
+            # this process's own moves of the last seconds win over a read that may predate them
+            now = time.monotonic()
+            for sid, (edge, at) in list(self._own_moves.items()):
+                if now - at > OWN_MOVES_S:
+                    del self._own_moves[sid]
+                elif parse_sandbox_id(sid) == edge:
+                    moved.pop(sid, None)
+                else:
+                    moved[sid] = edge
+            self.moved = moved
         except SQLAlchemyError as e:
             log.warning("moved sandboxes not read: %s", e)
         now = time.time()

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +36,7 @@ from dsec.checkpoints import delta
 from dsec.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import Sandbox, explain
+from dsec.edge.teardown import MOVED_TO
 from dsec.errors import InvalidRequest, NotFound, SandboxBusy, SandboxNotRunning
 from dsec.faults import failpoint
 from dsec.layers.store import ImportOptions
@@ -63,12 +65,14 @@ class Checkpointing(EdgeCore):
     checkpoints: CheckpointStore
     _chains: dict[str, Chain]
     _ckpt_tasks: dict[str, asyncio.Task[CheckpointInfo | None]]
+    _ckpt_locks: dict[str, asyncio.Lock]  # one checkpoint of a sandbox at a time (each its own seq)
     _builds: asyncio.Semaphore
 
     def _init_checkpoints(self, store: CheckpointStore) -> None:
         self.checkpoints = store
         self._chains = {}
         self._ckpt_tasks = {}
+        self._ckpt_locks = {}
         self._builds = asyncio.Semaphore(BUILDS_AT_ONCE)
         self.ckpt_dir = os.path.join(self.volume.mnt if self.volume.available else self.root, "checkpoints")
         self.manifest_dir = os.path.join(self.root, "manifests")
@@ -111,14 +115,10 @@ class Checkpointing(EdgeCore):
     async def checkpoint(self, sandbox_id: str, full: bool = False) -> CheckpointInfo:
         """Take a checkpoint now (after the one under way, if any) and return it."""
         sb = self._checkpointable(sandbox_id)
-        running = self._ckpt_tasks.get(sandbox_id)
-        if running is not None and not running.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(running)
         task = asyncio.create_task(self._take(sb, full=full, forced=True))
-        self._ckpt_tasks[sandbox_id] = task
         cp = await asyncio.shield(task)
-        assert cp is not None
+        if cp is None:
+            raise SandboxNotRunning(f"sandbox {sandbox_id} was stopped while it was being checkpointed")
         return cp
 
     def _checkpointable(self, sandbox_id: str) -> Sandbox:
@@ -151,28 +151,30 @@ class Checkpointing(EdgeCore):
     async def _take(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
         """One checkpoint of ``sb``; scheduled ones log their failures and are tried again
         at the next interval, forced ones raise."""
+        lock = self._ckpt_locks.setdefault(sb.id, asyncio.Lock())
         try:
-            async with asyncio.timeout(CHECKPOINT_TIMEOUT_S):
+            async with lock, asyncio.timeout(CHECKPOINT_TIMEOUT_S):
                 return await self._take_one(sb, full, forced)
         except Exception as e:
             if forced:
                 raise
             self.on_event(sb.id, "checkpoint_failed", explain(e))
-            if sb.id in self._chains:  # not again before the next interval
-                self._chains[sb.id].taken_at = time.time()
+            # not again before the next interval (a first one that fails too)
+            self._chains.setdefault(sb.id, Chain(deltas=-1)).taken_at = time.time()
             return None
 
     async def _take_one(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
         chain, before = await asyncio.to_thread(self._chain, sb)
         if full or chain.deltas < 0 or chain.deltas + 1 >= FULL_EVERY:
             full, before = True, {}
-        commands = self.cmdlog.export(sb.id)
+        commands = await asyncio.to_thread(self.cmdlog.export, sb.id)
         commands_seq = max((int(c["seq"]) for c in commands), default=0)  # type: ignore[call-overload]
-        work = os.path.join(self.ckpt_dir, f"{sb.id}.{chain.seq + 1}")
-        freeze_ms = await self._snapshot(sb, work)
-        t0 = time.monotonic()
-        try:
-            async with self._builds:
+        work = os.path.join(self.ckpt_dir, f"{sb.id}.{chain.seq + 1}.{secrets.token_hex(4)}")
+        # the build slot first: a sandbox waiting for one holds no snapshot meanwhile
+        async with self._builds:
+            try:
+                freeze_ms = await self._snapshot(sb, work)
+                t0 = time.monotonic()
                 upper = os.path.join(work, "upper")
                 now = await asyncio.to_thread(delta.scan, upper)
                 d = await asyncio.to_thread(delta.prune, upper, now, before)
@@ -185,8 +187,8 @@ class Checkpointing(EdgeCore):
                     digest = await asyncio.to_thread(self.layers.build_blob, upper, ImportOptions())
                 cmd_name = await asyncio.to_thread(self._put_commands, sb.id, commands)
                 await failpoint("checkpoint.built")
-        finally:
-            await asyncio.to_thread(self._drop_work, work)
+            finally:
+                await asyncio.shield(asyncio.to_thread(self._drop_work, work))
         stack = [*chain.inherited, *([digest] if digest else [])] if full else \
             [*chain.stack, *([digest] if digest else [])]
         info = sb.rec.info
@@ -196,7 +198,9 @@ class Checkpointing(EdgeCore):
             build_ms=(time.monotonic() - t0) * 1e3, taken_at=time.time(),
             project=info.labels.get("dsec.project", "default"), commands=cmd_name,
             record={"args": sb.rec.args.model_dump(mode="json"),
-                    "info": info.model_dump(mode="json", exclude={"checkpoint", "usage"})})
+                    "info": info.model_dump(mode="json", exclude={"checkpoint", "usage"}),
+                    # its own layers' blobs as it was made: a restore does not look the names up again
+                    "digests": sb.rec.digests[:len(sb.rec.digests) - len(chain.inherited)]})
         if sb.teardown is not None and not sb.keep_checkpoints:
             return None  # stopped meanwhile: its checkpoints are being dropped
         try:
@@ -268,9 +272,9 @@ class Checkpointing(EdgeCore):
         self._chains.pop(sb.id, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._chain_path(sb.id))
-        if not keep and isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.checkpoint_every_s is not None:
-            try:
-                self.checkpoints.drop_sandbox(sb.id)
+        if not keep:
+            try:  # fenced: a stale copy ending here leaves the holder's checkpoints alone
+                self.checkpoints.drop_sandbox(sb.id, holder=self.name)
             except Exception as e:  # the database is away: the apiserver's stop drops them too
                 log.warning("sandbox %s: checkpoints not dropped: %s", sb.id, e)
 
@@ -289,7 +293,7 @@ class Checkpointing(EdgeCore):
         old = SandboxInfo.model_validate(cp.record["info"])
         commands = await asyncio.to_thread(self._get_commands, cp.commands)
         info = await self._create(args, sandbox_id=spec.sandbox_id, extra=cp.stack, origin=old,
-                                  restored_from=f"{old.edge} ({spec.reason})")
+                                  restored_from=f"{old.edge} ({spec.reason})", base=cp.record.get("digests"))
         await asyncio.to_thread(self.cmdlog.restore, spec.sandbox_id, commands)
         chain = Chain(seq=cp.seq, stack=cp.stack, inherited=cp.stack, deltas=-1,
                       commands_seq=max((int(c.get("seq") or 0) for c in commands), default=0),  # type: ignore[call-overload]
@@ -300,11 +304,16 @@ class Checkpointing(EdgeCore):
         return info
 
     def _get_commands(self, name: str | None) -> list[dict[str, object]]:
+        """The checkpoint's command log; one that cannot be read costs the log, not the restore."""
         if not name:
             return []
-        with open(self.layers.backend.path(name), "rb") as f:
-            rows: list[dict[str, object]] = json.loads(f.read())
-        return rows
+        try:
+            with open(self.layers.backend.path(name), "rb") as f:
+                rows: list[dict[str, object]] = json.loads(f.read())
+            return rows
+        except (OSError, ValueError) as e:
+            log.warning("command log %s not read (restored without it): %s", name, e)
+            return []
 
     async def evict(self, sandbox_id: str, moved_to: str) -> SandboxInfo:
         """Stop ``sandbox_id`` here because it now runs on ``moved_to``; its checkpoints stay."""
@@ -312,14 +321,14 @@ class Checkpointing(EdgeCore):
         if sb is None:
             return self._tombstone(sandbox_id)
         sb.keep_checkpoints = True
-        await self._teardown(sb, SandboxState.stopped, f"moved to edge {moved_to}")
-        sb.rec.info.error = f"moved to edge {moved_to}"
+        await self._teardown(sb, SandboxState.stopped, f"{MOVED_TO}{moved_to}")
+        sb.rec.info.error = f"{MOVED_TO}{moved_to}"
         await asyncio.to_thread(self.state.put, sb.rec)
         return sb.rec.info
 
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
-                      restored_from: str | None = None) -> SandboxInfo:
+                      restored_from: str | None = None, base: list[str] | None = None) -> SandboxInfo:
         raise NotImplementedError
 
 

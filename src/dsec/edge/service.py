@@ -174,12 +174,12 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
 
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
-                      restored_from: str | None = None) -> SandboxInfo:
+                      restored_from: str | None = None, base: list[str] | None = None) -> SandboxInfo:
         """A new sandbox, or (``sandbox_id`` given) one restored here from a checkpoint: the
-        ``extra`` blobs stacked over its layers, its creation time and lifetime those of
-        ``origin``."""
+        ``extra`` blobs stacked over its layers (``base``: their blobs as recorded then), its
+        creation time and lifetime those of ``origin``."""
         t0 = time.monotonic()
-        digests = self._resolve_layers(args) + (extra or [])
+        digests = (base if base is not None else self._resolve_layers(args)) + (extra or [])
         if isinstance(args, ContainerArgs) and args.network_rules is not None:
             self.network.validate(args.network_rules)
         try:

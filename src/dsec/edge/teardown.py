@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all
+from dsec.errors import SandboxNotRunning
 from dsec.faults import failpoint
 from dsec.wire.models import (
     ContainerArgs,
@@ -19,6 +20,7 @@ from dsec.wire.models import (
 )
 
 log = logging.getLogger("dsec.edge")
+MOVED_TO = "moved to edge "  # an evicted sandbox's tombstone error: it runs there now
 T = TypeVar("T")
 
 
@@ -29,7 +31,10 @@ class Teardown(EdgeCore):
         self._get_live(sandbox_id)  # validates the id and its edge
         sb = self.sandboxes.get(sandbox_id)
         if sb is None:
-            return self._tombstone(sandbox_id)
+            info = self._tombstone(sandbox_id)
+            if info.error and info.error.startswith(MOVED_TO):  # the caller's routing is stale: not stopped
+                raise SandboxNotRunning(f"sandbox {sandbox_id} {info.error}; ask again", sandbox_id=sandbox_id)
+            return info
         # a teardown already under way (TTL, init exit) is waited for, not raced
         await self._teardown(sb, SandboxState.stopped, "stopped")
         return sb.rec.info

@@ -12,7 +12,7 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, delete, insert, or_, select, update
+from sqlalchemy import Engine, delete, false, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.meta.schema import edges, sandboxes, settings
@@ -21,6 +21,7 @@ from dsec.wire.models import NodeStats, SandboxInfo, SandboxState, parse_sandbox
 
 EdgeState = Literal["active", "lost", "removed"]
 RESTORING = "restoring"  # sandboxes.restore while a restore runs
+RESTORE_FAILED = "restore failed: "  # ... after the last one failed (an operator may retry)
 
 
 class EdgeRow(BaseModel):
@@ -145,14 +146,31 @@ class Registry:
         with self.db.begin() as c:
             c.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(restore=restore))
 
-    def moved(self, info: SandboxInfo, project: str) -> None:
-        """``info.sandbox_id`` now runs on ``info.edge``: routing goes there from now on."""
+    def moved(self, info: SandboxInfo) -> bool:
+        """``info.sandbox_id`` now runs on ``info.edge``: routing goes there from now on.
+        False: the sandbox has no row any more (it was stopped while it moved)."""
         values = {"edge": info.edge, "moved": info.edge != parse_sandbox_id(info.sandbox_id), "lost_reason": None,
                   "restore": None, "info": info.model_dump_json()}
         with self.db.begin() as c:
-            if c.execute(update(sandboxes).where(sandboxes.c.id == info.sandbox_id).values(**values)).rowcount == 0:
-                c.execute(insert(sandboxes).values(id=info.sandbox_id, project=project, created_at=info.created_at,
-                                                   **values))
+            return bool(c.execute(update(sandboxes).where(sandboxes.c.id == info.sandbox_id)
+                                  .values(**values)).rowcount)
+
+    def claim_move(self, sandbox_id: str, what: str) -> bool:
+        """Take the sandbox for a move or a restore (``what``), unless another is under way
+        (a compare-and-set on its row: two replicas or a controller never move it at once).
+        A lost sandbox's RESTORING left by a controller that died is taken over."""
+        with self.db.begin() as c:
+            return bool(c.execute(update(sandboxes).where(
+                sandboxes.c.id == sandbox_id,
+                or_(sandboxes.c.restore.is_(None),
+                    or_(sandboxes.c.restore == RESTORING, sandboxes.c.restore.startswith(RESTORE_FAILED))
+                    if what == RESTORING else false()))
+                .values(restore=what)).rowcount)
+
+    def release_move(self, sandbox_id: str, what: str) -> None:
+        with self.db.begin() as c:
+            c.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id, sandboxes.c.restore == what)
+                      .values(restore=None))
 
     def holders(self) -> dict[str, str]:
         """Every moved sandbox -> the edge it runs on now."""

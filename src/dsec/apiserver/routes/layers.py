@@ -95,6 +95,7 @@ def routes(api: Apiserver) -> APIRouter:
     async def gc_layers() -> dict[str, list[str]]:
         for e in api.edges.values():
             await e.release_layers()
+        await asyncio.to_thread(api.checkpoints.gc)  # command logs no checkpoint names
         return {"removed_blobs": api.layers.gc(await api.layers_in_use())}
 
     @router.get("/v1/layers/{ref:path}")
