@@ -2,8 +2,8 @@
 detector takes from a fault's start to ``suspect`` and to ``cordoned``, for each fault the
 tests inject (slow creates, failing shared-store reads, a full disk, an edge that stops
 answering), median of repeats; and false positives over an idle run of the fleet. Three
-edge daemons over a MooseFS store behind one apiserver, on this machine (tests/test_health.py
-builds the same fleet).
+edge daemons over a MooseFS store behind one apiserver, on this machine (the fleet of
+tests/test_health_fleet.py).
 
     .venv/bin/python bench/health.py --write docs/benchmarks.md [--idle-s 600 --repeats 3]
 """
@@ -28,7 +28,7 @@ from container import report  # noqa: E402
 
 import dsec  # noqa: E402
 from tests.conftest import TOKEN, Cluster  # noqa: E402
-from tests.test_health import NAMES, fill_disk, inject, run_fleet  # noqa: E402
+from tests.test_health_fleet import NAMES, fill_disk, inject, run_fleet  # noqa: E402
 
 JOB = "bench-health"
 
