@@ -20,7 +20,7 @@ import pytest
 import dsec
 from dsec.cluster import ops
 from dsec.cluster.local import LocalCluster
-from tests.conftest import SHARED_LAYERS, SRC_DATA
+from tests.conftest import SHARED_LAYERS, SRC_DATA, _seed_vm
 from tests.test_ray_cluster import RayDsec, _brief, _edge, _until
 
 NAMES = ("f1", "f2", "f3")
@@ -33,7 +33,7 @@ WRITER = ("mkdir -p /work && cd /work && setsid sh -c 'i=0; while true; do i=$((
 @pytest.fixture(scope="module")
 def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayDsec]:
     local = LocalCluster(str(tmp_path_factory.mktemp("ray-ft")), NAMES, os.path.join(SRC_DATA, "layers"),
-                         SHARED_LAYERS)
+                         SHARED_LAYERS, seed=_seed_vm)
     try:
         up = local.start()
         yield RayDsec(local, up.token)
@@ -231,6 +231,34 @@ async def test_checkpoint_retention_and_bad_input(rc: RayDsec) -> None:
         blobs = os.path.join(store, "blobs", "sha256")
         assert not [d for d in dropped if os.path.exists(os.path.join(blobs, f"{d}.erofs"))]
         assert not [d for d in [full.digest] if d and os.path.exists(os.path.join(blobs, f"{d}.erofs"))]
+
+
+async def test_a_vm_moves_with_its_memory_processes_and_disk(rc: RayDsec) -> None:
+    """A VM's checkpoint is its memory snapshot and disk: moved to another edge it runs on
+    from that state, its processes (same pids) and shell session included."""
+    async with rc.client(rc.url) as c:
+        vm = await c.run_microvm(dsec.MicroVMArgs(memory_mb=256, job="ft-vm", checkpoint_every_s=3600))
+        try:
+            await vm.run_shell("cd /srv && export KEEP=kept && (sleep 1000 >/dev/null 2>&1 &)")
+            await vm.write_file("/root/state", b"before the move")
+            sleeper = (await vm.exec("pgrep -x sleep")).stdout
+            assert sleeper.strip()
+            cp = await vm.checkpoint()
+            assert (cp.kind, cp.files, cp.stack) == ("full", 0, []) and cp.bytes > 0 and cp.freeze_ms > 0, cp
+            # it ran on from the checkpoint where it was (QEMU was down for the copy)
+            assert (await vm.exec("pgrep -x sleep")).stdout == sleeper
+            before = vm.info.edge
+            moved = await vm.move()
+            assert moved.edge != before and moved.sandbox_id == vm.sandbox_id
+            assert moved.vm is not None and moved.vm.started_from == "checkpoint", moved.vm
+            assert (await vm.exec("pgrep -x sleep")).stdout == sleeper  # the same process, memory and all
+            assert (await vm.run_shell("echo $PWD $KEEP")).stdout.split() == ["/srv", "kept"]
+            assert await vm.read_file("/root/state") == b"before the move"
+            kinds = {cp.kind for cp in await vm.checkpoints()}
+            assert kinds == {"full"}
+        finally:
+            await c.stop_many(job="ft-vm")
+        assert await vm.checkpoints() == []
 
 
 async def _connect_missing(c: dsec.AsyncClient) -> dsec.AsyncSandbox:

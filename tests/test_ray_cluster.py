@@ -139,8 +139,10 @@ async def test_creates_spread_and_any_replica_reaches_any_edge(rc: RayDsec) -> N
             src = made[0]
             await src.exec("mkdir -p /work && echo from-$(hostname) > /work/origin")
             snap = await src.pack_diff(f"ws/ray-fork-{src.sandbox_id}:v1")  # through replica a
-            kids = await b.fork(snap, n=6)  # through replica b, children on every edge
-            assert {_edge(k.sandbox_id) for k in kids} == set(NAMES)
+            kids = await b.fork(snap, n=6)  # through replica b, children on other edges than the snapshot's
+            # (placement's choice: an edge the detector holds suspect, the busy head node, may get none)
+            assert len({_edge(k.sandbox_id) for k in kids}) >= 2
+            assert {_edge(k.sandbox_id) for k in kids} - {_edge(src.sandbox_id)}
             for k in kids:
                 assert (await k.exec("cat /work/origin")).stdout == f"from-{src.sandbox_id}\n"
             r = await a.fncall(dsec.FnCallArgs(language="python", code="print(sum(map(int, input().split())))",

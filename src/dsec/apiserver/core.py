@@ -151,7 +151,7 @@ class Apiserver:
         req = self._own(req)
         job = req.args.job
         project = req.args.labels.get(PROJECT_LABEL, "default")
-        if job is not None and isinstance(req.args, ContainerArgs) and req.args.checkpoint_every_s is None:
+        if job is not None and req.args.checkpoint_every_s is None:
             rec = await asyncio.to_thread(self.job_store.get, project, job)
             if rec is not None and rec.checkpoint_every_s:  # the job's checkpoint interval, unless it says its own
                 req = req.model_copy(update={"args": req.args.model_copy(

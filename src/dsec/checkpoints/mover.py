@@ -29,9 +29,10 @@ from dsec.health.events import FleetEvents
 from dsec.meta.registry import RESTORE_FAILED, RESTORING, Registry
 from dsec.placement.engine import Placement
 from dsec.wire.fleet import DrainReport, RestoreSpec
-from dsec.wire.models import ContainerArgs, SandboxInfo, SandboxState
+from dsec.wire.models import ContainerArgs, CreateRequest, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
 
 log = logging.getLogger("dsec.checkpoints")
+AnyArgs = ContainerArgs | MicroVMArgs | VMArgs
 RESTORE_TIMEOUT_S = 180.0  # one restore on one edge: mounts, container start, command log
 MOVE_TIMEOUT_S = 300.0  # a live move: pause, final checkpoint, restore, evict
 MOVES_AT_ONCE = 4
@@ -55,7 +56,7 @@ class Mover:
         except Exception as e:  # an event is a record, never a reason to fail the move
             log.warning("fleet event %s not recorded: %s", kind, e)
 
-    async def _restore_somewhere(self, sandbox_id: str, seq: int, args: ContainerArgs, reason: str,
+    async def _restore_somewhere(self, sandbox_id: str, seq: int, args: AnyArgs, reason: str,
                                  exclude: set[str]) -> SandboxInfo:
         """Restore on the first edge that takes it (placement's choice, up to MAX_TARGETS)."""
         tried = set(exclude)
@@ -94,7 +95,7 @@ class Mover:
         cp = await asyncio.to_thread(self.checkpoints.latest, sandbox_id)
         if cp is None:
             raise NotFound(f"sandbox {sandbox_id} has no checkpoint to restore", field="sandbox_id")
-        args = ContainerArgs.model_validate(cp.record["args"])
+        args = _args(cp.record["args"])
         async with self._gate:
             if not await asyncio.to_thread(self.registry.claim_move, sandbox_id, RESTORING):
                 raise SandboxBusy(f"sandbox {sandbox_id} is being restored or moved already")
@@ -138,8 +139,7 @@ class Mover:
             await src.pause(sandbox_id)
         try:
             cp = await src.checkpoint(sandbox_id)
-            args = ContainerArgs.model_validate((await asyncio.to_thread(
-                self.checkpoints.get, sandbox_id, cp.seq)).record["args"])  # type: ignore[union-attr]
+            args = _args((await asyncio.to_thread(self.checkpoints.get, sandbox_id, cp.seq)).record["args"])  # type: ignore[union-attr]
             info = await self._restore_somewhere(sandbox_id, cp.seq, args, reason, {source})
         except BaseException:
             if not was_paused:
@@ -188,3 +188,7 @@ class Mover:
         await self._event(source, "drained", actor, reason, None, moved=len(report.moved),
                           failed=len(report.failed), left=len(report.left))
         return report
+
+
+def _args(raw: dict[str, object]) -> AnyArgs:
+    return CreateRequest.model_validate({"args": raw}).args

@@ -27,6 +27,7 @@ from dsec.wire.fleet import CheckpointInfo
 log = logging.getLogger("dsec.checkpoints")
 KEEP_CHAINS = 2
 COMMANDS_EXT = "cmdlog"  # a checkpoint's command log: JSON rows, in the store beside the blobs
+VM_FILES = ("vmstate", "vmdisk")  # a VM's checkpoint: its memory snapshot and disk, by these extensions
 
 
 class Checkpoint(CheckpointInfo):
@@ -113,26 +114,25 @@ class CheckpointStore:
                 now = c.execute(select(sandboxes.c.edge).where(sandboxes.c.id == sandbox_id)).scalar()
                 if now is not None and now != holder:
                     return 0
-            rows = c.execute(delete(checkpoints).where(where)
-                             .returning(checkpoints.c.stack, checkpoints.c.commands)).all()
+            rows = c.execute(delete(checkpoints).where(where).returning(
+                checkpoints.c.stack, checkpoints.c.commands, checkpoints.c.record)).all()
         if not rows:
             return 0
-        blobs = {d for stack, _ in rows for d in json.loads(stack)}
-        commands = {cmd for _, cmd in rows if cmd}
+        blobs, files = _named(rows)
         try:
-            self._delete_unreferenced(blobs, commands)
+            self._delete_unreferenced(blobs, files)
         except OSError as e:  # the store is away: gc() finds them later
             log.warning("checkpoint blobs not deleted: %s", e)
         return len(rows)
 
     def referenced(self) -> tuple[set[str], set[str]]:
-        """Every blob (its stack's, and its own layers' as recorded) and command log some
-        checkpoint still names."""
+        """Every blob (its stack's, and its own layers' as recorded) and named file (command
+        logs, a VM's memory and disk) some checkpoint still names."""
         with self.db.connect() as c:
             rows = c.execute(select(checkpoints.c.stack, checkpoints.c.commands, checkpoints.c.record)).all()
-        blobs = {d for stack, _, _ in rows for d in json.loads(stack)}
+        blobs, files = _named(rows)
         blobs |= {d for _, _, record in rows for d in json.loads(record).get("digests") or []}
-        return blobs, {cmd for _, cmd, _ in rows if cmd}
+        return blobs, files
 
     def _delete_unreferenced(self, blobs: set[str], commands: set[str]) -> None:
         if self.layers is None:
@@ -150,19 +150,30 @@ class CheckpointStore:
                 self.layers.backend.remove(name)
 
     def gc(self) -> int:
-        """Command logs in the store no checkpoint names (a crash between writing one and
-        recording it), older than an hour (so not one being written now); blobs are the
-        layer store's gc's, which keeps what checkpoints name."""
+        """Command logs and VM files in the store no checkpoint names (a crash between
+        writing one and recording it), older than an hour (so not one being written now);
+        blobs are the layer store's gc's, which keeps what checkpoints name."""
         _, live = self.referenced()
         n = 0
         if self.layers is None:
             return 0
         for name in self.layers.backend.names():
-            if (name.endswith("." + COMMANDS_EXT) and name not in live
+            if (name.rpartition(".")[2] in (COMMANDS_EXT, *VM_FILES) and name not in live
                     and time.time() - os.path.getmtime(self.layers.backend.path(name)) > 3600):
                 self.layers.backend.remove(name)
                 n += 1
         return n
+
+
+def _named(rows: Any) -> tuple[set[str], set[str]]:
+    """The blobs (stacks) and the named files (command logs; a VM's memory and disk) of rows
+    of (stack, commands, record)."""
+    blobs = {d for stack, _, _ in rows for d in json.loads(stack)}
+    files = {cmd for _, cmd, _ in rows if cmd}
+    for _, _, record in rows:
+        vm = json.loads(record).get("vm") or {}
+        files |= {vm[k] for k in VM_FILES if k in vm}
+    return blobs, files
 
 
 def _checkpoint(row: Any) -> Checkpoint:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.exc import IntegrityError
 
+from dsec.backends.api import SandboxLost
 from dsec.checkpoints import delta
 from dsec.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore
 from dsec.edge.core import EdgeCore
@@ -41,7 +42,7 @@ from dsec.errors import InvalidRequest, NotFound, SandboxBusy, SandboxNotRunning
 from dsec.faults import failpoint
 from dsec.layers.store import ImportOptions
 from dsec.wire.fleet import CheckpointInfo, RestoreSpec
-from dsec.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
+from dsec.wire.models import ContainerArgs, CreateRequest, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
 
 log = logging.getLogger("dsec.edge")
 FULL_EVERY = 8  # a chain: one full checkpoint and up to FULL_EVERY - 1 deltas over it
@@ -126,9 +127,6 @@ class Checkpointing(EdgeCore):
         if sb is None:
             info = self._tombstone(sandbox_id)
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {info.state.value}: nothing to checkpoint")
-        if not isinstance(sb.rec.args, ContainerArgs):
-            raise InvalidRequest("checkpoints are taken of container sandboxes (a VM's memory snapshot is not "
-                                 "built yet)", field="sandbox_id")
         if sb.rec.info.state not in (SandboxState.running, SandboxState.paused):
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {sb.rec.info.state.value}")
         return sb
@@ -138,8 +136,8 @@ class Checkpointing(EdgeCore):
         now = time.time()
         for sb in list(self.sandboxes.values()):
             args = sb.rec.args
-            if (not isinstance(args, ContainerArgs) or not args.checkpoint_every_s or sb.stopping
-                    or sb.rec.info.state != SandboxState.running or sb.agent is None):
+            if (not args.checkpoint_every_s or sb.stopping or sb.rec.info.state != SandboxState.running
+                    or sb.agent is None or (sb.vm is not None and sb.ops)):  # a VM's waits for a quiet moment
                 continue
             task = self._ckpt_tasks.get(sb.id)
             if task is not None and not task.done():
@@ -164,6 +162,8 @@ class Checkpointing(EdgeCore):
             return None
 
     async def _take_one(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
+        if sb.vm is not None:
+            return await self._take_vm(sb, forced)
         chain, before = await asyncio.to_thread(self._chain, sb)
         if full or chain.deltas < 0 or chain.deltas + 1 >= FULL_EVERY:
             full, before = True, {}
@@ -197,10 +197,7 @@ class Checkpointing(EdgeCore):
             stack=stack, bytes=self._blob_bytes(digest), files=d.files, freeze_ms=freeze_ms,
             build_ms=(time.monotonic() - t0) * 1e3, taken_at=time.time(),
             project=info.labels.get("dsec.project", "default"), commands=cmd_name,
-            record={"args": sb.rec.args.model_dump(mode="json"),
-                    "info": info.model_dump(mode="json", exclude={"checkpoint", "usage"}),
-                    # its own layers' blobs as it was made: a restore does not look the names up again
-                    "digests": sb.rec.digests[:len(sb.rec.digests) - len(chain.inherited)]})
+            record=self._ckpt_record(sb, len(chain.inherited)))
         if sb.teardown is not None and not sb.keep_checkpoints:
             return None  # stopped meanwhile: its checkpoints are being dropped
         try:
@@ -210,11 +207,105 @@ class Checkpointing(EdgeCore):
         await asyncio.to_thread(self._save_chain, sb.id, Chain(
             seq=cp.seq, stack=stack, inherited=chain.inherited, deltas=0 if full else chain.deltas + 1,
             commands_seq=commands_seq, taken_at=cp.taken_at), now)
+        return self._taken(sb, cp, d.files)
+
+    def _ckpt_record(self, sb: Sandbox, inherited: int, **extra: object) -> dict[str, object]:
+        """What a restore needs besides the files: create arguments, info, and its own
+        layers' blobs as it was made (a restore does not look the names up again)."""
+        return {"args": sb.rec.args.model_dump(mode="json"),
+                "info": sb.rec.info.model_dump(mode="json", exclude={"checkpoint", "usage"}),
+                "digests": sb.rec.digests[:len(sb.rec.digests) - inherited], **extra}
+
+    def _taken(self, sb: Sandbox, cp: Checkpoint, entries: int) -> CheckpointInfo:
         public = CheckpointInfo(**cp.model_dump(include=set(CheckpointInfo.model_fields)))
-        info.checkpoint = public
-        self.on_event(sb.id, "checkpoint", f"{cp.kind} #{cp.seq}: {d.files} entries, {cp.bytes} bytes, "
-                      f"frozen {freeze_ms:.1f} ms, built in {cp.build_ms:.0f} ms")
+        sb.rec.info.checkpoint = public
+        self.on_event(sb.id, "checkpoint", f"{cp.kind} #{cp.seq}: {entries} entries, {cp.bytes} bytes, "
+                      f"frozen {cp.freeze_ms:.1f} ms, built in {cp.build_ms:.0f} ms")
         return public
+
+    # ---- VMs: memory and disk, whole -------------------------------------------------------
+    async def _take_vm(self, sb: Sandbox, forced: bool) -> CheckpointInfo | None:
+        """A VM's checkpoint: its RAM and devices (QEMU's migration stream, as a pause writes
+        it) and its disk, copied while QEMU is down, then it runs on from that very state;
+        stored whole. A restore brings the VM back running, processes and all."""
+        seq = await asyncio.to_thread(self.checkpoints.next_seq, sb.id)
+        work = os.path.join(self.ckpt_dir, f"{sb.id}.{seq}.{secrets.token_hex(4)}")
+        async with self._builds:
+            try:
+                os.makedirs(work)
+                freeze_ms = await self._vm_snapshot(sb, work, forced)
+                if freeze_ms is None:
+                    return None  # requests in flight: the next interval
+                t0 = time.monotonic()
+                names = {kind: await asyncio.to_thread(self._put_vm_file, sb.id, seq, os.path.join(work, f), kind)
+                         for kind, f in (("vmstate", "snapshot.state"), ("vmdisk", "upper.img"))}
+                with open(os.path.join(work, "snapshot.json")) as f:
+                    meta = json.load(f)
+                commands = await asyncio.to_thread(self.cmdlog.export, sb.id)
+                cmd_name = await asyncio.to_thread(self._put_commands, sb.id, commands)
+                size = sum(os.stat(self.layers.backend.path(n)).st_blocks * 512 for n in names.values())
+            finally:
+                await asyncio.shield(asyncio.to_thread(shutil.rmtree, work, True))
+        cp = Checkpoint(
+            sandbox_id=sb.id, seq=seq, kind="full", edge=self.name, digest=None, stack=[], bytes=size, files=0,
+            freeze_ms=freeze_ms, build_ms=(time.monotonic() - t0) * 1e3, taken_at=time.time(),
+            project=sb.rec.info.labels.get("dsec.project", "default"), commands=cmd_name,
+            record=self._ckpt_record(sb, 0, vm={**names, "meta": meta}))
+        if sb.teardown is not None and not sb.keep_checkpoints:
+            return None
+        try:
+            await asyncio.to_thread(self.checkpoints.add, cp)
+        except IntegrityError:
+            raise SandboxBusy(f"sandbox {sb.id}'s checkpoint {cp.seq} was recorded by another edge") from None
+        self._chains[sb.id] = Chain(seq=seq, taken_at=cp.taken_at)
+        return self._taken(sb, cp, 0)
+
+    async def _vm_snapshot(self, sb: Sandbox, work: str, forced: bool) -> float | None:
+        """Pause the VM (unless it is), copy its snapshot and disk to ``work`` (reflinks on
+        the volume), resume it; the time QEMU was down, in ms (None: it is busy)."""
+        assert sb.vm is not None
+        async with sb.lock:
+            if sb.stopping:
+                raise SandboxNotRunning(f"sandbox {sb.id} is stopping")
+            if sb.ops:
+                if forced:
+                    raise SandboxBusy(f"sandbox {sb.id} has {sb.ops} request(s) in flight; a VM's checkpoint "
+                                      "waits for them to end")
+                return None
+            info, vm = sb.rec.info, sb.vm
+            running = info.state == SandboxState.running
+            t0 = time.perf_counter()
+            if running:
+                info.state = SandboxState.paused  # requests arriving meanwhile wait for the lock (_ready)
+                try:
+                    await self.vm_sandboxes.pause(sb)
+                except BaseException:
+                    info.state = SandboxState.running
+                    raise
+            try:
+                for src, name in ((vm.snapshot, "snapshot.state"), (vm.snapshot_meta, "snapshot.json"),
+                                  (vm.spec.disks[0].path, "upper.img")):
+                    await asyncio.to_thread(subprocess.run, ["cp", "--reflink=auto", "--sparse=always", src,
+                                                            os.path.join(work, name)], check=True)
+            finally:
+                if running:
+                    try:
+                        await self.vm_sandboxes.resume(sb)
+                    except SandboxLost as e:
+                        self.on_event(sb.id, "snapshot_error", e.message)
+                        asyncio.create_task(self._teardown(sb, SandboxState.failed, f"checkpoint: {e.message}"))
+                        raise
+                    info.state = SandboxState.running
+            return (time.perf_counter() - t0) * 1e3
+
+    def _put_vm_file(self, sandbox_id: str, seq: int, path: str, kind: str) -> str:
+        """A VM's file in the store, sparse, under a name of its own (a disk is not hashed:
+        the memory snapshot carries its own checksum)."""
+        name = f"{sandbox_id}-{seq}-{secrets.token_hex(6)}.{kind}"
+        tmp = os.path.join(self.layers.backend.tempdir(), name)
+        subprocess.run(["cp", "--sparse=always", path, tmp], check=True)
+        self.layers.backend.put(tmp, name)
+        return name
 
     async def _snapshot(self, sb: Sandbox, work: str) -> float:
         """Freeze ``sb`` (unless paused), copy its directory to ``work``, thaw; the freeze in ms."""
@@ -292,8 +383,14 @@ class Checkpointing(EdgeCore):
         args = _args(cp.record["args"])
         old = SandboxInfo.model_validate(cp.record["info"])
         commands = await asyncio.to_thread(self._get_commands, cp.commands)
+        vm = cp.record.get("vm")
+        from_vm = None
+        if isinstance(vm, dict):  # the VM's files: read from the store by its backend's start
+            from_vm = {"state": self.layers.backend.path(vm["vmstate"]), "disk": self.layers.backend.path(vm["vmdisk"]),
+                       "meta": json.dumps(vm["meta"])}
         info = await self._create(args, sandbox_id=spec.sandbox_id, extra=cp.stack, origin=old,
-                                  restored_from=f"{old.edge} ({spec.reason})", base=cp.record.get("digests"))
+                                  restored_from=f"{old.edge} ({spec.reason})", base=cp.record.get("digests"),
+                                  from_vm=from_vm)
         await asyncio.to_thread(self.cmdlog.restore, spec.sandbox_id, commands)
         chain = Chain(seq=cp.seq, stack=cp.stack, inherited=cp.stack, deltas=-1,
                       commands_seq=max((int(c.get("seq") or 0) for c in commands), default=0),  # type: ignore[call-overload]
@@ -328,12 +425,13 @@ class Checkpointing(EdgeCore):
 
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
-                      restored_from: str | None = None, base: list[str] | None = None) -> SandboxInfo:
+                      restored_from: str | None = None, base: list[str] | None = None,
+                      from_vm: dict[str, str] | None = None) -> SandboxInfo:
         raise NotImplementedError
 
 
-def _args(raw: dict[str, object]) -> ContainerArgs:
+def _args(raw: dict[str, object]) -> ContainerArgs | MicroVMArgs | VMArgs:
     try:
-        return ContainerArgs.model_validate(raw)
+        return CreateRequest.model_validate({"args": raw}).args
     except ValueError as e:
-        raise InvalidRequest(f"the checkpoint's record is not a container's: {e}", field="seq") from None
+        raise InvalidRequest(f"the checkpoint's record holds no sandbox's arguments: {e}", field="seq") from None

@@ -57,6 +57,7 @@ class Sandbox:
     memfail_seen: int = 0
     memfail_reported: float = 0.0
     keep_checkpoints: bool = False  # its end here is not its end: it moved, or its restore here failed
+    from_vm: dict[str, str] | None = None  # a VM restored from a checkpoint: its state, meta and disk files
 
     @property
     def id(self) -> str:

@@ -174,7 +174,8 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
 
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
-                      restored_from: str | None = None, base: list[str] | None = None) -> SandboxInfo:
+                      restored_from: str | None = None, base: list[str] | None = None,
+                      from_vm: dict[str, str] | None = None) -> SandboxInfo:
         """A new sandbox, or (``sandbox_id`` given) one restored here from a checkpoint: the
         ``extra`` blobs stacked over its layers (``base``: their blobs as recorded then), its
         creation time and lifetime those of ``origin``."""
@@ -200,10 +201,11 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             job=args.job, memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit,
             disk_limit_mb=args.disk_limit_mb if isinstance(args, ContainerArgs) else None,
             expires_at=born + args.max_lifetime_s if args.max_lifetime_s else None,
-            checkpoint_every_s=args.checkpoint_every_s if isinstance(args, ContainerArgs) else None,
+            checkpoint_every_s=args.checkpoint_every_s,
             restored_from=restored_from)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         sb.keep_checkpoints = sandbox_id is not None  # a failed restore leaves the checkpoint for the next try
+        sb.from_vm = from_vm
         self.sandboxes[sid] = sb  # reserves its share before the first await
         sb.creator = asyncio.current_task()
         try:

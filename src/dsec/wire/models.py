@@ -88,6 +88,10 @@ class SandboxBase(Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(default=None, max_length=128)
     workdir: str = "/root"
+    checkpoint_every_s: Annotated[int, Field(ge=5, le=7 * 24 * 3600)] | None = Field(
+        default=None, description="checkpoint it to the shared store this often, so it comes back under its own id "
+        "on another edge should its node fail or be drained (docs/fault-tolerance.md): a container's writable "
+        "layer incrementally (its processes restart), a VM's memory and disk whole (it runs on); None: never")
 
     @field_validator("image")
     @classmethod
@@ -205,10 +209,6 @@ class ContainerArgs(SandboxBase):
     protected_paths: list[str] = Field(
         default_factory=list, max_length=64, description="paths (say, the tests that grade the rollout) whose "
         "files are fingerprinted at start; any later change, addition or removal is flagged in the audit log")
-    checkpoint_every_s: Annotated[int, Field(ge=5, le=7 * 24 * 3600)] | None = Field(
-        default=None, description="take an incremental checkpoint of the writable layer (and the command log) "
-        "to the shared store this often, so the sandbox comes back under its own id on another edge should its "
-        "node fail or be drained (docs/fault-tolerance.md); None: never")
     network_rules: dict[str, bool] | None = Field(
         default=None, description="egress allowlist: service name (pypi, npm, debian, or one the operator "
         "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed. None: no network interface at all (loopback "
@@ -376,7 +376,7 @@ class SandboxInfo(BaseModel):
     usage: SandboxUsage | None = Field(default=None, description="filled on request (?usage=true, GET .../usage)")
     pause: PauseInfo | None = Field(default=None, description="the last pause: memory before and after, timings")
     network: NetworkInfo | None = Field(default=None, description="containers with network_rules: link and egress")
-    checkpoint_every_s: int | None = Field(default=None, description="containers: its checkpoint interval")
+    checkpoint_every_s: int | None = Field(default=None, description="its checkpoint interval")
     checkpoint: CheckpointInfo | None = Field(default=None, description="its newest checkpoint")
     restored_from: str | None = Field(default=None, description="the edge it ran on before its last restore, "
                                       "and why it moved")
@@ -409,7 +409,8 @@ class VMInfo(BaseModel):
     vcpus: int
     memory_mb: int
     disk_mb: int
-    started_from: str = Field(description="boot, template, or snapshot (a resumed pause)")
+    started_from: str = Field(description="boot, template, snapshot (a resumed pause), or checkpoint (restored "
+                              "from one, on this edge or another)")
     boot_s: float | None = None
     clone_s: float | None = None
     pause_s: float | None = None

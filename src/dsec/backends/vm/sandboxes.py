@@ -5,6 +5,7 @@ reached over the VM's channel. Implements :class:`dsec.backends.api.SandboxRunti
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,9 @@ class VMSandboxes:
 
     async def start(self, sb: Sandbox, digests: list[str]) -> None:
         args, vm = self._args(sb), self._vm(sb)
+        if sb.from_vm is not None:
+            await self._from_checkpoint(sb, vm, args, digests, sb.from_vm)
+            return
         if args.template:
             key = self.vms.template_key(vm.spec, digests, args.disk_mb)
             tdir = await self.vms.ensure_template(key, vm.spec, args.disk_mb, timeout=BOOT_TIMEOUT_S)
@@ -66,6 +70,35 @@ class VMSandboxes:
             disk_mb=args.disk_mb, started_from="template" if args.template else "boot",
             boot_s=vm.timings.get("boot_s"), clone_s=vm.timings.get("clone_s"))
         await self.host.bind_agent(sb, ch, GuestFiles(ch))
+
+    async def _from_checkpoint(self, sb: Sandbox, vm: VMInstance, args: MicroVMArgs | VMArgs, digests: list[str],
+                               files: dict[str, str]) -> None:
+        """Start a VM from another edge's checkpoint: its disk and memory snapshot copied
+        here, a clone's RAM file mapped from this edge's template of the same shape (the
+        stream carries every page), QEMU restored from the snapshot, the guest running on."""
+        if args.template:  # the snapshot was taken of a clone: the same memory backend here
+            key = self.vms.template_key(vm.spec, digests, args.disk_mb)
+            tdir = await self.vms.ensure_template(key, vm.spec, args.disk_mb, timeout=BOOT_TIMEOUT_S)
+            vm.spec.mem_path, vm.spec.mem_shared = os.path.join(tdir, "ram"), False
+        for src, dst in ((files["disk"], vm.spec.disks[0].path), (files["state"], vm.snapshot)):
+            proc = await asyncio.create_subprocess_exec("cp", "--sparse=always", src, dst,
+                                                        stderr=asyncio.subprocess.PIPE)
+            _, err = await proc.communicate()
+            if proc.returncode != 0:
+                raise SandboxError(f"checkpoint file not copied here: {err.decode(errors='replace').strip()}")
+        with open(vm.snapshot_meta, "w") as f:
+            f.write(files["meta"])
+        try:
+            await self.vms.resume(vm)
+        except SnapshotError as e:
+            raise SandboxError(f"the checkpoint does not restore here: {e}") from None
+        assert vm.channel is not None
+        sb.rec.init_pid = vm.pid
+        self.vms.save_spec(vm)
+        sb.rec.info.vm = VMInfo(
+            machine=vm.spec.machine, accelerator=vm.spec.accel, vcpus=args.vcpus, memory_mb=args.memory_mb,
+            disk_mb=args.disk_mb, started_from="checkpoint", restore_s=vm.timings.get("restore_s"))
+        await self.host.bind_agent(sb, vm.channel, GuestFiles(vm.channel))
 
     async def pause(self, sb: Sandbox) -> str:
         vm = self._vm(sb)
