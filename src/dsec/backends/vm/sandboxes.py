@@ -81,10 +81,11 @@ class VMSandboxes:
             tdir = await self.vms.ensure_template(key, vm.spec, args.disk_mb, timeout=BOOT_TIMEOUT_S)
             vm.spec.mem_path, vm.spec.mem_shared = os.path.join(tdir, "ram"), False
         for src, dst in ((files["disk"], vm.spec.disks[0].path), (files["state"], vm.snapshot)):
-            proc = await asyncio.create_subprocess_exec("cp", "--sparse=always", src, dst,
-                                                        stderr=asyncio.subprocess.PIPE)
+            # a sparse tar of the file under the name the VM's dir gives it (edge.checkpointing)
+            proc = await asyncio.create_subprocess_exec("tar", "-xSf", src, "-C", os.path.dirname(dst),
+                                                        os.path.basename(dst), stderr=asyncio.subprocess.PIPE)
             _, err = await proc.communicate()
-            if proc.returncode != 0:
+            if proc.returncode != 0 or not os.path.exists(dst):
                 raise SandboxError(f"checkpoint file not copied here: {err.decode(errors='replace').strip()}")
         with open(vm.snapshot_meta, "w") as f:
             f.write(files["meta"])
