@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import aiohttp  # noqa: E402
+import ray  # noqa: E402
 from container import report  # noqa: E402
 
 import dsec  # noqa: E402
@@ -138,12 +139,13 @@ async def node_loss(c: dsec.AsyncClient, local: LocalCluster, a: argparse.Namesp
     try:
         while time.perf_counter() - t0 < 180:
             # the replica may have run on the lost node: Ray restarts it elsewhere, on a new URL
-            urls = sorted(ops.status(local.address)["apiservers"].values())
-            try:
+            try:  # (the controller itself may be restarting: Ray answers with an error meanwhile)
+                urls = sorted(ops.status(local.address)["apiservers"].values())
                 async with dsec.AsyncClient(url=",".join(urls), token=c.token) as now:
-                    if (await (await now.connect(sb.sandbox_id)).exec("cat /work/f", timeout=10)).stdout == "ok\n":
+                    there = await now.connect(sb.sandbox_id)  # restored: on another edge, answering
+                    if there.info.edge != victim and (await there.exec("cat /work/f", timeout=10)).stdout == "ok\n":
                         return time.perf_counter() - t0
-            except (dsec.DsecError, OSError, aiohttp.ClientError):
+            except (dsec.DsecError, OSError, aiohttp.ClientError, ray.exceptions.RayError):
                 pass
             await asyncio.sleep(0.2)
         return float("nan")
