@@ -199,10 +199,6 @@ class Registry:
                 out.update((sid, (edge, restore)) for sid, edge, restore in c.execute(q))
         return out
 
-    def project_of(self, sandbox_id: str) -> str | None:
-        with self.db.connect() as c:
-            return c.execute(select(sandboxes.c.project).where(sandboxes.c.id == sandbox_id)).scalar()
-
     # ---- settings ------------------------------------------------------------------
     def setting(self, key: str) -> str | None:
         with self.db.connect() as c:
