@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 # qemu-system-x86: the microVM and full-VM backends (the guest kernel is fetched by `dsec setup`)
 # btrfs-progs: the sandbox volume (per-sandbox disk quotas as btrfs qgroups)
 # postgresql-15: cluster metadata (dsec cluster up starts a private server when given no --db)
+# chromium: the web console's browser tests (Playwright drives Debian's build; no browser download)
 PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc
       docker-registry fuse3 libfuse3-dev pkg-config moosefs-master moosefs-chunkserver moosefs-client curl python3-dev
-      qemu-system-x86 btrfs-progs postgresql-15)
+      qemu-system-x86 btrfs-progs postgresql-15 chromium)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,6 +44,13 @@ if [ ! -f tests/e2b_js/node_modules/e2b/package.json ] \
    || [ tests/e2b_js/package.json -nt tests/e2b_js/node_modules/e2b/package.json ]; then
   echo "== npm: installing the E2B JS SDK into tests/e2b_js"
   npm install --prefix tests/e2b_js --no-audit --no-fund --silent
+fi
+
+# the web console's browser libraries (preact, uPlot, xterm.js), served from node_modules: no CDN at run time
+if [ ! -f src/dsec/console/node_modules/.package-lock.json ] \
+   || [ src/dsec/console/package-lock.json -nt src/dsec/console/node_modules/.package-lock.json ]; then
+  echo "== npm: installing the console's browser libraries into src/dsec/console"
+  npm ci --prefix src/dsec/console --no-audit --no-fund --silent
 fi
 
 echo "== dsec setup (cgroups, dsec-init, base layers)"

@@ -116,6 +116,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
         await api.batches.start()  # the queue, and the batches an earlier process left unfinished
         refresher = asyncio.create_task(tokens.refresh_forever())
         sweeper = asyncio.create_task(api.quota_sweep_forever(QUOTA_SWEEP_S))
+        sampler = asyncio.create_task(api.series.run_forever())
         log.info("dsec ready: edges %s", ", ".join(sorted(edges)) or "none yet")
         try:
             yield
@@ -124,6 +125,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
             await app.state.template_builder.close()  # builds of this process fail; their builders stop
             refresher.cancel()
             sweeper.cancel()
+            sampler.cancel()
             await view.close()
             await stop()
 

@@ -13,6 +13,7 @@ from dsec import sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.apiserver.routes import MODULES
+from dsec.console import web as console_web
 from dsec.e2b import api as e2b_api
 from dsec.e2b import envd, templates_api
 from dsec.e2b.ports import PortProxy
@@ -66,4 +67,5 @@ def build_app(api: Apiserver) -> FastAPI:
     envd.mount(app, envd.Envd(api.edge_for))
     for module in MODULES:
         app.include_router(module.routes(api))
+    app.include_router(console_web.routes(api.tokens))
     return app

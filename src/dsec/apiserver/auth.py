@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from dsec.apiserver.core import Apiserver, error_response
+from dsec.console import session
 from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
 from dsec.e2b.templates_api import FILES_PATH, signed_upload
 from dsec.errors import (
@@ -23,6 +24,7 @@ from dsec.errors import (
     Unauthorized,
 )
 from dsec.iam import current_principal, permission_for, project_of_sandbox
+from dsec.iam.tokens import Principal
 from dsec.wire.models import (
     SandboxState,
 )
@@ -39,13 +41,15 @@ class BearerAuth:
     websocket is accepted, then closed with code 4401 so the client learns why)."""
 
     OPEN = frozenset({"/healthz", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"})
+    OPEN_PREFIX = "/ui/"  # the console's page and files; its session route checks the token itself
 
     def __init__(self, app: Any, api: Apiserver) -> None:
         self.app = app
         self.api = api
 
     async def _refusal(self, scope: dict[str, Any]) -> DsecError | None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN or \
+                scope["path"] == "/ui" or scope["path"].startswith(self.OPEN_PREFIX):
             return None
         headers = dict(scope["headers"])
         if scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
@@ -64,13 +68,20 @@ class BearerAuth:
         header = headers.get(b"authorization", b"")
         if not header and b"x-api-key" in headers:  # E2B's SDKs send their key this way
             header = b"Bearer " + headers[b"x-api-key"]
-        scheme, _, cred = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not cred.strip():
-            return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
-                                field="authorization")
-        principal = await self.api.tokens.verify(cred.strip())
-        if principal is None:
-            return Unauthorized("invalid token", field="authorization")
+        principal: Principal | None
+        if not header and b"cookie" in headers and scope["path"].startswith("/v1/"):
+            session_of = await self._session(scope, headers)
+            if isinstance(session_of, DsecError):
+                return session_of
+            principal = session_of
+        else:
+            scheme, _, cred = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not cred.strip():
+                return Unauthorized("missing or malformed Authorization header; expected 'Bearer <token>'",
+                                    field="authorization")
+            principal = await self.api.tokens.verify(cred.strip())
+            if principal is None:
+                return Unauthorized("invalid token", field="authorization")
         method = scope.get("method", "GET")
         need = permission_for(method, scope["path"], websocket=scope["type"] == "websocket")
         if not principal.may(need):
@@ -89,6 +100,22 @@ class BearerAuth:
             if not principal.covers(project_of_sandbox(info)):
                 return NotFound(f"no sandbox {m.group(1)!r} in project {principal.project!r}", field="sandbox_id")
         return None
+
+    async def _session(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> Principal | DsecError:
+        """The web console's session cookie (dsec.console.session) in place of a bearer
+        token: a change needs the console's header too, and a websocket a same-origin page."""
+        principal = await session.principal_of(self.api.tokens, headers[b"cookie"])
+        if principal is None:
+            return Unauthorized("no valid session: log in again, or send 'Authorization: Bearer <token>'",
+                                field="authorization")
+        if scope["type"] == "websocket":
+            origin = headers.get(b"origin", b"").decode(errors="replace")
+            if origin and urllib.parse.urlsplit(origin).netloc != headers.get(b"host", b"").decode(errors="replace"):
+                return Forbidden("a session's websocket must come from the console's own origin", field="origin")
+        elif scope.get("method", "GET") not in ("GET", "HEAD") and session.CSRF_HEADER not in headers:
+            return Forbidden(f"a request with a session cookie must send the {session.CSRF_HEADER.decode()} header",
+                             field=session.CSRF_HEADER.decode())
+        return principal
 
     async def _signed_file(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> DsecError | None:
         """An E2B signed file URL: the signature is the credential, and names the sandbox."""

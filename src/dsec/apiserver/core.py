@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from dsec.batches import BatchRunner, BatchStore
 from dsec.checkpoints.mover import Mover
 from dsec.checkpoints.store import CheckpointStore
+from dsec.console.series import FleetSeries
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -118,6 +119,7 @@ class Apiserver:
         self._batch_slots: dict[str, asyncio.Semaphore] = {}
         self.batches = BatchRunner(self, BatchStore(tokens.db), BATCH_STARTING_PER_EDGE)
         self.checkpoints = CheckpointStore(tokens.db, layers)
+        self.series = FleetSeries(lambda: self.watcher.view)  # the console's last hour (started by the lifespan)
         self.fleet_events = FleetEvents(tokens.db)
         # moving sandboxes between edges needs the cluster's index (a lone apiserver's edges share no database)
         self.mover = Mover(lambda: self.edges, placement, index, self.checkpoints, self.fleet_events,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Engine, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -85,6 +85,26 @@ class BatchStore:
         with self.db.connect() as c:
             return [ItemRow(idx=r["idx"], state=r["state"], sandbox_id=r["sandbox_id"], error=r["error"],
                             reason=r["reason"]) for r in c.execute(q).mappings()]
+
+    def recent(self, where: ColumnElement[bool] | None, job: str | None, limit: int) -> list[str]:
+        """The newest batches' ids (``where``: the caller's projects), newest first."""
+        q = select(batches.c.id).order_by(batches.c.created_at.desc()).limit(limit)
+        if where is not None:
+            q = q.where(where)
+        if job is not None:
+            q = q.where(batches.c.job == job)
+        with self.db.connect() as c:
+            return [r[0] for r in c.execute(q).all()]
+
+    def failure_reasons(self, batch_id: str, limit: int = 10) -> dict[str, int]:
+        """Why its failed items failed, the most common reasons first."""
+        n = func.count()
+        with self.db.connect() as c:
+            rows = c.execute(select(func.coalesce(batch_items.c.reason, batch_items.c.error), n)
+                             .where(batch_items.c.batch_id == batch_id, batch_items.c.state == "failed")
+                             .group_by(func.coalesce(batch_items.c.reason, batch_items.c.error))
+                             .order_by(n.desc()).limit(limit)).all()
+        return {str(r or "unknown"): int(k) for r, k in rows}
 
     def counts(self, batch_id: str) -> dict[str, int]:
         with self.db.connect() as c:

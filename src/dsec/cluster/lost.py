@@ -11,10 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from dsec.console.query import answer
 from dsec.edge import api
 from dsec.edge.remote.ops import Op, ops
 from dsec.errors import EdgeUnavailable, NotFound
 from dsec.meta.registry import Registry
+from dsec.wire.console import SandboxPage, SandboxQuery
 from dsec.wire.models import SandboxInfo
 
 
@@ -51,6 +53,9 @@ class LostEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.Nod
         want = (labels or {}).items()
         return [i for i in await self._lost()
                 if (job is None or i.job == job) and all(i.labels.get(k) == v for k, v in want)]
+
+    async def query_sandboxes(self, query: SandboxQuery) -> SandboxPage:
+        return answer(await self._lost(), query)
 
     async def stop(self, sandbox_id: str) -> SandboxInfo:
         if (edge := await self.moved(sandbox_id)) is not None:

@@ -10,6 +10,7 @@ import time
 
 from prometheus_client import generate_latest
 
+from dsec.console.query import answer, matches, needs_usage
 from dsec.edge import memory
 from dsec.edge.core import EdgeCore
 from dsec.edge.metrics import cgroup_usage
@@ -19,6 +20,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.placement.admission import Room, refusal
+from dsec.wire.console import FnCallStats, SandboxPage, SandboxQuery
 from dsec.wire.models import (
     Backend,
     ContainerArgs,
@@ -97,7 +99,7 @@ class Capacity(EdgeCore):
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
             memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job,
             signals=self.signals.read(self.volume.mnt if self.volume.available else self.cfg.data_dir),
-            cordoned=self.signals.cordon is not None)
+            cordoned=self.signals.cordon is not None, host=self.host_load.read())
 
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         self._get_live(sandbox_id)
@@ -122,6 +124,26 @@ class Capacity(EdgeCore):
                             anon_bytes=mem.get("anon", 0), file_bytes=mem.get("file", 0),
                             swap_bytes=mem.get("swap", 0), pids=use.get("pids", 0), disk_bytes=disk,
                             oom_kills=memory.oom_kills(cg))
+
+    async def query_sandboxes(self, query: SandboxQuery) -> SandboxPage:
+        """This edge's answer to a console query (dsec.console.query): usage read for every
+        match when the order needs it, else only for the page."""
+        live = list(self.sandboxes.values())
+        if needs_usage(query):
+            hits = [sb for sb in live if matches(sb.rec.info, query)]
+            uses = await asyncio.to_thread(lambda: [self._usage(sb) for sb in hits])
+            page = answer([sb.rec.info.model_copy(update={"usage": u}) for sb, u in zip(hits, uses, strict=True)],
+                          query)
+        else:
+            page = answer([sb.rec.info for sb in live], query)
+            if query.usage and page.items:
+                by_id = {sb.id: sb for sb in live}
+                page.items = await asyncio.to_thread(lambda: [
+                    i.model_copy(update={"usage": self._usage(by_id[i.sandbox_id])}) for i in page.items])
+        return page
+
+    async def fncall_stats(self) -> FnCallStats:
+        return self.fncall_service.stats(self.name)
 
     async def storage_stats(self) -> StorageStats:
         await self.node_layers.fresh_snapshot()

@@ -19,6 +19,7 @@ from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.cmdstore import CommandLog
 from dsec.edge.config import EdgeConfig
+from dsec.edge.hostload import HostLoadReader
 from dsec.edge.interactive import InteractiveOps, Watchers
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.network import NetworkManager
@@ -87,6 +88,7 @@ class EdgeCore(InteractiveOps):
         self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
         self.signals = Signals()  # what the fleet's health detector reads (edge/signals.py)
+        self.host_load = HostLoadReader()
         self.watchers = Watchers()  # polled directory watchers clients hold here
         self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
                                       cfg.fetch_timeout_s, on_error=self._storage_error)

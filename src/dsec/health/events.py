@@ -4,6 +4,7 @@ them in a thread."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
 from typing import Any
@@ -39,6 +40,12 @@ class FleetEvents:
         with self.db.connect() as c:
             rows = c.execute(select(fleet_events).where(and_(*cond)).order_by(fleet_events.c.id)
                              .limit(limit)).mappings().all()
+        return [FleetEvent(**{**r, "detail": json.loads(r["detail"] or "{}")}) for r in rows]
+
+    def newest(self, limit: int) -> builtins.list[FleetEvent]:
+        """The ``limit`` newest events, newest first."""
+        with self.db.connect() as c:
+            rows = c.execute(select(fleet_events).order_by(fleet_events.c.id.desc()).limit(limit)).mappings().all()
         return [FleetEvent(**{**r, "detail": json.loads(r["detail"] or "{}")}) for r in rows]
 
     def prune(self, keep_s: float = KEEP_S) -> int:

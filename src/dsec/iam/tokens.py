@@ -196,6 +196,25 @@ class TokenStore:
             self._by_digest[digest] = p
         return p
 
+    async def principal(self, token_id: str) -> Principal | None:
+        """The principal of a live token by its id (a console session names its token by
+        id); None once it is revoked or expired."""
+        if token_id == ADMIN.token_id:
+            p: Principal | None = ADMIN
+        else:
+            p = next((q for q in list(self._by_digest.values()) if q.token_id == token_id), None)
+            if p is None:
+                p = await asyncio.to_thread(self._lookup_id, token_id)
+        if p is not None and p.expires_at is not None and p.expires_at <= time.time():
+            return None
+        return p
+
+    def _lookup_id(self, token_id: str) -> Principal | None:
+        with self._db.connect() as c:
+            row = c.execute(select(tokens.c.id, tokens.c.project, tokens.c.role, tokens.c.expires_at)
+                            .where(tokens.c.id == token_id)).first()
+        return Principal(row[0], row[1], row[2], row[3]) if row else None
+
     async def refresh_forever(self) -> None:
         """Reload every token now and then (what other replicas revoked); a database that
         does not answer keeps the last map."""

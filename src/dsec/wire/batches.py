@@ -50,6 +50,8 @@ class BatchInfo(BaseModel):
     finished_at: float | None = None
     items: list[BatchItem] = Field(default_factory=list, description="items offset..offset+limit (paged)")
     next_offset: int | None = Field(default=None, description="where the next page starts; None: no more")
+    failure_reasons: dict[str, int] = Field(default_factory=dict, description="in lists: why failed items "
+                                            "failed, the most common first")
 
 
 class BatchAdmission(BaseModel):

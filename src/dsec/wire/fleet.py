@@ -31,6 +31,17 @@ class EdgeSignals(BaseModel):
     psi_io: float = 0.0
 
 
+class HostLoad(BaseModel):
+    """The node's own load, read from /proc when polled."""
+
+    cpu_pct: float = Field(default=0.0, description="busy share of all CPUs since the previous poll (%)")
+    load1: float = 0.0
+    memory_total_mb: int = 0
+    memory_available_mb: int = 0
+    swap_total_mb: int = 0
+    swap_free_mb: int = 0
+
+
 class Evidence(BaseModel):
     """One signal that moved the detector, with its value and what it was compared to."""
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from dsec.wire.fleet import CheckpointInfo, EdgeSignals, Health
+from dsec.wire.fleet import CheckpointInfo, EdgeSignals, Health, HostLoad
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 LAYER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+$")
@@ -578,6 +578,7 @@ class NodeStats(BaseModel):
     cordoned: bool = Field(default=False, description="this edge refuses new sandboxes (an operator or the "
                            "detector cordoned it)")
     health: Health = Field(default="ok", description="the detector's verdict, as the registry has it")
+    host: HostLoad | None = Field(default=None, description="the node's own CPU, memory and swap (/proc)")
 
 
 # ---- FnCall ------------------------------------------------------------------

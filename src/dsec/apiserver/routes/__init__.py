@@ -3,6 +3,7 @@
 from dsec.apiserver.routes import (
     batches,
     checkpoints,
+    console,
     display,
     exec,
     files,
@@ -19,4 +20,4 @@ from dsec.apiserver.routes import (
 )
 
 MODULES = (tokens, projects, node, nodes, checkpoints, sandboxes, jobs, batches, rollouts, exec, display, layers,
-           fncall, files, ports)
+           fncall, files, ports, console)

@@ -13,6 +13,8 @@ from fastapi.responses import StreamingResponse
 from dsec.apiserver.core import Apiserver
 from dsec.errors import NotFound
 from dsec.iam import PROJECT_LABEL, current_principal
+from dsec.iam.quota import in_subtree
+from dsec.meta.batches_schema import batches
 from dsec.wire.batches import BatchAdmission, BatchInfo, BatchRequest
 from dsec.wire.models import CreateRequest
 
@@ -36,6 +38,20 @@ def routes(api: Apiserver) -> APIRouter:
         args = api._own(CreateRequest(args=req.args)).args
         await api.check_visible(args)  # its items are made in the admin's context, which sees every layer
         return await runner.submit(req.model_copy(update={"args": args}), args.labels.get(PROJECT_LABEL, "default"))
+
+    @router.get("/v1/batches")
+    async def list_batches(job: str | None = None, limit: int = Query(default=20, ge=1, le=200)) -> list[BatchInfo]:
+        """The newest batches of the caller's projects (counts and failure reasons, no items)."""
+        p = current_principal.get()
+        where = None if p.all_projects else (in_subtree(batches.c.project, p.project) if p.role == "admin"
+                                             else batches.c.project == p.project)
+        out = []
+        for batch_id in await asyncio.to_thread(runner.store.recent, where, job, limit):
+            info = await runner.get(batch_id, 0, 0)
+            if info.counts.failed:
+                info.failure_reasons = await asyncio.to_thread(runner.store.failure_reasons, batch_id)
+            out.append(info)
+        return out
 
     @router.get("/v1/batches/admission")
     async def admission() -> BatchAdmission:

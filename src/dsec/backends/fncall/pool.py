@@ -22,11 +22,12 @@ import os
 import random
 import struct
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dsec.errors import InvalidRequest, SandboxError
+from dsec.wire.console import FnCallPoolStats, FnCallStats
 from dsec.wire.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun, SandboxInfo, TestResult
 
 log = logging.getLogger("dsec.fncall")
@@ -181,6 +182,10 @@ class FnCallService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._uid_block = random.randrange(UID_BLOCKS)  # another edge on this host starts elsewhere
+        self.calls = 0
+        self.errors = 0
+        self.statuses: Counter[str] = Counter()
+        self.verdicts: Counter[str] = Counter()
         with open(WORKER_SRC, "rb") as f:
             self._worker_src = f.read()
 
@@ -254,7 +259,32 @@ class FnCallService:
             pool.release(w, retire=False)
         return pool.languages
 
+    def stats(self, edge: str) -> FnCallStats:
+        """Pool occupancy now, and what the calls so far came to (the console's FnCall view)."""
+        pools = []
+        for key, p in self.pools.items():
+            workers = sum(len(c.workers) for c in p.containers.values())
+            pools.append(FnCallPoolStats(
+                image=key.image, layers=list(key.layers), containers=len(p.containers), workers=workers,
+                busy=max(0, workers - len(p.idle)), waiting=len(p.waiters), starting=p.starting,
+                error=str(p.error) if p.error else None))
+        return FnCallStats(edge=edge, max_containers=self.max_containers, pools=pools, calls=self.calls,
+                           statuses=dict(self.statuses), verdicts=dict(self.verdicts), errors=self.errors)
+
     async def call(self, args: FnCallArgs) -> FnCallResult:
+        self.calls += 1
+        try:
+            res = await self._call(args)
+        except InvalidRequest:
+            raise
+        except Exception:
+            self.errors += 1
+            raise
+        self.statuses[res.status] += 1
+        self.verdicts.update(t.verdict for t in res.tests)
+        return res
+
+    async def _call(self, args: FnCallArgs) -> FnCallResult:
         pool = self.pool(PoolKey(args.image, tuple(args.layers), tuple(args.preimport)))
         stdins = [t.stdin for t in args.tests] if args.tests else [args.stdin]
         limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": args.memory_limit_mb,

@@ -1,0 +1,152 @@
+"""What the web console and ``dsec top`` read (docs/console.md), each scoped to the
+caller's projects like the rest of the API: the fleet at a glance (edges with load and
+health, sandboxes by state and backend, the last hour's creation rate and latency), a
+sandbox query every edge answers for itself (filtered, sorted, paged: a 10,000-sandbox
+fleet sends only pages), the layer catalog with lineage and on-demand cache hit rates,
+and FnCall pool occupancy and verdicts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field, ValidationError
+
+from dsec.apiserver.core import LIST_TIMEOUT_S, Apiserver, parse_labels
+from dsec.apiserver.routes.nodes import node_info
+from dsec.console.query import merge
+from dsec.errors import EdgeUnavailable, InvalidRequest
+from dsec.iam import current_principal
+from dsec.iam.visibility import LayerAcl, may_see
+from dsec.wire.console import (
+    MAX_PAGE,
+    FleetHistory,
+    FnCallStats,
+    LayerCacheStats,
+    LayerCatalog,
+    LayerNode,
+    SandboxPage,
+    SandboxQuery,
+)
+from dsec.wire.fleet import FleetEvent
+from dsec.wire.nodes import NodeInfo
+
+EVENTS_SHOWN = 30
+
+
+class FleetOverview(BaseModel):
+    nodes: list[NodeInfo]
+    sandboxes: SandboxPage = Field(description="the caller's sandboxes: counts only (no items)")
+    history: FleetHistory
+    events: list[FleetEvent] = Field(default_factory=list, description="the newest fleet events (the cluster's "
+                                     "admin only)")
+
+
+def routes(api: Apiserver) -> APIRouter:
+    router = APIRouter()
+    acl = LayerAcl(api.tokens.db)
+
+    async def query(q: SandboxQuery) -> SandboxPage:
+        p = current_principal.get()
+        if not p.all_projects:
+            q = q.model_copy(update={"scope": p.project, "scope_subtree": p.role == "admin"})
+        names = list(api.edges)
+        parts = await asyncio.gather(*(asyncio.wait_for(api.edges[n].query_sandboxes(q), LIST_TIMEOUT_S)
+                                       for n in names), return_exceptions=True)
+        pages, missing = [], []
+        for name, part in zip(names, parts, strict=True):
+            if isinstance(part, EdgeUnavailable | TimeoutError):
+                missing.append(name)
+            elif isinstance(part, BaseException):
+                raise part
+            else:
+                pages.append(part)
+        return merge(pages, q, missing)
+
+    @router.get("/v1/console/sandboxes")
+    async def sandboxes(q: str = "", state: list[str] = Query(default=[]), backend: list[str] = Query(default=[]),
+                        job: str | None = None, label: list[str] = Query(default=[]), project: str | None = None,
+                        edge: str | None = None, sort: str = "-created", offset: int = 0, limit: int = 50,
+                        usage: bool = False) -> SandboxPage:
+        """The caller's sandboxes matching every filter given, ``sort``ed (created, last_active,
+        cpu or memory; '-' for descending), ``offset``..``offset+limit``, with the counts of all
+        that match by state, backend and job."""
+        try:
+            sq = SandboxQuery(q=q, state=state, backend=backend, job=job, labels=parse_labels(label),
+                              project=project, edge=edge, sort=sort, offset=offset, limit=limit,  # type: ignore[arg-type]
+                              usage=usage)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"]) or None
+            raise InvalidRequest(f"{field}: {err['msg']}" if field else err["msg"], field=field) from None
+        return await query(sq)
+
+    @router.get("/v1/console/fleet")
+    async def fleet(since: float = 0.0) -> FleetOverview:
+        """Every edge's load and health as the watcher last saw it (no new poll), the caller's
+        sandboxes by state and backend, the fleet's samples after ``since``, and (for the
+        cluster's admin) the newest fleet events."""
+        p = current_principal.get()
+        health = api.watcher.health
+        rows = {r.name: r for r in await asyncio.to_thread(health.registry.edges)} if health else {}
+        view = api.watcher.view
+        nodes = [node_info(n, view.get(n), rows.get(n)) for n in sorted(set(api.edges))]
+        counts = await query(SandboxQuery(limit=0))
+        events: list[FleetEvent] = []
+        if health is not None and p.all_projects and p.role == "admin":
+            events = await asyncio.to_thread(health.events.newest, EVENTS_SHOWN)
+        return FleetOverview(nodes=nodes, sandboxes=counts, history=api.series.history(since), events=events)
+
+    @router.get("/v1/console/fncall")
+    async def fncall() -> list[FnCallStats]:
+        """Per edge: its FnCall pools (containers, workers busy, calls waiting) and what its
+        calls came to (results by status, test cases by verdict)."""
+        parts = await asyncio.gather(*(asyncio.wait_for(e.fncall_stats(), LIST_TIMEOUT_S) for e in api.edges.values()),
+                                     return_exceptions=True)
+        return [s for s in parts if isinstance(s, FnCallStats)]
+
+    @router.get("/v1/console/layers")
+    async def layers(q: str = "", offset: int = Query(default=0, ge=0),
+                     limit: int = Query(default=100, ge=0, le=MAX_PAGE)) -> LayerCatalog:
+        """The layers the caller may see, newest first, each with the layer it was taken on
+        (its lineage), how many were taken on it, and its on-demand reads over all edges."""
+        p = current_principal.get()
+        rows = await asyncio.to_thread(acl.rows)
+        shown = [layer for layer in api.layers.list()
+                 if (row := rows.get(layer.ref)) is None or may_see(p, row.project, row.visibility)]
+        children: Counter[str] = Counter()
+        nodes = []
+        for layer in shown:
+            parent = layer.parent_layers[-1] if layer.parent_layers else layer.parent_image
+            if parent:
+                children[parent] += 1
+            row = rows.get(layer.ref)
+            nodes.append(LayerNode(ref=layer.ref, kind=layer.kind, size=layer.size, created_at=layer.created_at,
+                                   parent=parent, owner=row.project if row else None,
+                                   visibility=row.visibility if row else "public", source=layer.source))
+        if q:
+            nodes = [n for n in nodes if q.lower() in n.ref.lower() or q.lower() in (n.parent or "").lower()]
+        nodes.sort(key=lambda n: -n.created_at)
+        page = nodes[offset:offset + limit]
+        stats = await asyncio.gather(*(asyncio.wait_for(e.storage_stats(), LIST_TIMEOUT_S)
+                                       for e in api.edges.values()), return_exceptions=True)
+        cache: dict[str, LayerCacheStats] = {}
+        for st in stats:
+            if isinstance(st, BaseException):
+                continue
+            for b in st.blobs:
+                for ref in b.layers:
+                    c = cache.setdefault(ref, LayerCacheStats())
+                    c.hits += b.hits
+                    c.misses += b.misses
+                    c.prefetched += b.prefetched
+                    c.remote_bytes += b.remote_bytes
+                    c.errors += b.errors
+        for n in page:
+            n.children = children.get(n.ref, 0)
+            if (hit := cache.get(n.ref)) is not None:
+                n.cache, n.hit_rate = hit, hit.hit_rate
+        return LayerCatalog(total=len(nodes), items=page)
+
+    return router

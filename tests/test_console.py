@@ -1,0 +1,224 @@
+"""The web console in a real browser: Debian's headless Chromium, driven by Playwright,
+against the session's real platform. A user logs in with a token, sees a sandbox they
+create appear, opens its terminal and runs a command, browses its files, watches a
+job's progress move, stops the sandbox from the page and sees it leave; a project's
+token sees only its project. Each page's screenshot is saved under
+``tests/artifacts/console`` (``$DSEC_TEST_ARTIFACTS`` moves it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from conftest import TOKEN, Platform
+from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
+
+import dsec
+from dsec.wire.jobs import JobQuota
+
+CHROMIUM = "/usr/bin/chromium"
+# Chromium on a closed network: no background connections, no first-run, no GPU
+ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage"]
+ARTIFACTS = os.environ.get("DSEC_TEST_ARTIFACTS",
+                           os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts", "console"))
+WAIT_MS = 20_000  # a poll is 2-3 s: anything live shows within a few
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        await b.close()
+
+
+async def logged_in(browser: Browser, platform: Platform, token: str = TOKEN) -> tuple[BrowserContext, Page]:
+    ctx = await browser.new_context(viewport={"width": 1440, "height": 900})
+    page = await ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(f"{platform.url}/ui/")
+    await page.fill("input[name=token]", token)
+    await page.click("button[type=submit]")
+    await expect(page.get_by_test_id("whoami")).to_be_visible(timeout=WAIT_MS)
+    assert not errors, errors
+    return ctx, page
+
+
+async def shot(page: Page, name: str) -> None:
+    await page.screenshot(path=os.path.join(ARTIFACTS, f"{name}.png"), full_page=True)
+
+
+async def test_login_refuses_a_wrong_token_and_keeps_no_token(browser: Browser, platform: Platform) -> None:
+    ctx = await browser.new_context()
+    page = await ctx.new_page()
+    await page.goto(f"{platform.url}/ui/")
+    await page.fill("input[name=token]", "not-a-token")
+    await page.click("button[type=submit]")
+    await expect(page.get_by_role("alert")).to_contain_text("invalid token", timeout=WAIT_MS)
+    await shot(page, "login")
+    await page.fill("input[name=token]", TOKEN)
+    await page.click("button[type=submit]")
+    await expect(page.get_by_test_id("whoami")).to_contain_text("all projects")
+    cookies = await ctx.cookies()
+    session = [c for c in cookies if c["name"] == "dsec_session"]
+    assert session and session[0]["httpOnly"] and session[0]["sameSite"] == "Strict"
+    assert TOKEN not in session[0]["value"]  # the cookie names the token, never holds it
+    assert TOKEN not in await page.evaluate("JSON.stringify(localStorage) + JSON.stringify(sessionStorage)")
+    await page.get_by_role("button", name="Log out").click()
+    await expect(page.locator("input[name=token]")).to_be_visible()
+    r = await page.request.get(f"{platform.url}/v1/console/fleet")
+    assert r.status == 401  # the session ended with the logout
+    await ctx.close()
+
+
+async def test_console_end_to_end(browser: Browser, platform: Platform, client: dsec.AsyncClient) -> None:
+    job_name = f"console-{secrets.token_hex(3)}"
+    job = await client.create_job(job_name, quota=JobQuota(sandboxes=8))
+    ctx, page = await logged_in(browser, platform)
+    try:
+        await expect(page.locator("[data-testid=edges] tr[data-edge]")).to_have_count(1, timeout=WAIT_MS)
+        await shot(page, "fleet")
+
+        # a sandbox created elsewhere appears in the open list without a reload
+        await page.goto(f"{platform.url}/ui/#/sandboxes?job={job_name}")
+        await expect(page.get_by_test_id("sandbox-count")).to_have_text("0", timeout=WAIT_MS)
+        sb = await job.run(dsec.ContainerArgs(image="base/debian:12", memory_limit_mb=256, labels={"who": "console"}))
+        row = page.locator(f"tr[data-sandbox='{sb.sandbox_id}']")
+        await expect(row).to_be_visible(timeout=WAIT_MS)
+        await expect(row).to_contain_text("running")
+        await shot(page, "sandboxes")
+
+        # its page, its terminal: a command typed in the browser runs in the sandbox
+        await row.locator("a").first.click()
+        await expect(page.get_by_test_id("sandbox-id")).to_have_text(sb.sandbox_id)
+        await sb.exec("echo from-the-log", key="k-1")  # a keyed command: in the command log
+        await page.click("button[data-tab=terminal]")
+        await expect(page.get_by_test_id("tty-status")).to_have_text("connected", timeout=WAIT_MS)
+        await page.locator("[data-testid=terminal] textarea").focus()
+        await page.keyboard.type("echo console-$((6*7)) > /root/typed.txt; cat /root/typed.txt\n")
+        await page.wait_for_function(
+            "() => { const b = window.dsecTerminal.buffer.active; let s = '';"
+            " for (let i = 0; i < b.length; i++) s += b.getLine(i).translateToString(true) + '\\n';"
+            " return s.includes('\\nconsole-42'); }", timeout=WAIT_MS)
+        assert (await sb.read_file("/root/typed.txt")) == b"console-42\n"
+        await shot(page, "terminal")
+
+        # its files: browse to a directory, open a file
+        await sb.write_file("/root/work/notes.txt", "hello from the files tab\n")
+        await page.goto(f"{platform.url}/ui/#/sandbox/{sb.sandbox_id}?tab=files&path=/root/work")
+        await page.locator("tr[data-file='notes.txt'] a").click()
+        await expect(page.get_by_test_id("file-view")).to_have_text("hello from the files tab\n", timeout=WAIT_MS)
+        await shot(page, "files")
+        await page.click("button[data-tab=commands]")
+        await expect(page.get_by_text("echo from-the-log")).to_be_visible(timeout=WAIT_MS)
+        await page.click("button[data-tab=overview]")
+        await expect(page.get_by_test_id("chart-cpu")).to_be_visible()
+        await page.wait_for_timeout(4500)  # two usage samples make a line
+        await shot(page, "sandbox")
+
+        # the job's page: its progress moves as a batch of its sandboxes is made
+        await page.goto(f"{platform.url}/ui/#/job/{job_name}")
+        live = page.get_by_test_id("job-live").locator(".v")
+        await expect(live).to_have_text("1", timeout=WAIT_MS)
+        batch = await job.create_many(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64), 3)
+        await expect(live).to_have_text("4", timeout=WAIT_MS)
+        await batch.wait(timeout=120)
+        await expect(page.locator(f"tr[data-batch='{batch.id}']")).to_contain_text("done", timeout=WAIT_MS)
+        await shot(page, "job")
+        await page.goto(f"{platform.url}/ui/#/jobs")
+        await expect(page.locator(f"tr[data-job='{job_name}']")).to_contain_text("4 live", timeout=WAIT_MS)
+        await shot(page, "jobs")
+
+        # stopped from its page (the console's own request, with its CSRF header), it leaves the list
+        await page.goto(f"{platform.url}/ui/#/sandbox/{sb.sandbox_id}")
+        page.once("dialog", lambda d: asyncio.ensure_future(d.accept()))
+        await page.get_by_test_id("stop").click()
+        await expect(page.get_by_test_id("sandbox-state")).to_have_text("stopped", timeout=WAIT_MS)
+        assert (await sb.refresh()).state == "stopped"
+        await page.goto(f"{platform.url}/ui/#/sandboxes?job={job_name}&state=running")
+        await expect(page.get_by_test_id("sandbox-count")).to_have_text("3", timeout=WAIT_MS)
+        await expect(page.locator(f"tr[data-sandbox='{sb.sandbox_id}']")).to_have_count(0)
+
+        for name in ("layers", "fncall"):
+            await page.goto(f"{platform.url}/ui/#/{name}")
+            await expect(page.get_by_test_id("layers" if name == "layers" else "fncall-pools")).to_be_visible(
+                timeout=WAIT_MS)
+            await shot(page, name)
+    finally:
+        await ctx.close()
+        await job.stop()
+
+
+async def test_a_projects_token_sees_only_its_project(browser: Browser, platform: Platform,
+                                                      client: dsec.AsyncClient) -> None:
+    project = f"console-p{secrets.token_hex(2)}"
+    mine = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64))
+    tok = await client.create_token(project, "runner", "console test")
+    assert tok.token is not None
+    async with dsec.AsyncClient(url=platform.url, token=tok.token) as theirs:
+        their_sb = await theirs.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64))
+    ctx, page = await logged_in(browser, platform, tok.token)
+    try:
+        await expect(page.get_by_test_id("whoami")).to_contain_text(f"project {project}")
+        await page.goto(f"{platform.url}/ui/#/sandboxes")
+        await expect(page.get_by_test_id("sandbox-count")).to_have_text("1", timeout=WAIT_MS)
+        await expect(page.locator(f"tr[data-sandbox='{their_sb.sandbox_id}']")).to_be_visible()
+        await expect(page.locator(f"tr[data-sandbox='{mine.sandbox_id}']")).to_have_count(0)
+        await shot(page, "project-sandboxes")
+        # another project's sandbox does not exist for this session, page or API
+        r = await page.request.get(f"{platform.url}/v1/sandboxes/{mine.sandbox_id}")
+        assert r.status == 404
+        # a change made with the cookie alone (as another site's page would) is refused
+        r = await page.request.delete(f"{platform.url}/v1/sandboxes/{their_sb.sandbox_id}")
+        assert r.status == 403 and "x-dsec-console" in (await r.json())["message"]
+        assert (await client.connect(their_sb.sandbox_id)).sandbox_id == their_sb.sandbox_id
+        assert (await (await client.connect(their_sb.sandbox_id)).refresh()).state == "running"
+        # the terminal's websocket from another origin is refused, from the console's own accepted
+        cookie = "; ".join(f"{c['name']}={c['value']}" for c in await ctx.cookies())
+        ws_url = f"{platform.url.replace('http', 'ws')}/v1/sandboxes/{their_sb.sandbox_id}/tty"
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(ws_url, headers={"Cookie": cookie, "Origin": "http://evil.example"}) as ws:
+                msg = await ws.receive(timeout=10)
+                assert msg.type == aiohttp.WSMsgType.CLOSE and ws.close_code == 4401
+            async with s.ws_connect(ws_url, headers={"Cookie": cookie, "Origin": platform.url}) as ws:
+                await ws.send_bytes(b"echo ws-$((40+2))\n")
+                seen = b""
+                while b"ws-42" not in seen:
+                    msg = await ws.receive(timeout=10)
+                    assert msg.type == aiohttp.WSMsgType.BINARY, msg
+                    seen += msg.data
+    finally:
+        await ctx.close()
+        await mine.stop()
+        await client.connect(their_sb.sandbox_id)
+        await (await client.connect(their_sb.sandbox_id)).stop()
+
+
+async def test_console_api_bad_input_is_a_clear_4xx(platform: Platform) -> None:
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession(headers=h) as s:
+        for query, field in (("sort=sideways", "sort"), ("limit=100000", "limit"), ("offset=-1", "offset"),
+                             ("label=nolabel", "label")):
+            async with s.get(f"{platform.url}/v1/console/sandboxes?{query}") as r:
+                body = await r.json()
+                assert r.status == 400, (query, body)
+                assert body["field"] == field, body
+        async with s.post(f"{platform.url}/ui/session", json={"token": ""}) as r:
+            assert r.status == 400 and (await r.json())["field"] == "token"
+        async with s.get(f"{platform.url}/ui/vendor/../../token") as r:
+            assert r.status == 404
+        async with s.get(f"{platform.url}/ui/static/..%2F..%2Fweb.py") as r:
+            assert r.status == 404
+    # a forged or tampered session is no session
+    async with aiohttp.ClientSession() as s:
+        for value in ("v1.admin.9999999999.deadbeef", "v1.admin.1.x", "garbage"):
+            async with s.get(f"{platform.url}/v1/console/fleet", headers={"Cookie": f"dsec_session={value}"}) as r:
+                assert r.status == 401, value
