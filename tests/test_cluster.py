@@ -71,6 +71,21 @@ async def test_placement_spreads_and_routes_around_a_refusing_edge(cluster: Clus
                 assert (await s.exec("echo ok")).stdout == "ok\n"
             listed = await c.list(job="spread")  # one list across every edge
             assert sorted(i.sandbox_id for i in listed) == sorted(s.sandbox_id for s in sbs)
+            # the console's query: each remote edge answers for its own, the apiserver merges the pages
+            async with httpx.AsyncClient(base_url=cluster.url, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+                pages = [(await h.get("/v1/console/sandboxes", params={
+                    "job": "spread", "sort": "created", "limit": 4, "offset": o, "usage": "true"})).json()
+                    for o in (0, 4, 8)]
+                fleet = (await h.get("/v1/console/fleet")).json()
+                fncall = (await h.get("/v1/console/fncall")).json()
+            assert [p["total"] for p in pages] == [10, 10, 10] and pages[0]["states"] == {"running": 10}
+            paged = [i for p in pages for i in p["items"]]
+            assert [i["sandbox_id"] for i in paged] == [i.sandbox_id for i in sorted(listed, key=lambda i: (
+                i.created_at, i.sandbox_id))]
+            assert {i["edge"] for i in paged} == {"n1", "n2"} and all(i["usage"] is not None for i in paged)
+            assert {n["edge"] for n in fleet["nodes"]} == {"n1", "n2", "n3"}
+            assert all(n["host"]["memory_total_mb"] > 0 for n in fleet["nodes"])
+            assert sorted(f["edge"] for f in fncall) == ["n1", "n2", "n3"]
             paused = await c.pause_many(job="spread")
             assert len(paused) == 10 and all(i.state == "paused" for i in paused)
             resumed = await c.resume_many(job="spread")

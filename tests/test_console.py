@@ -222,3 +222,28 @@ async def test_console_api_bad_input_is_a_clear_4xx(platform: Platform) -> None:
         for value in ("v1.admin.9999999999.deadbeef", "v1.admin.1.x", "garbage"):
             async with s.get(f"{platform.url}/v1/console/fleet", headers={"Cookie": f"dsec_session={value}"}) as r:
                 assert r.status == 401, value
+
+
+async def test_a_vms_screen_and_keys(browser: Browser, platform: Platform, client: dsec.AsyncClient) -> None:
+    vm = await client.run_vm(dsec.VMArgs(memory_mb=512, display=True))
+    ctx, page = await logged_in(browser, platform)
+    try:
+        await vm.exec("printf '\\033[2J\\033[HSCREEN IN THE CONSOLE\\n' > /dev/tty1")
+        await page.goto(f"{platform.url}/ui/#/sandbox/{vm.sandbox_id}?tab=screen")
+        await page.wait_for_function("() => { const i = document.querySelector('[data-testid=screen]');"
+                                     " return i && i.complete && i.naturalWidth >= 320; }", timeout=WAIT_MS)
+        # keys typed in the page reach the VM's console
+        await vm.exec("(head -n1 < /dev/tty1 > /root/typed) >/dev/null 2>&1 &")
+        await asyncio.sleep(0.5)
+        await page.fill("input[name=keys]", "o k ret")
+        await page.get_by_role("button", name="Send keys").click()
+        for _ in range(50):
+            if (await vm.exec("cat /root/typed")).stdout.strip() == "ok":
+                break
+            await asyncio.sleep(0.2)
+        assert (await vm.exec("cat /root/typed")).stdout.strip() == "ok"
+        await page.wait_for_timeout(2500)  # the next screenshot shows the typed line
+        await shot(page, "vm-screen")
+    finally:
+        await ctx.close()
+        await vm.stop()

@@ -21,7 +21,7 @@ export function SandboxPage({ id, params }) {
   const live = info.state === "running" || info.state === "paused";
   const tabs = [["overview", "Overview"], ["terminal", "Terminal"], ["files", "Files"], ["commands", "Command log"],
     ["events", "Events"], ["audit", "Audit"]];
-  if (info.backend !== "container") tabs.push(["screen", "Screen"]);
+  if (info.backend === "vm") tabs.push(["screen", "Screen"]); // a full VM's display (microVMs have none)
   const pick = (t) => navigate(`#/sandbox/${id}${qs({ tab: t === "overview" ? "" : t })}`);
   return html`
     <div class="head">
@@ -203,20 +203,27 @@ function Audit({ id }) {
 }
 
 function Screen({ id }) {
-  const [tick, setTick] = useState(0);
   const [keys, setKeys] = useState("");
   const [err, setErr] = useState(null);
-  useEffect(() => {
-    const t = setInterval(() => { if (!document.hidden) setTick((n) => n + 1); }, 2000);
-    return () => clearInterval(t);
-  }, []);
+  const img = useRef(null);
+  const { error } = usePoll(async () => {
+    const r = await api(`/v1/sandboxes/${id}/screenshot`, { raw: true });
+    const url = URL.createObjectURL(await r.blob());
+    if (img.current) {
+      const old = img.current.src;
+      img.current.src = url;
+      if (old.startsWith("blob:")) URL.revokeObjectURL(old);
+    }
+    return true;
+  }, 2000, [id]);
   const send = async (e) => {
     e.preventDefault();
     try { await api(`/v1/sandboxes/${id}/keys`, { method: "POST", body: { keys } }); setKeys(""); setErr(null); } catch (x) { setErr(x); }
   };
   return html`<${Card} title="Screen">
-    <img class="screen" alt="the VM's screen" src=${`/v1/sandboxes/${id}/screenshot?n=${tick}`} />
-    <form class="filters" onSubmit=${send}><input placeholder="keys, e.g. 'h i ret' or 'ctrl-alt-t'" value=${keys}
+    <${ErrorNote} error=${error} />
+    <img class="screen" alt="the VM's screen" ref=${img} data-testid="screen" />
+    <form class="filters" onSubmit=${send}><input name="keys" placeholder="keys, e.g. 'h i ret' or 'ctrl-alt-t'" value=${keys}
       onInput=${(e) => setKeys(e.target.value)} /><button type="submit">Send keys</button></form>
     <${ErrorNote} error=${err} /><//>`;
 }
