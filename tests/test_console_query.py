@@ -45,8 +45,7 @@ def run(by_edge: dict[str, list[SandboxInfo]], q: SandboxQuery) -> tuple[list[Sa
 
 
 def expected(by_edge: dict[str, list[SandboxInfo]], q: SandboxQuery) -> list[SandboxInfo]:
-    hits = [i for items in by_edge.values() for i in items if query.matches(i, q)]
-    return sorted(hits, key=query.sort_key(q))
+    return query.ordered([i for items in by_edge.values() for i in items if query.matches(i, q)], q)
 
 
 @pytest.mark.parametrize("sort", ["-created", "created", "-last_active", "-cpu", "memory"])

@@ -50,10 +50,9 @@ def needs_usage(q: SandboxQuery) -> bool:
 
 
 def sort_key(q: SandboxQuery) -> Callable[[SandboxInfo], Any]:
-    """The key that orders items ascending in the query's order (ties by id, so every
-    edge and the merge agree on one total order)."""
+    """The key of the query's field, ties broken by id: one total order that every edge and
+    the merge agree on (descending is that order reversed, see ``descending``)."""
     field = q.sort.lstrip("-")
-    sign = -1 if q.sort.startswith("-") else 1
 
     def value(i: SandboxInfo) -> float:
         if field == "created":
@@ -65,13 +64,16 @@ def sort_key(q: SandboxQuery) -> Callable[[SandboxInfo], Any]:
             return 0.0
         return use.cpu_s if field == "cpu" else float(use.memory_bytes)
 
-    if sign > 0:
-        return lambda i: (value(i), i.sandbox_id)
-    return lambda i: (-value(i), _desc(i.sandbox_id))
+    return lambda i: (value(i), i.sandbox_id)
 
 
-def _desc(s: str) -> tuple[int, ...]:
-    return tuple(-ord(c) for c in s)
+def descending(q: SandboxQuery) -> bool:
+    return q.sort.startswith("-")
+
+
+def ordered(items: list[SandboxInfo], q: SandboxQuery) -> list[SandboxInfo]:
+    """All of ``items`` in the query's order."""
+    return sorted(items, key=sort_key(q), reverse=descending(q))
 
 
 def counts(items: Iterable[SandboxInfo]) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]]]:
@@ -97,15 +99,16 @@ def answer(items: list[SandboxInfo], q: SandboxQuery) -> SandboxPage:
     and the counts of all that match."""
     hits = [i for i in items if matches(i, q)]
     states, backends, jobs = counts(hits)
-    window = heapq.nsmallest(q.offset + q.limit, hits, key=sort_key(q)) if q.offset + q.limit else []
+    first = heapq.nlargest if descending(q) else heapq.nsmallest
+    window = first(q.offset + q.limit, hits, key=sort_key(q)) if q.offset + q.limit else []
     return SandboxPage(total=len(hits), offset=0, limit=q.offset + q.limit, items=window, states=states,
                        backends=backends, jobs=jobs)
 
 
 def merge(pages: list[SandboxPage], q: SandboxQuery, unreachable: list[str]) -> SandboxPage:
     """The fleet's page from the edges' answers."""
-    ordered = heapq.merge(*(p.items for p in pages), key=sort_key(q))
-    items = list(itertools.islice(ordered, q.offset, q.offset + q.limit))
+    merged = heapq.merge(*(p.items for p in pages), key=sort_key(q), reverse=descending(q))
+    items = list(itertools.islice(merged, q.offset, q.offset + q.limit))
     states: Counter[str] = Counter()
     backends: Counter[str] = Counter()
     jobs: dict[str, Counter[str]] = {}

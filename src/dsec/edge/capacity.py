@@ -129,18 +129,23 @@ class Capacity(EdgeCore):
         """This edge's answer to a console query (dsec.console.query): usage read for every
         match when the order needs it, else only for the page."""
         live = list(self.sandboxes.values())
-        if needs_usage(query):
+        if needs_usage(query):  # ranked by CPU time and memory alone: two cgroup files per sandbox
             hits = [sb for sb in live if matches(sb.rec.info, query)]
-            uses = await asyncio.to_thread(lambda: [self._usage(sb) for sb in hits])
+            uses = await asyncio.to_thread(lambda: [self._rank_usage(sb) for sb in hits])
             page = answer([sb.rec.info.model_copy(update={"usage": u}) for sb, u in zip(hits, uses, strict=True)],
                           query)
         else:
             page = answer([sb.rec.info for sb in live], query)
-            if query.usage and page.items:
-                by_id = {sb.id: sb for sb in live}
-                page.items = await asyncio.to_thread(lambda: [
-                    i.model_copy(update={"usage": self._usage(by_id[i.sandbox_id])}) for i in page.items])
+        if (query.usage or needs_usage(query)) and page.items:
+            by_id = {sb.id: sb for sb in live}
+            page.items = await asyncio.to_thread(lambda: [
+                i.model_copy(update={"usage": self._usage(by_id[i.sandbox_id])}) for i in page.items])
         return page
+
+    def _rank_usage(self, sb: Sandbox) -> SandboxUsage:
+        use = cgroup_usage(self._cgroup(sb))
+        return SandboxUsage(cpu_s=use.get("cpu_ns", 0) / 1e9, memory_bytes=use.get("memory_bytes", 0), disk_bytes=0,
+                            oom_kills=0)
 
     async def fncall_stats(self) -> FnCallStats:
         return self.fncall_service.stats(self.name)

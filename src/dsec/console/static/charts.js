@@ -26,7 +26,7 @@ export function Chart({ title, series, data, height = 180, unit = "", testid }) 
       series: [{}, ...series.map((s, i) => ({
         label: s.label, stroke: s.color || COLORS[i % COLORS.length], width: 2,
         fill: i === 0 && series.length === 1 ? "rgba(47,111,222,0.08)" : undefined,
-        spanGaps: true, points: { show: false },
+        spanGaps: true, points: { show: !!s.points, size: 5 },
       }))],
     };
     plot.current = new uPlot(opts, data, box.current);

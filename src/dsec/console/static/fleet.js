@@ -53,7 +53,7 @@ export function FleetPage() {
           data=${columns(samples, "at", ["creates_per_s", "create_failures_per_s", "refusals_per_s"])} />
       <//>
       <${Card} title="Creation latency">
-        <${Chart} title="mean create time (ms)" testid="chart-latency" series=${[{ label: "create ms" }]} unit=""
+        <${Chart} title="mean create time (ms)" testid="chart-latency" series=${[{ label: "create ms", points: true }]}
           data=${columns(samples, "at", ["create_ms"])} />
       <//>
     </div>
