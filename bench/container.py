@@ -307,9 +307,34 @@ async def main() -> None:
             linux.umount(layer_mnt)
         shutil.rmtree(data_dir, ignore_errors=True)
     body = render(raw, ds, a.n, a.concurrency, a.execs)
+    if a.write:
+        body += "\n\n" + figures(raw, ds, a.write)
     print(body)
     if a.write:
         write_section(a.write, body, "python bench/container.py " + " ".join(sys.argv[1:]))
+
+
+def figures(raw: dict, ds: dict, markdown: str) -> str:  # type: ignore[type-arg]
+    """The distributions behind the table, as PNGs beside ``markdown``: their markdown links."""
+    import plots
+
+    out = plots.img_dir(markdown)
+
+    def ms(xs: list[float]) -> list[float]:
+        return [x * 1000 for x in xs]
+
+    create = plots.latency_cdf({"raw crun": ms(raw["lat"]), "dsec (SDK->API->edge)": ms(ds["lat"])},
+                               bench="container", name="create-to-first-exec",
+                               title=f"Create to first exec, {IMAGE}, one at a time", xlabel="latency (ms)",
+                               out_dir=out)
+    execs = plots.latency_histogram({"raw crun exec": ms(raw["exec"]), "dsec exec (one-off)": ms(ds["exec"]),
+                                     "dsec session command": ms(ds["session"]),
+                                     "dsec exec, inside the edge": ms(ds["inside"])},
+                                    bench="container", name="exec-round-trip", logx=True, bins=40,
+                                    title="Exec of /bin/true: round trip as the client sees it", xlabel="latency (ms)",
+                                    out_dir=out)
+    return "\n\n".join([plots.image_link("create-to-first-exec latency, raw crun vs dsec", create),
+                        plots.image_link("exec round trip distribution, raw crun vs dsec", execs)])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -86,10 +87,17 @@ async def idle_fleet(c: dsec.AsyncClient, n: int) -> dict[str, list[float]]:
         await c.stop_many(job="density-idle")
 
 
-async def capacity(c: dsec.AsyncClient, memory_mb: int, limit: int) -> dict[str, float]:
+def mem_available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("MemAvailable")) / 1024
+
+
+async def capacity(c: dsec.AsyncClient, memory_mb: int, limit: int) -> dict[str, Any]:
     """Create idle sandboxes (session + idle python3 each) until admission refuses or
-    ``limit``; then pause them all and create more until refused again or 2 x ``limit``."""
+    ``limit``; then pause them all and create more until refused again or 2 x ``limit``.
+    ``curve``: after each batch, (phase, sandboxes, MemAvailable MiB, the batch's seconds)."""
     made: list[dsec.AsyncSandbox] = []
+    curve: list[tuple[str, int, float, float]] = [("running", 0, mem_available_mb(), 0.0)]
 
     async def one() -> bool:
         try:
@@ -103,25 +111,26 @@ async def capacity(c: dsec.AsyncClient, memory_mb: int, limit: int) -> dict[str,
         await sb.exec("nohup python3 /root/idle.py >/dev/null 2>&1 &")
         return True
 
-    async def fill(upto: int) -> None:
+    async def fill(upto: int, phase: str) -> None:
         while len(made) < upto:
+            tb = time.monotonic()
             ok = await asyncio.gather(*(one() for _ in range(min(8, upto - len(made)))))
+            curve.append((phase, len(made), mem_available_mb(), time.monotonic() - tb))
             if not all(ok):
                 return
 
     t0 = time.monotonic()
     try:
-        await fill(limit)
+        await fill(limit, "running")
         running = len(made)
-        with open("/proc/meminfo") as f:
-            avail_running = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable")) / 1024
+        avail_running = mem_available_mb()
         t_fill = time.monotonic() - t0
         await c.pause_many(job="density-cap")
-        await fill(2 * limit)
-        with open("/proc/meminfo") as f:
-            avail_after = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable")) / 1024
+        curve.append(("paused", running, mem_available_mb(), 0.0))
+        await fill(2 * limit, "paused")
+        avail_after = mem_available_mb()
         return {"running": running, "with_paused": len(made), "fill_s": t_fill,
-                "avail_running_mb": avail_running, "avail_after_mb": avail_after}
+                "avail_running_mb": avail_running, "avail_after_mb": avail_after, "curve": curve}
     finally:
         await c.stop_many(job="density-cap")
 
@@ -204,11 +213,69 @@ async def main() -> None:
         out.append(f"| {load}% | {label} | {statistics.median(v) * ms:.2f} | {pct(v, 90) * ms:.2f} | "
                    f"{slow * 100:+.0f}% | {'<= +25%' if load == 50 and qos == 'best_effort' else ''} |")
     body = "\n".join(out)
+    if a.write:
+        body += "\n\n" + figures(idle, steps, cap, a, a.write)
     print(body)
     if a.write:
         cmd = "python bench/density.py" + (f" -n {a.n} --capacity {a.capacity}" if a.capacity else "")
         write_section(a.write, body, cmd + " --write docs/benchmarks.md", name="density",
                       title="Density (`bench/density.py`)")
+
+
+def figures(idle: dict[str, list[float]], steps: dict[tuple[int, str], list[float]], cap: dict[str, Any] | None,
+            a: argparse.Namespace, markdown: str) -> str:
+    """Memory per idle sandbox, the capacity fill and step latency against load, as PNGs beside
+    ``markdown``: their markdown links."""
+    import plots
+
+    out = plots.img_dir(markdown)
+    links = [plots.image_link(
+        "memory charged per idle sandbox, running vs paused",
+        plots.latency_histogram({"running": idle["running_mb"], "paused (frozen, pushed to zram)": idle["paused_mb"]},
+                                bench="density", name="memory", logx=True, unit="MiB",
+                                xlabel="memory charged to the sandbox's cgroup (MiB)",
+                                title=f"Memory per idle sandbox, {a.n} sandboxes", out_dir=out))]
+    if cap is not None:
+        run = [(n, m, dt) for ph, n, m, dt in cap["curve"] if ph == "running"]
+        paused = [(n, m, dt) for ph, n, m, dt in cap["curve"] if ph == "paused"]
+        mem = {"creating, all running": ([n for n, _, _ in run], [m for _, m, _ in run])}
+        if len(paused) > 1:
+            mem[f"creating more, the first {cap['running']:.0f} paused"] = ([n for n, _, _ in paused],
+                                                                             [m for _, m, _ in paused])
+        links.append(plots.image_link(
+            "MemAvailable on the node as idle sandboxes are created",
+            plots.density_curve(mem, bench="density", name="capacity-memory", markers=False,
+                                xlabel="idle sandboxes on the node", ylabel="MemAvailable (MiB)",
+                                title=f"Node memory as idle sandboxes are added ({a.capacity_memory_mb} MiB limit "
+                                      "each, 8 at a time)", out_dir=out)))
+        lat = {"all running": ([n for n, _, dt in run[1:]], [dt * 1000 for _, _, dt in run[1:]])}
+        if len(paused) > 1:
+            lat["the first ones paused"] = ([n for n, _, dt in paused[1:]], [dt * 1000 for _, _, dt in paused[1:]])
+        links.append(plots.image_link(
+            "time to create a batch of 8 idle sandboxes as the node fills",
+            plots.density_curve(lat, bench="density", name="capacity-latency", markers=False,
+                                xlabel="idle sandboxes on the node (after the batch)",
+                                ylabel="batch of 8: create + set up (ms)",
+                                title="Creating 8 idle sandboxes at once as the node fills", out_dir=out)))
+    base = statistics.median(steps[(0, "best_effort")]) * 1000
+    loads = sorted({load for load, _ in steps})
+    curve, styles = {}, {}
+    spinners = (("best_effort", "spinner best_effort (SCHED_IDLE)"),
+                ("latency_sensitive", "spinner latency_sensitive (no QoS)"))
+    for color, (qos, label) in zip(plots.COLORS[1:3], spinners, strict=True):
+        xs = [load for load in loads if (load, qos) in steps or load == 0]
+        for p, line in ((50, "-"), (90, "--")):
+            ys = [pct(steps[(load, qos if load else "best_effort")], p) * 1000 for load in xs]
+            curve[f"{label}, p{p}"] = (xs, ys)
+            styles[f"{label}, p{p}"] = {"color": color, "linestyle": line}
+    links.append(plots.image_link(
+        "latency-sensitive step latency against best-effort load on the same core",
+        plots.density_curve(curve, bench="density", name="qos-step-latency", styles=styles,
+                            hlines={f"unloaded p50 + 25% (target, {base * 1.25:.1f} ms)": base * 1.25},
+                            xlabel="best-effort spinner load on the same core (% of each 100 ms)",
+                            ylabel="latency-sensitive step (ms)",
+                            title="A latency-sensitive step under best-effort load", out_dir=out)))
+    return "\n\n".join(links)
 
 
 if __name__ == "__main__":

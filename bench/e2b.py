@@ -121,7 +121,32 @@ def main() -> None:
             f"{med(ci['create']) * ms:.0f} | |",
             f"| e2b-code-interpreter: cell round trip p50 (ms) | | {med(ci['rtt']) * ms:.2f} | |"]
     body = "\n".join(rows)
+    if a.write:
+        body += "\n\n" + figures(ds, e2, e2u, ci, a.write)
     report(body, a.write, "e2b.py", "e2b", "E2B SDK against dsec (`bench/e2b.py`)")
+
+
+def figures(ds: dict[str, list[float]], e2: dict[str, list[float]], e2u: dict[str, list[float]],
+            ci: dict[str, list[float]], markdown: str) -> str:
+    """The latency distributions behind the table, as PNGs beside ``markdown``: their markdown links."""
+    import plots
+
+    out = plots.img_dir(markdown)
+
+    def ms(xs: list[float]) -> list[float]:
+        return [x * 1000 for x in xs]
+
+    create = plots.latency_cdf({"dsec SDK (baseline)": ms(ds["create"]), "E2B SDK": ms(e2["create"]),
+                                "E2B SDK, 'base' template": ms(e2u["create"])},
+                               bench="e2b", name="create", xlabel="create to first command (ms)",
+                               title="Create to first command, one at a time, same dsec server", out_dir=out)
+    rtt = plots.latency_cdf({"dsec SDK (baseline)": ms(ds["rtt"]), "E2B SDK": ms(e2["rtt"]),
+                             "E2B SDK, 'base' template": ms(e2u["rtt"]),
+                             "e2b-code-interpreter cell (1 + 1)": ms(ci["rtt"])},
+                            bench="e2b", name="round-trip", logx=True, xlabel="round trip (ms)",
+                            title="Command ('true') and cell round trip in a running sandbox", out_dir=out)
+    return "\n\n".join([plots.image_link("create to first command, dsec SDK vs E2B SDK", create),
+                        plots.image_link("command round trip, dsec SDK vs E2B SDK", rtt)])
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ async def measure(call: Callable[[], Awaitable[str]], n: int, conc: int) -> dict
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(conc)))
     wall = time.perf_counter() - t0
-    return {"p50": pct(lat, 50) * 1000, "p90": pct(lat, 90) * 1000, "rps": n / wall}
+    return {"p50": pct(lat, 50) * 1000, "p90": pct(lat, 90) * 1000, "rps": n / wall,
+            "lat": [x * 1000 for x in lat]}  # type: ignore[dict-item]
 
 
 async def sandboxfusion(url: str, lang: str, code: str) -> str:
@@ -94,7 +95,7 @@ async def main() -> None:
                         src = code + f"// {next(serial)}\n" if vary else code
                         return (await c.fncall(dsec.FnCallArgs(language=lang, code=src))).stdout
                     rows.append((name, conc, "dsec", await measure(call, n, conc)))
-                    print(rows[-1], flush=True)
+                    print(rows[-1][:3], {k: round(v, 1) for k, v in rows[-1][3].items() if k != "lat"}, flush=True)
     finally:
         proc.terminate()
         proc.wait()
@@ -112,7 +113,7 @@ async def main() -> None:
                 async def base(lang: str = lang) -> str:
                     return (await raw.run_once(argv[lang])).decode()
                 rows.append((name, conc, "fresh crun container per call", await measure(base, n, conc)))
-                print(rows[-1], flush=True)
+                print(rows[-1][:3], {k: round(v, 1) for k, v in rows[-1][3].items() if k != "lat"}, flush=True)
                 if a.sandboxfusion_url:
                     async def sf(lang: str = lang, code: str = code) -> str:
                         return await sandboxfusion(a.sandboxfusion_url, lang, code)
@@ -122,10 +123,47 @@ async def main() -> None:
         linux.umount(mnt)
         shutil.rmtree(data_dir, ignore_errors=True)
     body = render(rows)
+    if a.write:
+        body += "\n\n" + figures(rows, a.write)
     print(body)
     if a.write:
         write_section(a.write, body, "python bench/fncall.py " + " ".join(sys.argv[1:]), name="fncall",
                       title="FnCall (`bench/fncall.py`)")
+
+
+def figures(rows: list[tuple[str, int, str, dict[str, float]]], markdown: str) -> str:
+    """Throughput against concurrency and the latency distribution behind the table, as PNGs
+    beside ``markdown``: their markdown links."""
+    import plots
+
+    out = plots.img_dir(markdown)
+    base = "fresh crun container per call"
+    tput: dict[str, dict[int, float]] = {}
+    for name, conc, who, m in rows:
+        if name == "C++ same source" and who != "dsec":
+            continue  # the table leaves these out too: the baseline always compiles
+        tput.setdefault(f"{name}: {'fresh crun per call' if who == base else who}", {})[conc] = m["rps"]
+    # the baselines first (grey), then dsec, as in every plot
+    py = {k: v for k, v in tput.items() if k.startswith("python hello") and "crun" in k}
+    py |= {k: v for k, v in tput.items() if k.startswith("python hello") and "crun" not in k}
+    cpp = {k: v for k, v in tput.items() if k.startswith("C++") and "crun" in k}
+    cpp |= {k: v for k, v in tput.items() if k.startswith("C++") and "crun" not in k}
+    links = [plots.image_link("python hello: calls/s against concurrency, dsec vs a fresh crun container per call",
+                              plots.throughput_vs_concurrency(py, bench="fncall", name="python-throughput",
+                                                              title="FnCall python hello: throughput", out_dir=out)),
+             plots.image_link("C++: calls/s against concurrency, dsec vs a fresh crun container per call",
+                              plots.throughput_vs_concurrency(cpp, bench="fncall", name="cpp-throughput",
+                                                              title="FnCall C++ compile+run: throughput",
+                                                              logy=True, out_dir=out))]
+    lat = {("fresh crun per call" if who == base else who) + f", concurrency {conc}": m["lat"]
+           for name, conc, who, m in rows if name == "python hello" and conc == 1 and who in (base, "dsec")}
+    if lat:
+        links.append(plots.image_link(
+            "python hello latency distribution at concurrency 1",
+            plots.latency_cdf(dict(sorted(lat.items(), key=lambda kv: "crun" not in kv[0])),  # type: ignore[arg-type]
+                              bench="fncall", name="python-latency", logx=True,
+                              title="FnCall python hello: latency per call, one at a time", out_dir=out)))
+    return "\n\n".join(links)
 
 
 def render(rows: list[tuple[str, int, str, dict[str, float]]]) -> str:

@@ -168,10 +168,38 @@ async def main() -> None:
             f"| cloned from template | {rk / 1024:.0f} | {pk / 1024:.0f} | {uk / 1024:.0f} | "
             f"{rk / rc:.2f} / {pk / pc:.2f} / {uk / uc:.2f} | RSS <= 0.40 |"]
     body = "\n".join(out)
+    if a.write:
+        body += "\n\n" + figures(res, rss, accel, a.write)
     print(body)
     if a.write:
         write_section(a.write, body, "python bench/vm.py --write docs/benchmarks.md", name="vm",
                       title="VM backends (`bench/vm.py`)")
+
+
+def figures(res: dict[str, list[float]], rss: dict[str, list[tuple[int, int, int]]], accel: str,
+            markdown: str) -> str:
+    """Medians (with p90 as error bars) of the timings and the idle VMs' memory, as PNGs beside
+    ``markdown``: their markdown links."""
+    import plots
+
+    out = plots.img_dir(markdown)
+    names = [("bare", "bare QEMU\nboot (baseline)"), ("cold", "dsec cold boot\nto first exec"),
+             ("template", "dsec template\nrestore to\nfirst exec"), ("pause", "pause"),
+             ("resume", "resume to\nfirst exec")]
+    names = [(k, label) for k, label in names if res.get(k)]
+    p50 = [statistics.median(res[k]) * 1000 for k, _ in names]
+    p90 = [pct(res[k], 90) * 1000 for k, _ in names]
+    times = plots.bar_compare([label for _, label in names], {"median": p50},
+                              errors={"median": [max(0.0, b - a) for a, b in zip(p50, p90, strict=True)]},
+                              bench="vm", name="timings", ylabel="ms", baseline_group=0,
+                              title=f"microVM timings, median over {len(res['cold'])} rounds (bar to p90), "
+                                    f"accelerator {accel}", out_dir=out)
+    mem = {kind: [statistics.median(x[i] for x in rss[key]) / 1024 for i in range(3)]
+           for kind, key in (("cold-booted", "cold"), ("cloned from template", "clone"))}
+    memory = plots.bar_compare(["RSS", "PSS", "USS (private)"], mem, bench="vm", name="memory",
+                               ylabel="MiB", title="Memory of an idle microVM's QEMU process, median", out_dir=out)
+    return "\n\n".join([plots.image_link("microVM boot, restore, pause and resume times", times),
+                        plots.image_link("memory per idle microVM, cold-booted vs cloned", memory)])
 
 
 if __name__ == "__main__":
