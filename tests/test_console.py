@@ -18,6 +18,7 @@ from conftest import TOKEN, Platform
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
 import dsec
+from dsec.wire.iam import ProjectQuota
 from dsec.wire.jobs import JobQuota
 
 CHROMIUM = "/usr/bin/chromium"
@@ -147,10 +148,9 @@ async def test_console_end_to_end(browser: Browser, platform: Platform, client: 
         await expect(page.get_by_test_id("sandbox-count")).to_have_text("3", timeout=WAIT_MS)
         await expect(page.locator(f"tr[data-sandbox='{sb.sandbox_id}']")).to_have_count(0)
 
-        for name in ("layers", "fncall"):
+        for name, testid in (("layers", "layers"), ("fncall", "fncall-pools"), ("projects", "projects")):
             await page.goto(f"{platform.url}/ui/#/{name}")
-            await expect(page.get_by_test_id("layers" if name == "layers" else "fncall-pools")).to_be_visible(
-                timeout=WAIT_MS)
+            await expect(page.get_by_test_id(testid)).to_be_visible(timeout=WAIT_MS)
             await shot(page, name)
     finally:
         await ctx.close()
@@ -160,6 +160,7 @@ async def test_console_end_to_end(browser: Browser, platform: Platform, client: 
 async def test_a_projects_token_sees_only_its_project(browser: Browser, platform: Platform,
                                                       client: dsec.AsyncClient) -> None:
     project = f"console-p{secrets.token_hex(2)}"
+    await client.projects.create(project, ProjectQuota(sandboxes=5))
     mine = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64))
     tok = await client.create_token(project, "runner", "console test")
     assert tok.token is not None
@@ -173,6 +174,11 @@ async def test_a_projects_token_sees_only_its_project(browser: Browser, platform
         await expect(page.locator(f"tr[data-sandbox='{their_sb.sandbox_id}']")).to_be_visible()
         await expect(page.locator(f"tr[data-sandbox='{mine.sandbox_id}']")).to_have_count(0)
         await shot(page, "project-sandboxes")
+        # its quota use: one of five sandboxes
+        await page.goto(f"{platform.url}/ui/#/projects")
+        await expect(page.locator(f"tr[data-project='{project}']")).to_contain_text("1 / 5", timeout=WAIT_MS)
+        await expect(page.locator("tr[data-project]")).to_have_count(1)
+        await shot(page, "projects")
         # another project's sandbox does not exist for this session, page or API
         r = await page.request.get(f"{platform.url}/v1/sandboxes/{mine.sandbox_id}")
         assert r.status == 404

@@ -4,11 +4,13 @@ import { html, render, useEffect, useState } from "/ui/vendor/preact.js";
 import { FleetPage } from "/ui/static/fleet.js";
 import { JobPage, JobsPage } from "/ui/static/jobs.js";
 import { FnCallPage, LayersPage } from "/ui/static/layers.js";
+import { ProjectsPage } from "/ui/static/projects.js";
 import { ErrorNote, api, setUnauthorizedHandler } from "/ui/static/lib.js";
 import { SandboxPage } from "/ui/static/sandbox.js";
 import { SandboxesPage } from "/ui/static/sandboxes.js";
 
-const NAV = [["fleet", "Fleet"], ["sandboxes", "Sandboxes"], ["jobs", "Jobs"], ["layers", "Layers"], ["fncall", "FnCall"]];
+const NAV = [["fleet", "Fleet"], ["sandboxes", "Sandboxes"], ["jobs", "Jobs"], ["layers", "Layers"], ["fncall", "FnCall"],
+  ["projects", "Projects"]];
 
 function parseHash() {
   const raw = window.location.hash.replace(/^#\/?/, "");
@@ -54,6 +56,7 @@ function Page({ route }) {
     case "job": return html`<${JobPage} name=${arg} params=${route.params} key=${arg} />`;
     case "layers": return html`<${LayersPage} />`;
     case "fncall": return html`<${FnCallPage} />`;
+    case "projects": return html`<${ProjectsPage} />`;
     default: return html`<${FleetPage} />`;
   }
 }
