@@ -208,8 +208,21 @@ async def test_a_projects_token_sees_only_its_project(browser: Browser, platform
         await (await client.connect(their_sb.sandbox_id)).stop()
 
 
-async def test_console_api_bad_input_is_a_clear_4xx(platform: Platform) -> None:
+async def test_busiest_first_and_bad_input_is_a_clear_4xx(platform: Platform, client: dsec.AsyncClient) -> None:
     h = {"Authorization": f"Bearer {TOKEN}"}
+    busy = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64, job="console-top"))
+    idle = await client.run_container(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64, job="console-top"))
+    try:
+        await busy.exec("timeout 2 sh -c 'while :; do :; done'; true")
+        async with aiohttp.ClientSession(headers=h) as s:
+            async with s.get(f"{platform.url}/v1/console/sandboxes?job=console-top&sort=-cpu&limit=5") as r:
+                page = await r.json()
+        assert [i["sandbox_id"] for i in page["items"]] == [busy.sandbox_id, idle.sandbox_id]
+        assert page["items"][0]["usage"]["cpu_s"] > 0.5 > page["items"][1]["usage"]["cpu_s"]
+        assert page["items"][0]["usage"]["pids"] >= 1  # the page's items carry their full usage
+    finally:
+        await busy.stop()
+        await idle.stop()
     async with aiohttp.ClientSession(headers=h) as s:
         for query, field in (("sort=sideways", "sort"), ("limit=100000", "limit"), ("offset=-1", "offset"),
                              ("label=nolabel", "label")):

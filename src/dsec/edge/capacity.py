@@ -34,10 +34,15 @@ from dsec.wire.models import (
 )
 
 log = logging.getLogger("dsec.edge")
+RANK_TTL_S = 1.0
 
 
 class Capacity(EdgeCore):
     """Admission, stats, usage."""
+
+    _rank_lock: asyncio.Lock | None = None
+    _rank_at = 0.0
+    _rank: dict[str, SandboxUsage] = {}  # replaced, never mutated
 
     def _reserved(self) -> tuple[float, int, int]:
         """CPU and memory reserved by the sandboxes here: each one's request (by default a
@@ -131,9 +136,8 @@ class Capacity(EdgeCore):
         live = list(self.sandboxes.values())
         if needs_usage(query):  # ranked by CPU time and memory alone: two cgroup files per sandbox
             hits = [sb for sb in live if matches(sb.rec.info, query)]
-            uses = await asyncio.to_thread(lambda: [self._rank_usage(sb) for sb in hits])
-            page = answer([sb.rec.info.model_copy(update={"usage": u}) for sb, u in zip(hits, uses, strict=True)],
-                          query)
+            ranked = await self._ranked(hits)
+            page = answer([sb.rec.info.model_copy(update={"usage": ranked.get(sb.id)}) for sb in hits], query)
         else:
             page = answer([sb.rec.info for sb in live], query)
         if (query.usage or needs_usage(query)) and page.items:
@@ -141,6 +145,21 @@ class Capacity(EdgeCore):
             page.items = await asyncio.to_thread(lambda: [
                 i.model_copy(update={"usage": self._usage(by_id[i.sandbox_id])}) for i in page.items])
         return page
+
+    async def _ranked(self, hits: list[Sandbox]) -> dict[str, SandboxUsage]:
+        """CPU time and memory of ``hits``, read at most once a second whoever asks (every
+        ``dsec top`` and console sorting by CPU shares one read of the node's cgroups)."""
+        if self._rank_lock is None:
+            self._rank_lock = asyncio.Lock()
+        async with self._rank_lock:
+            fresh = time.monotonic() - self._rank_at < RANK_TTL_S
+            missing = [sb for sb in hits if not fresh or sb.id not in self._rank]
+            if missing:
+                read = await asyncio.to_thread(lambda: {sb.id: self._rank_usage(sb) for sb in missing})
+                self._rank = {**self._rank, **read} if fresh else read
+                if not fresh:
+                    self._rank_at = time.monotonic()
+            return self._rank
 
     def _rank_usage(self, sb: Sandbox) -> SandboxUsage:
         use = cgroup_usage(self._cgroup(sb))
