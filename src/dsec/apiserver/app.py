@@ -31,8 +31,11 @@ from dsec.wire.models import (
 
 
 def build_app(api: Apiserver) -> FastAPI:
+    # FastAPI's own OpenTelemetry spans (a server span per request, in the caller's trace) are
+    # the apiserver's part of a trace (dsec.tracing); they record only when tracing is on
     app = FastAPI(title="dsec", version="0.1.0",
-                  description="Elastic sandboxes for agentic RL: create, exec, files, HTTP, TTY.")
+                  description="Elastic sandboxes for agentic RL: create, exec, files, HTTP, TTY.",
+                  telemetry={"metrics": False, "logs": False, "operation_spans": False})
 
     @app.exception_handler(DsecError)
     async def _dsec_error(_: Request, e: DsecError) -> JSONResponse:

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from dsec import tracing
 from dsec.batches import BatchRunner, BatchStore
 from dsec.checkpoints.mover import Mover
 from dsec.checkpoints.store import CheckpointStore
@@ -223,7 +224,9 @@ class Apiserver:
             if not self.watcher.view:
                 await self.watcher.refresh()
             try:
-                name = self.placement.choose(req.args, exclude=tried)
+                with tracing.span("placement.choose", backend=req.args.backend, excluded=len(tried)):
+                    name = self.placement.choose(req.args, exclude=tried)
+                    tracing.annotate(edge=name)
             except AdmissionRejected:
                 if last is not None:
                     raise last from None
@@ -242,7 +245,8 @@ class Apiserver:
                     edge = self.edges.get(name)
                     if edge is None:  # left the cluster since the view was taken
                         raise EdgeUnavailable(f"edge {name} left the cluster")
-                    return await edge.create(req.args)
+                    with tracing.span("edge.create", edge=name, backend=req.args.backend, image=req.args.image):
+                        return await edge.create(req.args)
             except (AdmissionRejected, EdgeUnavailable) as e:
                 if isinstance(e, EdgeUnavailable):
                     log.warning("create re-placed: edge %s did not answer: %s", name, e)

@@ -120,8 +120,10 @@ def serve(host: str = "127.0.0.1", port: int = 7777,
           token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")] = None,
           edge_name: str = "edge0", **edge: Any) -> None:
     """Run apiserver, placement, watcher and one edge in this process until SIGTERM."""
+    from dsec import tracing
     from dsec.embedded import build_embedded
 
+    tracing.setup("dsec-serve")
     data_dir, store, cfg = _edge_settings(edge)
     with _errors():
         try:
@@ -147,9 +149,11 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
     WebSocket, for apiservers holding the cluster secret."""
     from aiohttp import web
 
+    from dsec import tracing
     from dsec.edge.remote.server import build_app
     from dsec.embedded import build_edge
 
+    tracing.setup("dsec-edge")
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         err.print(f"[red]error[/red]: --listen must be HOST:PORT, not {listen!r}")
@@ -192,8 +196,10 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
               store: StoreOpt = None, log_level: str = "info") -> None:
     """Run the apiserver (with placement and the watcher) in front of edge daemons: named
     by hand (--edges), or a cluster's (--db)."""
+    from dsec import tracing
     from dsec.embedded import build_apiserver, build_replica, data_dir_default
 
+    tracing.setup("dsec-apiserver")
     if (edges is None) == (db is None):
         err.print("[red]error[/red]: give --edges (edges named by hand) or --db (a cluster's registry), not both")
         raise typer.Exit(2)

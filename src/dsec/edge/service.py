@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from sqlalchemy import Engine
 
+from dsec import tracing
 from dsec.agent.aether import (
     DEFAULT_PATH,
     Aether,
@@ -214,8 +215,10 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             self.state.put(sb.rec)
             await failpoint("create.recorded")
             backend = self.backend_of(sb)
-            await backend.prepare(sb, digests)
-            await backend.start(sb, digests)
+            with tracing.span("backend.prepare", backend=args.backend, sandbox_id=sid, layers=len(digests)):
+                await backend.prepare(sb, digests)
+            with tracing.span("backend.start", backend=args.backend, sandbox_id=sid):
+                await backend.start(sb, digests)
             await failpoint("create.attached")
             self._still_wanted(sb)
             info.state = SandboxState.running
@@ -404,10 +407,11 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         return exec_events(lambda on_data: self._exec(sandbox_id, req, on_data))
 
     async def _exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
-        if req.key is not None:
-            return await self._keyed_exec(sandbox_id, req, on_data)
-        sb, agent = await self._ready(sandbox_id)
-        return await self._run_exec(sb, agent, req, on_data)
+        with tracing.span("edge.exec", sandbox_id=sandbox_id, session=req.session, keyed=req.key is not None):
+            if req.key is not None:
+                return await self._keyed_exec(sandbox_id, req, on_data)
+            sb, agent = await self._ready(sandbox_id)
+            return await self._run_exec(sb, agent, req, on_data)
 
     async def _run_exec(self, sb: Sandbox, agent: Aether, req: ExecRequest, on_data: OnData | None) -> ExecResult:
         sandbox_id = sb.id

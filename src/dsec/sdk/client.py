@@ -13,6 +13,7 @@ import asyncio
 import builtins
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import ValidationError
 
+from dsec import tracing
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable, InvalidRequest
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.iam import AsyncProjects
@@ -58,6 +60,12 @@ from dsec.wire.models import (
 )
 
 DEFAULT_URL = "http://127.0.0.1:7777"
+_ID = re.compile(r"/(sandboxes|jobs|batches|rollouts|layers|nodes|projects|tokens)/[^/]+")
+
+
+def _route_of(path: str) -> str:
+    """A path with its ids taken out: a span's name is the same for every sandbox."""
+    return _ID.sub(lambda m: f"/{m.group(1)}/{{id}}", path)
 # a replica that failed goes to the back of the queue this long: requests in the meantime
 # go to the others first instead of paying for its failure again, yet one blip never
 # takes it out of service for long
@@ -471,6 +479,7 @@ class AsyncClient:
 
     def __init__(self, url: str | Sequence[str] | None = None, token: str | None = None,
                  timeout: float = 60.0) -> None:
+        tracing.setup("dsec-sdk")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (docs/tracing.md)
         self.urls = _parse_urls(url or default_url())
         self._url = self.urls[0]
         # None with one URL: the request path then is exactly the single-server one
@@ -511,6 +520,23 @@ class AsyncClient:
     async def _request(self, method: str, path: str, *, params: Any = None, json: Any = None,
                        content: bytes | str | None = None, headers: dict[str, str] | None = None,
                        timeout: float | None = None, check: bool = True) -> Response:
+        if not tracing.on():
+            return await self._send(method, path, params, json, content, headers, timeout, check)
+        with tracing.span(f"dsec {method} {_route_of(path)}", kind="client", **{
+                "http.request.method": method, "url.path": path}) as s:
+            headers = dict(headers or {})
+            tracing.inject(headers)
+            try:
+                resp = await self._send(method, path, params, json, content, headers, timeout, check)
+            except DsecError as e:
+                s.set_attribute("http.response.status_code", e.status)
+                tracing.failed(s, f"{e.code}: {e.message}")
+                raise
+            s.set_attribute("http.response.status_code", resp.status_code)
+            return resp
+
+    async def _send(self, method: str, path: str, params: Any, json: Any, content: bytes | str | None,
+                    headers: dict[str, str] | None, timeout: float | None, check: bool) -> Response:
         http = await self._session()
         kw: dict[str, Any] = {"params": params, "headers": headers}
         if json is not None:
@@ -534,6 +560,9 @@ class AsyncClient:
 
     async def _open(self, method: str, path: str, kw: dict[str, Any], timeout: float) -> aiohttp.ClientResponse:
         """A response whose headers are in and whose body is the caller's to read (a stream)."""
+        if tracing.on():  # the stream's span is the apiserver's: this side only says which trace
+            kw["headers"] = dict(kw.get("headers") or {})
+            tracing.inject(kw["headers"])
         http = await self._session()
         if self._replicas is not None:
             return await self._replicated(http, method, path, kw, timeout, buffer=False, ours=True)

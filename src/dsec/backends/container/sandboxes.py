@@ -12,6 +12,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+from dsec import tracing
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.edge import memory
@@ -57,15 +58,17 @@ class ContainerSandboxes:
             sb.qgroup = self.volume.subvolume_id(sb.dir)
         if queued := await layers.prefetch(digests):
             self.host.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
-        if args.record_access:
-            lowers = [await layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
-                      for i, d in reversed(list(enumerate(digests)))]
-        else:
-            lowers = [await layers.mount(d) for d in reversed(digests)]
+        with tracing.span("layers.mount", sandbox_id=sid, layers=len(digests)):
+            if args.record_access:
+                lowers = [await layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
+                          for i, d in reversed(list(enumerate(digests)))]
+            else:
+                lowers = [await layers.mount(d) for d in reversed(digests)]
         for sub in ("upper", "work", "rootfs"):
             os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
-        linux.mount("overlay", os.path.join(sb.dir, "rootfs"), "overlay", 0,
-                    f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
+        with tracing.span("rootfs.mount", sandbox_id=sid, lowers=len(lowers)):
+            linux.mount("overlay", os.path.join(sb.dir, "rootfs"), "overlay", 0,
+                        f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
         await failpoint("create.mounted")
 
     async def start(self, sb: Sandbox, digests: list[str]) -> None:
@@ -83,7 +86,8 @@ class ContainerSandboxes:
             lsock.bind(sock_path)
             os.chmod(sock_path, 0o600)
             lsock.listen(64)
-            sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
+            with tracing.span("crun.run", sandbox_id=sid):
+                sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
         finally:
             lsock.close()
             os.close(init_fd)
@@ -95,7 +99,8 @@ class ContainerSandboxes:
                                         args.cpu_cores_limit, args.pids_limit, limits.cpu_shares, idle)
         if args.network_rules is not None:
             await self.host.wire_network(sb, args.network_rules)
-        await self.attach(sb, (procs, idle))
+        with tracing.span("agent.attach", sandbox_id=sid):
+            await self.attach(sb, (procs, idle))
 
     async def attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
         """Connect to the container's init (``workload``: at create, the cgroup.procs fds

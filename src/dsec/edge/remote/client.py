@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from dsec import tracing
 from dsec.edge import api
 from dsec.edge.remote.ops import CANCEL, END, ERROR, ITEM, OK, Op, error_from, ops
 from dsec.errors import DeadlineExceeded, EdgeUnavailable
@@ -64,9 +65,10 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
         bound = CALL_BOUND_S
         if op.name == "exec":
             bound = arguments["req"].timeout_s + EXEC_MARGIN_S
-        if op.multiplexed:
+        if op.multiplexed and not tracing.on():  # a traced call needs its own headers (traceparent)
             return op.decode_result(await self._calls.call(op.name, data.decode(), bound))
         headers = {"Content-Type": "application/octet-stream" if op.body is not None else "application/json"}
+        tracing.inject(headers)
         if op.body is not None:  # the arguments' JSON line, then the raw bytes
             data = data + b"\n" + arguments[op.body]
         try:
@@ -92,8 +94,10 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
         assert op.item is not None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):  # a frozen daemon still accepts TCP
+                traced: dict[str, str] = {}
+                tracing.inject(traced)
                 ws = await self._http().ws_connect(f"{self.url}/v1/stream/{op.name}", heartbeat=HEARTBEAT_S,
-                                                   max_msg_size=0)
+                                                   max_msg_size=0, headers=traced)
         except aiohttp.WSServerHandshakeError as e:
             raise error_from({"error": {401: "unauthorized", 404: "not_found"}.get(e.status, "edge_unavailable"),
                               "message": f"edge {self.name}: {op.name}: HTTP {e.status} {e.message}"}, "") from None

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 from pydantic import ValidationError
 
+from dsec import tracing
 from dsec.edge.api import EdgeAPI
 from dsec.edge.interactive import InputBuffer
 from dsec.edge.remote.ops import CANCEL, END, ERROR, FAILED, ITEM, OK, Op, error_json, ops
@@ -84,7 +85,9 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
                     kwargs = op.decode_args(raw)
             except ValidationError as e:
                 raise _bad_args(op, e) from None
-            result = await _invoke(edge, op, kwargs)
+            with tracing.extracted(request.headers), tracing.span(f"edge.call {op.name}", kind="server",
+                                                                 edge=getattr(edge, "name", None)):
+                result = await _invoke(edge, op, kwargs)
         except DsecError as e:
             return _error(e)
         if op.raw_result:
@@ -113,7 +116,9 @@ def build_app(edge: EdgeAPI, secret: str, max_body: int) -> web.Application:
         await ws.prepare(request)
         open_streams.add(ws)
         try:
-            await _serve_stream(edge, ws, request)
+            with tracing.extracted(request.headers), tracing.span(
+                    f"edge.stream {request.match_info['op']}", kind="server", edge=getattr(edge, "name", None)):
+                await _serve_stream(edge, ws, request)
         finally:
             open_streams.discard(ws)
             await ws.close()
