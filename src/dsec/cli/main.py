@@ -399,6 +399,7 @@ from dsec.cli.checkpoints import checkpoint_app, drain, move, restore  # noqa: E
 from dsec.cli.nodes import node_app, nodes  # noqa: E402
 from dsec.cli.projects import project_app  # noqa: E402
 from dsec.cli.rollouts import rollout_app, worker  # noqa: E402
+from dsec.cli.top import top  # noqa: E402
 
 app.add_typer(node_app, name="node")
 app.add_typer(checkpoint_app, name="checkpoint")
@@ -406,6 +407,7 @@ app.command("move")(move)
 app.command("restore")(restore)
 node_app.command("drain")(drain)
 app.command("nodes")(nodes)
+app.command("top")(top)
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(project_app, name="project")
 app.command("rollout-worker")(worker)

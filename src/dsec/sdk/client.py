@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from dsec import tracing
 from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable, InvalidRequest
 from dsec.sdk.batches import AsyncBatch
+from dsec.sdk.console import AsyncConsole
 from dsec.sdk.iam import AsyncProjects
 from dsec.sdk.jobs import AsyncJob
 from dsec.sdk.nodes import AsyncNodes
@@ -773,6 +774,12 @@ class AsyncClient:
 
     async def revoke_token(self, token_id: str) -> None:
         await self._json("DELETE", f"/v1/tokens/{token_id}")
+
+    @property
+    def console(self) -> AsyncConsole:
+        """What the web console and ``dsec top`` read (docs/console.md): ``.fleet()``,
+        ``.sandboxes(sort="-cpu", ...)``, ``.batches()``, ``.fncall()``, ``.layers()``."""
+        return AsyncConsole(self)
 
     @property
     def nodes(self) -> AsyncNodes:

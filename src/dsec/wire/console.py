@@ -9,7 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from dsec.wire.fleet import FleetEvent
 from dsec.wire.models import SandboxInfo, Strict
+from dsec.wire.nodes import NodeInfo
 
 SortKey = Literal["created", "-created", "last_active", "-last_active", "cpu", "-cpu", "memory", "-memory"]
 MAX_PAGE = 500
@@ -71,6 +73,16 @@ class FleetSample(BaseModel):
 class FleetHistory(BaseModel):
     interval_s: float
     samples: list[FleetSample]
+
+
+class FleetOverview(BaseModel):
+    """``GET /v1/console/fleet``: the fleet at a glance."""
+
+    nodes: list[NodeInfo]
+    sandboxes: SandboxPage = Field(description="the caller's sandboxes: counts only (no items)")
+    history: FleetHistory
+    events: list[FleetEvent] = Field(default_factory=list, description="the newest fleet events (the cluster's "
+                                     "admin only)")
 
 
 class FnCallPoolStats(BaseModel):

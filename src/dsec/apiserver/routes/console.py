@@ -12,7 +12,7 @@ from collections import Counter
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
 from dsec.apiserver.core import LIST_TIMEOUT_S, Apiserver, parse_labels
 from dsec.apiserver.routes.nodes import node_info
@@ -22,7 +22,7 @@ from dsec.iam import current_principal
 from dsec.iam.visibility import LayerAcl, may_see
 from dsec.wire.console import (
     MAX_PAGE,
-    FleetHistory,
+    FleetOverview,
     FnCallStats,
     LayerCacheStats,
     LayerCatalog,
@@ -31,17 +31,8 @@ from dsec.wire.console import (
     SandboxQuery,
 )
 from dsec.wire.fleet import FleetEvent
-from dsec.wire.nodes import NodeInfo
 
 EVENTS_SHOWN = 30
-
-
-class FleetOverview(BaseModel):
-    nodes: list[NodeInfo]
-    sandboxes: SandboxPage = Field(description="the caller's sandboxes: counts only (no items)")
-    history: FleetHistory
-    events: list[FleetEvent] = Field(default_factory=list, description="the newest fleet events (the cluster's "
-                                     "admin only)")
 
 
 def routes(api: Apiserver) -> APIRouter:

@@ -1,0 +1,161 @@
+"""``dsec top`` (docs/console.md) against the session's platform: one frame names the edge,
+the job and the busy sandbox first (CPU % between two polls), a bad token or an apiserver
+that is not there is one clear line and a nonzero exit, and the live view in a terminal
+redraws and quits on Ctrl-C without a traceback. Also the CPU-rate arithmetic, and the
+SDK's console face (``client.console``) it reads through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import pty
+import secrets
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import AsyncIterator
+
+from conftest import TOKEN, Platform
+
+import dsec
+from dsec.cli.top import CpuRates, cpu_pct
+from dsec.wire.models import SandboxInfo, SandboxUsage
+
+BUSY = "timeout 30 sh -c 'while :; do :; done'; true"
+
+
+def _env(platform: Platform, **extra: str) -> dict[str, str]:
+    return {**os.environ, "DSEC_URL": platform.url, "DSEC_TOKEN": TOKEN, "COLUMNS": "120", **extra}
+
+
+async def _cli(*args: str, env: dict[str, str], timeout: float = 30) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dsec.cli.main", "top", *args, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@contextlib.asynccontextmanager
+async def _busy_and_idle(client: dsec.AsyncClient) -> AsyncIterator[tuple[str, dsec.AsyncSandbox, dsec.AsyncSandbox]]:
+    """A job of two busybox sandboxes made by one batch: one spinning a core (for 30 s at
+    most), one idle. Stopping the job stops them."""
+    job = await client.create_job(f"top-{secrets.token_hex(3)}")
+    spin: asyncio.Task[object] | None = None
+    try:
+        batch = await client.create_many(dsec.ContainerArgs(image="base/busybox", memory_limit_mb=64,
+                                                            cpu_cores_limit=1), 2, job=job.name)
+        (busy, idle), failed = await batch.result(timeout=60)
+        assert not failed, failed
+        spin = asyncio.create_task(busy.exec(BUSY, timeout=40))
+        await asyncio.sleep(0.5)  # the loop is on its way before the first poll
+        yield job.name, busy, idle
+    finally:
+        if spin is not None:
+            spin.cancel()
+        await job.stop()
+        if spin is not None:
+            with contextlib.suppress(asyncio.CancelledError, dsec.DsecError):
+                await spin
+
+
+def test_cpu_pct() -> None:
+    assert cpu_pct(10.0, 11.0, 2.0) == 50.0
+    assert cpu_pct(10.0, 14.0, 2.0) == 200.0  # two cores
+    assert cpu_pct(10.0, 9.0, 2.0) is None  # the counter went back: restored elsewhere
+    assert cpu_pct(1.0, 2.0, 0.0) is None
+    info = {"edge": "e", "backend": "container", "state": "running", "image": "i", "layers": [], "created_at": 0,
+            "last_active_at": 0, "memory_limit_mb": 64, "cpu_cores_limit": 1}
+
+    def at(cpu_s: float) -> SandboxInfo:
+        return SandboxInfo.model_validate({**info, "sandbox_id": "a", "usage": SandboxUsage(cpu_s=cpu_s)})
+
+    rates = CpuRates()
+    assert rates.update([at(5.0)], 100.0) == {}  # one read: no rate yet
+    assert rates.update([at(6.5)], 102.0) == {"a": 75.0}
+
+
+async def test_one_frame_busy_first(platform: Platform, client: dsec.AsyncClient) -> None:
+    async with _busy_and_idle(client) as (job, busy, idle):
+        page = await client.console.sandboxes(job=job, sort="-cpu", limit=5)  # the SDK's face of what top reads
+        assert [i.sandbox_id for i in page.items][0] == busy.sandbox_id and page.states == {"running": 2}
+        edge = busy.sandbox_id.split("-")[0]
+        assert edge in [n.edge for n in (await client.console.fleet()).nodes]
+        assert job in [b.job for b in await client.console.batches(limit=5)]
+
+        code, out, err = await _cli("--once", "--limit", "5", "--interval", "1", "--job", job, env=_env(platform))
+        print(out)
+        assert code == 0, err
+        lines = out.splitlines()
+        assert all(len(line) <= 120 for line in lines)
+        assert "edges 1/1 up" in out and "sandboxes 2: 2 running" in out
+        assert any(line.startswith(f"{edge} ") and " up " in line for line in lines), out  # the Edges row
+        assert any(line.startswith(job) and "active" in line and "2 running" in line and "2/2 done" in line
+                   for line in lines), out  # the Jobs row, with its batch
+        rows = [line for line in lines if line.startswith(f"{edge}-")]
+        assert [r.split()[0] for r in rows] == [busy.sandbox_id, idle.sandbox_id], out
+        busy_pct, idle_pct = (int(r.split()[1].rstrip("%")) for r in rows)
+        assert busy_pct >= 40 and idle_pct <= 10, out  # CPU %: one core spinning (its limit is one core)
+
+        code, out, err = await _cli("--once", "--sort", "memory", "--interval", "0.2", env=_env(platform))
+        assert code == 0 and "busiest by memory" in out and busy.sandbox_id in out, err
+
+
+async def test_errors_are_one_line(platform: Platform) -> None:
+    code, out, err = await _cli("--once", env=_env(platform, DSEC_TOKEN="not-a-token"))
+    assert code == 2 and "unauthorized" in err and "Traceback" not in err + out, err
+    code, out, err = await _cli("--once", "--url", "http://127.0.0.1:9", env=_env(platform))
+    assert code == 2 and "edge_unavailable" in err and "cannot reach dsec" in err and "Traceback" not in err, err
+
+
+def _top_in_a_terminal(env: dict[str, str], frames: int) -> tuple[int, bytes]:
+    """``dsec top`` on a 120x40 pseudo-terminal until it drew ``frames`` frames, then
+    Ctrl-C (SIGINT): its exit code and everything it wrote."""
+    fd, tty = pty.openpty()
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "top", "--interval", "0.5"], env=env,
+                            stdin=tty, stdout=tty, stderr=tty, start_new_session=True)
+    os.close(tty)
+    seen = b""
+
+    def read() -> None:
+        nonlocal seen
+        if select.select([fd], [], [], 0.2)[0]:
+            with contextlib.suppress(OSError):  # EIO once the child is gone
+                seen += os.read(fd, 65536)
+
+    try:
+        deadline = time.monotonic() + 20
+        while seen.count(b"Busiest sandboxes") < frames and time.monotonic() < deadline and proc.poll() is None:
+            read()
+        assert seen.count(b"Busiest sandboxes") >= frames, seen[-2000:]
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            read()
+        read()
+        assert proc.returncode is not None, f"dsec top did not quit on SIGINT: {seen[-2000:]!r}"
+        return proc.returncode, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(fd)
+
+
+async def test_live_in_a_terminal_quits_on_ctrl_c(platform: Platform, client: dsec.AsyncClient) -> None:
+    env = _env(platform, TERM="xterm-256color")
+    env.pop("COLUMNS")  # the terminal's size
+    async with _busy_and_idle(client) as (_, busy, _):
+        code, seen = await asyncio.to_thread(_top_in_a_terminal, env, 3)
+    assert code == 0, seen[-2000:]
+    assert b"Traceback" not in seen and b"KeyboardInterrupt" not in seen, seen[-2000:]
+    assert b"\x1b[?1049h" in seen and b"\x1b[?1049l" in seen  # the alternate screen, given back at the end
+    # the first frame with CPU time, the next ones with CPU %; the busy one's id on them
+    assert busy.sandbox_id.encode() in seen and b"CPU TIME" in seen and b"CPU %" in seen
