@@ -38,6 +38,14 @@ def wanted() -> bool:
                                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
+def forwarded_env() -> dict[str, str]:
+    """This environment's tracing variables, for the daemons a cluster starts on other nodes
+    (dsec.cluster): the collector, headers, sampler... but not ``OTEL_SERVICE_NAME``, so
+    that each daemon still names itself."""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith("OTEL_") and k != "OTEL_SERVICE_NAME") or k == "DSEC_TRACING"}
+
+
 def setup(service: str) -> bool:
     """Turn tracing on for this process as ``service`` if the environment asks (once; the
     first caller names the process). True when on."""
@@ -65,18 +73,18 @@ def on() -> bool:
     return _on
 
 
-@contextlib.contextmanager
-def span(name: str, kind: str = "internal", **attributes: Any) -> Iterator[Any]:
-    """A span around the block (None inside when tracing is off). An exception marks it
-    failed and is recorded; attributes whose value is None are left out."""
+_OFF: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable: what span() is when off
+
+
+def span(name: str, kind: str = "internal", **attributes: Any) -> contextlib.AbstractContextManager[Any]:
+    """A span around the block (None inside when tracing is off: a shared no-op, ~0.3 us). An
+    exception marks it failed and is recorded; attributes whose value is None are left out."""
     if not _on:
-        yield None
-        return
+        return _OFF
     k = {"server": SpanKind.SERVER, "client": SpanKind.CLIENT}.get(kind, SpanKind.INTERNAL)
-    with trace.get_tracer("dsec").start_as_current_span(
-            name, kind=k, attributes={f"dsec.{a}" if "." not in a else a: v for a, v in attributes.items()
-                                      if v is not None}) as s:
-        yield s
+    return trace.get_tracer("dsec").start_as_current_span(
+        name, kind=k, attributes={f"dsec.{a}" if "." not in a else a: v for a, v in attributes.items()
+                                  if v is not None})
 
 
 def annotate(**attributes: Any) -> None:

@@ -64,6 +64,12 @@ def _host(cfg: ClusterConfig) -> str:
     return cfg.listen_host or ray.util.get_node_ip_address()
 
 
+def _tracing_env(cfg: ClusterConfig) -> dict[str, str]:
+    """The tracing variables `cluster up` was given (docs/tracing.md), under the node's own:
+    the daemon's ``dsec.tracing.setup`` reads them."""
+    return {k: v for k, v in cfg.tracing_env.items() if k not in os.environ}
+
+
 class EdgeActor:
     def __init__(self, cfg: dict[str, Any], name: str) -> None:
         self.cfg = ClusterConfig(**cfg)
@@ -81,7 +87,7 @@ class EdgeActor:
         # the layer catalog's database through the environment, not argv: its URL has a password
         self.daemon = Daemon(argv, os.path.join(data, "edge.log"),
                              http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}),
-                             env={"DSEC_DB": self.cfg.db})
+                             env={**_tracing_env(self.cfg), "DSEC_DB": self.cfg.db})
         Registry(open_db(self.cfg.db, migrate=False)).register(name, self.url, self.node_id)
 
     def info(self) -> dict[str, Any]:
@@ -106,7 +112,8 @@ class ApiserverActor:
         # the token and the database's password through the environment, not argv (which
         # every user of the node can read)
         self.daemon = Daemon(argv, os.path.join(data, "apiserver.log"), http_ok(f"{self.url}/healthz", {}),
-                             env={"DSEC_TOKEN": self.cfg.admin_token, "DSEC_DB": self.cfg.db})
+                             env={**_tracing_env(self.cfg), "DSEC_TOKEN": self.cfg.admin_token,
+                                  "DSEC_DB": self.cfg.db})
         Registry(open_db(self.cfg.db, migrate=False)).put_setting(f"apiserver:{index}", self.url)
 
     def info(self) -> dict[str, Any]:

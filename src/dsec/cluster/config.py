@@ -25,5 +25,8 @@ class ClusterConfig(BaseModel):
                                   "have it; default: spread over every node")
     edge_args: list[str] = Field(default_factory=list, description="more `dsec edge serve` options, every edge")
     edge_args_by_name: dict[str, list[str]] = Field(default_factory=dict, description="... for one edge")
+    tracing_env: dict[str, str] = Field(
+        default_factory=dict, description="OTEL_* variables (docs/tracing.md) every edge daemon and replica gets "
+                                          "where its node's environment does not set them; `cluster up` passes its own")
     resource: str = EDGE_RESOURCE
     log_level: str = "info"

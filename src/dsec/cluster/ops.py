@@ -15,6 +15,7 @@ import ray
 from pydantic import BaseModel
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from dsec import tracing
 from dsec.cluster.actors import CONTROLLER, PostgresActor, controller
 from dsec.cluster.config import NAMESPACE, ClusterConfig
 from dsec.meta import open_db
@@ -61,6 +62,7 @@ def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_T
     registry = Registry(open_db(db))
     secret = registry.setting_once("cluster_secret", secrets.token_urlsafe(32))
     token = registry.setting_once("admin_token", "dsec_" + secrets.token_urlsafe(32))
+    settings.setdefault("tracing_env", tracing.forwarded_env())  # a collector named here reaches every node
     cfg = ClusterConfig(db=db, secret=secret, admin_token=token, **settings)
     ctl = controller(cfg)
     ray.get(ctl.ready.remote(), timeout=60)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from dsec import tracing
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all
 from dsec.errors import SandboxNotRunning
@@ -36,7 +37,8 @@ class Teardown(EdgeCore):
                 raise SandboxNotRunning(f"sandbox {sandbox_id} {info.error}; ask again", sandbox_id=sandbox_id)
             return info
         # a teardown already under way (TTL, init exit) is waited for, not raced
-        await self._teardown(sb, SandboxState.stopped, "stopped")
+        with tracing.span("edge.stop", sandbox_id=sandbox_id, backend=sb.rec.args.backend):
+            await self._teardown(sb, SandboxState.stopped, "stopped")
         return sb.rec.info
 
     async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
@@ -44,10 +46,15 @@ class Teardown(EdgeCore):
         a caller that is cancelled (an edge shutdown, a dropped request) cannot leave it
         half done, and :meth:`close` waits for it."""
         if sb.teardown is None:
-            sb.teardown = asyncio.create_task(self._release(sb, final, reason, record))
+            sb.teardown = asyncio.create_task(self._traced_release(sb, final, reason, record))
             self._teardowns.add(sb.teardown)
             sb.teardown.add_done_callback(self._teardowns.discard)
         await asyncio.shield(sb.teardown)
+
+    async def _traced_release(self, sb: Sandbox, final: SandboxState, reason: str, record: bool) -> None:
+        # a child of the caller's span (edge.stop) when there is one, else a trace of its own (a TTL)
+        with tracing.span("edge.teardown", sandbox_id=sb.id, backend=sb.rec.args.backend, reason=reason):
+            await self._release(sb, final, reason, record)
 
     async def _release(self, sb: Sandbox, final: SandboxState, reason: str, record: bool) -> None:
         """Kill first, through the cgroup (or QEMU's pid), asking nothing inside the sandbox;
@@ -106,14 +113,17 @@ class Teardown(EdgeCore):
     async def _bounded(self, sb: Sandbox, step: str, aw: Awaitable[T], timeout: float = STEP_TIMEOUT_S) -> T | None:
         """One teardown step with a deadline; a failure is the sandbox's event, not the caller's."""
         t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(timeout):
-                return await aw
-        except TimeoutError:
-            self.on_event(sb.id, "teardown_error", f"{step}: no answer within {timeout:g} s")
-        except Exception as e:  # noqa: BLE001 - reported; the other steps still run
-            self.on_event(sb.id, "teardown_error", f"{step}: {explain(e)}")
-        finally:
-            if time.monotonic() - t0 > 0.5:
-                log.info("sandbox %s: teardown step %r took %.2f s", sb.id, step, time.monotonic() - t0)
+        with tracing.span(f"teardown {step}", sandbox_id=sb.id) as span:
+            try:
+                async with asyncio.timeout(timeout):
+                    return await aw
+            except TimeoutError:
+                self.on_event(sb.id, "teardown_error", f"{step}: no answer within {timeout:g} s")
+                tracing.failed(span, f"no answer within {timeout:g} s")
+            except Exception as e:  # noqa: BLE001 - reported; the other steps still run
+                self.on_event(sb.id, "teardown_error", f"{step}: {explain(e)}")
+                tracing.failed(span, explain(e))
+            finally:
+                if time.monotonic() - t0 > 0.5:
+                    log.info("sandbox %s: teardown step %r took %.2f s", sb.id, step, time.monotonic() - t0)
         return None

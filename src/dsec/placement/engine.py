@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from dsec import tracing
 from dsec.errors import AdmissionRejected
 from dsec.placement.admission import Demand, Room, refusal
 from dsec.wire.models import NodeStats
@@ -62,9 +63,12 @@ class Placement:
     def choose(self, args: Demand, exclude: set[str] | None = None) -> str:
         cands = self.eligible(args, exclude or set())
         if not cands:
+            tracing.annotate(candidates=0)
             raise AdmissionRejected("no healthy edge has room for this sandbox "
                                     f"(asks {args.cpu_admitted:g} cores, {args.memory_admitted_mb} MiB)")
         sample = self.rng.sample(cands, min(self.k, len(cands)))
+        # on the caller's placement.choose span (apiserver/core.py) when tracing is on
+        tracing.annotate(candidates=len(cands), sampled=len(sample))
         return min(sample, key=lambda st: self._room(st).load()).edge
 
     @contextlib.contextmanager

@@ -561,9 +561,20 @@ class AsyncClient:
 
     async def _open(self, method: str, path: str, kw: dict[str, Any], timeout: float) -> aiohttp.ClientResponse:
         """A response whose headers are in and whose body is the caller's to read (a stream)."""
-        if tracing.on():  # the stream's span is the apiserver's: this side only says which trace
+        if not tracing.on():
+            return await self._open_stream(method, path, kw, timeout)
+        # the client span ends with the response's headers; the apiserver's span covers the stream
+        with tracing.span(f"dsec {method} {_route_of(path)}", kind="client", stream=True, **{
+                "http.request.method": method, "url.path": path}) as s:
             kw["headers"] = dict(kw.get("headers") or {})
             tracing.inject(kw["headers"])
+            resp = await self._open_stream(method, path, kw, timeout)
+            s.set_attribute("http.response.status_code", resp.status)
+            if resp.status >= 400:
+                tracing.failed(s, f"HTTP {resp.status}")
+            return resp
+
+    async def _open_stream(self, method: str, path: str, kw: dict[str, Any], timeout: float) -> aiohttp.ClientResponse:
         http = await self._session()
         if self._replicas is not None:
             return await self._replicated(http, method, path, kw, timeout, buffer=False, ours=True)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec import tracing
 from dsec.backends.vm.channel import GuestChannel
 from dsec.backends.vm.guest import KERNEL_CMDLINE, GuestImage, ensure_guest
 from dsec.backends.vm.qemu import QMP, Disk, QMPError, VMSpec, probe_accel, qemu_version
@@ -373,14 +374,17 @@ class VMRuntime:
     # ---- boot and restore --------------------------------------------------------------
     async def boot(self, vm: VMInstance, hostname: str, timeout: float) -> GuestChannel:
         t0 = time.monotonic()
-        await self.launch(vm)
+        with tracing.span("qemu.launch", sandbox_id=vm.sid, machine=vm.spec.machine, accel=vm.spec.accel):
+            await self.launch(vm)
         ch = GuestChannel(vm.agent_sock)
-        try:
-            await ch.connect(timeout=timeout, alive=lambda: not vm.exited.is_set())
-        except SandboxError:
-            await self.kill(vm)
-            raise SandboxError(f"VM did not boot: {self.console_tail(vm)}") from None
-        await ch.identity(hostname, time.time_ns())
+        # the guest kernel's boot up to its agent's first answer
+        with tracing.span("agent.handshake", sandbox_id=vm.sid):
+            try:
+                await ch.connect(timeout=timeout, alive=lambda: not vm.exited.is_set())
+            except SandboxError:
+                await self.kill(vm)
+                raise SandboxError(f"VM did not boot: {self.console_tail(vm)}") from None
+            await ch.identity(hostname, time.time_ns())
         vm.channel = ch
         vm.timings["boot_s"] = time.monotonic() - t0
         return ch
@@ -577,15 +581,19 @@ class VMRuntime:
         t0 = time.monotonic()
         vm.spec.mem_path = os.path.join(tdir, "ram")
         vm.spec.mem_shared = False
-        await self.make_upper(vm.spec.disks[0].path, 0, copy_of=os.path.join(tdir, "upper.img"))
-        await self.restore(vm, os.path.join(tdir, "state"), os.path.join(tdir, "state.json"), ignore_shared=True)
+        with tracing.span("vm.upper", sandbox_id=vm.sid, copy=True):
+            await self.make_upper(vm.spec.disks[0].path, 0, copy_of=os.path.join(tdir, "upper.img"))
+        with tracing.span("qemu.restore", sandbox_id=vm.sid, machine=vm.spec.machine, accel=vm.spec.accel):
+            await self.restore(vm, os.path.join(tdir, "state"), os.path.join(tdir, "state.json"),
+                               ignore_shared=True)
         ch = GuestChannel(vm.agent_sock)
-        try:
-            await ch.connect(timeout=30, alive=lambda: not vm.exited.is_set())
-        except SandboxError:
-            await self.kill(vm)
-            raise SandboxError(f"cloned VM's agent did not answer: {self.console_tail(vm)}") from None
-        await ch.identity(hostname, time.time_ns())  # fresh clock, hostname and entropy per clone
+        with tracing.span("agent.handshake", sandbox_id=vm.sid):
+            try:
+                await ch.connect(timeout=30, alive=lambda: not vm.exited.is_set())
+            except SandboxError:
+                await self.kill(vm)
+                raise SandboxError(f"cloned VM's agent did not answer: {self.console_tail(vm)}") from None
+            await ch.identity(hostname, time.time_ns())  # fresh clock, hostname and entropy per clone
         vm.channel = ch
         vm.timings["clone_s"] = time.monotonic() - t0
         return ch

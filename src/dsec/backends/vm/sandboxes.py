@@ -9,6 +9,7 @@ import asyncio
 import os
 from typing import TYPE_CHECKING
 
+from dsec import tracing
 from dsec.agent.aether import Aether, AgentContext
 from dsec.backends.api import SandboxLost
 from dsec.backends.vm.channel import GuestChannel, GuestFiles
@@ -45,10 +46,11 @@ class VMSandboxes:
         args = self._args(sb)
         os.makedirs(sb.dir, exist_ok=True)
         machine = "microvm" if isinstance(args, MicroVMArgs) else "q35"
-        files = [await self.host.node_layers.image_files(d) for d in digests]
-        display = isinstance(args, VMArgs) and args.display
-        spec = await self.vms.make_spec(machine, args.vcpus, args.memory_mb, files,
-                                        os.path.join(sb.dir, "upper.img"), display)
+        with tracing.span("vm.spec", sandbox_id=sb.id, machine=machine, layers=len(digests)):
+            files = [await self.host.node_layers.image_files(d) for d in digests]
+            display = isinstance(args, VMArgs) and args.display
+            spec = await self.vms.make_spec(machine, args.vcpus, args.memory_mb, files,
+                                            os.path.join(sb.dir, "upper.img"), display)
         sb.vm = VMInstance(sb.id, sb.dir, self.vms.sock_dir, spec)
 
     async def start(self, sb: Sandbox, digests: list[str]) -> None:
@@ -58,18 +60,23 @@ class VMSandboxes:
             return
         if args.template:
             key = self.vms.template_key(vm.spec, digests, args.disk_mb)
-            tdir = await self.vms.ensure_template(key, vm.spec, args.disk_mb, timeout=BOOT_TIMEOUT_S)
-            ch = await self.vms.clone(vm, tdir, sb.id)
+            with tracing.span("vm.template", sandbox_id=sb.id, template=key[:12]):  # booted once per shape
+                tdir = await self.vms.ensure_template(key, vm.spec, args.disk_mb, timeout=BOOT_TIMEOUT_S)
+            with tracing.span("vm.clone", sandbox_id=sb.id):
+                ch = await self.vms.clone(vm, tdir, sb.id)
         else:
-            await self.vms.make_upper(os.path.join(sb.dir, "upper.img"), args.disk_mb)
-            ch = await self.vms.boot(vm, sb.id, timeout=BOOT_TIMEOUT_S)
+            with tracing.span("vm.upper", sandbox_id=sb.id, disk_mb=args.disk_mb):
+                await self.vms.make_upper(os.path.join(sb.dir, "upper.img"), args.disk_mb)
+            with tracing.span("vm.boot", sandbox_id=sb.id):
+                ch = await self.vms.boot(vm, sb.id, timeout=BOOT_TIMEOUT_S)
         sb.rec.init_pid = vm.pid
         self.vms.save_spec(vm)
         sb.rec.info.vm = VMInfo(
             machine=vm.spec.machine, accelerator=vm.spec.accel, vcpus=args.vcpus, memory_mb=args.memory_mb,
             disk_mb=args.disk_mb, started_from="template" if args.template else "boot",
             boot_s=vm.timings.get("boot_s"), clone_s=vm.timings.get("clone_s"))
-        await self.host.bind_agent(sb, ch, GuestFiles(ch))
+        with tracing.span("agent.attach", sandbox_id=sb.id):
+            await self.host.bind_agent(sb, ch, GuestFiles(ch))
 
     async def _from_checkpoint(self, sb: Sandbox, vm: VMInstance, args: MicroVMArgs | VMArgs, digests: list[str],
                                files: dict[str, str]) -> None:
