@@ -73,11 +73,92 @@ async def test_login_refuses_a_wrong_token_and_keeps_no_token(browser: Browser, 
     assert session and session[0]["httpOnly"] and session[0]["sameSite"] == "Strict"
     assert TOKEN not in session[0]["value"]  # the cookie names the token, never holds it
     assert TOKEN not in await page.evaluate("JSON.stringify(localStorage) + JSON.stringify(sessionStorage)")
+    copied = {"Cookie": f"dsec_session={session[0]['value']}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{platform.url}/v1/console/fleet", headers=copied) as r:
+            assert r.status == 200
+        # the session reaches what the console uses, never tokens or the cluster's administration
+        async with s.get(f"{platform.url}/v1/tokens", headers=copied) as r:
+            assert r.status == 401
     await page.get_by_role("button", name="Log out").click()
     await expect(page.locator("input[name=token]")).to_be_visible()
     r = await page.request.get(f"{platform.url}/v1/console/fleet")
-    assert r.status == 401  # the session ended with the logout
+    assert r.status == 401
+    async with aiohttp.ClientSession() as s:  # a copy of the cookie kept from before the logout is dead too
+        async with s.get(f"{platform.url}/v1/console/fleet", headers=copied) as r:
+            assert r.status == 401
     await ctx.close()
+
+
+async def test_an_operator_ends_every_session_of_a_token(browser: Browser, platform: Platform,
+                                                         client: dsec.AsyncClient) -> None:
+    tok = await client.create_token("default", "reader", "console sessions")
+    assert tok.token is not None
+    ctx, page = await logged_in(browser, platform, tok.token)
+    try:
+        r = await page.request.get(f"{platform.url}/v1/console/fleet")
+        assert r.status == 200
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+            async with s.delete(f"{platform.url}/v1/console/sessions", params={"token_id": tok.id}) as r2:
+                assert r2.status == 200
+        r = await page.request.get(f"{platform.url}/v1/console/fleet")
+        assert r.status == 401  # the token still works; its console sessions do not
+        async with dsec.AsyncClient(url=platform.url, token=tok.token) as theirs:
+            assert isinstance(await theirs.list(), list)
+        await logged_in(browser, platform, tok.token)  # a new login is a new session
+    finally:
+        await ctx.close()
+        await client.revoke_token(tok.id)
+
+
+async def test_a_sandbox_port_cannot_reach_the_console_session(browser: Browser, platform: Platform,
+                                                               client: dsec.AsyncClient) -> None:
+    """A page a sandbox serves on the API's own origin (its /ports/ route) is hostile: it sees
+    no cookie, sets none, runs in CSP's sandbox, and its requests carry no session."""
+    server = (
+        "import http.server, json\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        body = ('<html><body><pre id=seen>' + json.dumps(dict(self.headers)) + '</pre><script>'\n"
+        "                'fetch(\"/v1/console/fleet\", {credentials: \"include\"}).then(r => document.title = '\n"
+        "                '\"status \" + r.status).catch(e => document.title = \"blocked\")</script></body></html>')\n"
+        "        self.send_response(200)\n"
+        "        self.send_header('Content-Type', 'text/html')\n"
+        "        self.send_header('Set-Cookie', 'dsec_session=planted; Path=/v1/')\n"
+        "        self.end_headers()\n"
+        "        self.wfile.write(body.encode())\n"
+        "http.server.HTTPServer(('0.0.0.0', 8000), H).serve_forever()\n")
+    sb = await client.run_container(dsec.ContainerArgs(image="base/debian:12", memory_limit_mb=128))
+    ctx, page = await logged_in(browser, platform)
+    try:
+        await sb.write_file("/root/srv.py", server)
+        await sb.exec("nohup python3 /root/srv.py >/dev/null 2>&1 &")
+        for _ in range(50):
+            if (await sb.exec("python3 -c \"import socket; socket.create_connection(('127.0.0.1', 8000))\"")
+                    ).exit_code == 0:
+                break
+            await asyncio.sleep(0.2)
+        url = f"{platform.url}/v1/sandboxes/{sb.sandbox_id}/ports/8000/index.html"
+        assert (await page.request.get(url)).status == 401  # a session does not open a sandbox's port
+        # with the API's own credential (only for this one URL), the page loads: still walled off
+        await page.route(url, lambda route: asyncio.ensure_future(route.continue_(
+            headers={**route.request.headers, "authorization": f"Bearer {TOKEN}"})))
+        resp = await page.goto(url)
+        assert resp is not None and resp.status == 200
+        assert "sandbox" in (resp.headers.get("content-security-policy") or "")
+        assert "set-cookie" not in resp.headers
+        seen = await page.locator("#seen").inner_text()
+        assert "dsec_session" not in seen and "cookie" not in seen.lower()  # the session never reached it
+        await page.wait_for_function("() => document.title !== ''", timeout=WAIT_MS)
+        assert await page.title() in ("blocked", "status 401"), await page.title()  # its fetch had no session
+        assert [c["value"] for c in await ctx.cookies() if c["name"] == "dsec_session"] != ["planted"]
+        assert len([c for c in await ctx.cookies() if c["name"] == "dsec_session"]) == 1
+        # and the console still works for this user
+        r = await page.request.get(f"{platform.url}/v1/console/fleet")
+        assert r.status == 200
+    finally:
+        await ctx.close()
+        await sb.stop()
 
 
 async def test_console_end_to_end(browser: Browser, platform: Platform, client: dsec.AsyncClient) -> None:
@@ -187,6 +268,13 @@ async def test_a_projects_token_sees_only_its_project(browser: Browser, platform
         assert r.status == 403 and "x-dsec-console" in (await r.json())["message"]
         assert (await client.connect(their_sb.sandbox_id)).sandbox_id == their_sb.sandbox_id
         assert (await (await client.connect(their_sb.sandbox_id)).refresh()).state == "running"
+        # the fleet without other projects' work: no job names, no operators, no fleet history,
+        # no FnCall counters (the pools serve every project)
+        fleet = await (await page.request.get(f"{platform.url}/v1/console/fleet")).json()
+        assert all(n["per_job"] == {} and n["evidence"] == [] for n in fleet["nodes"])
+        assert fleet["history"] == {"interval_s": 5.0, "samples": [], "shown": False}
+        fncall = await (await page.request.get(f"{platform.url}/v1/console/fncall")).json()
+        assert all(f["shown"] is False and f["calls"] == 0 and f["verdicts"] == {} for f in fncall)
         # the terminal's websocket from another origin is refused, from the console's own accepted
         cookie = "; ".join(f"{c['name']}={c['value']}" for c in await ctx.cookies())
         ws_url = f"{platform.url.replace('http', 'ws')}/v1/sandboxes/{their_sb.sandbox_id}/tty"
@@ -225,7 +313,7 @@ async def test_busiest_first_and_bad_input_is_a_clear_4xx(platform: Platform, cl
         await idle.stop()
     async with aiohttp.ClientSession(headers=h) as s:
         for query, field in (("sort=sideways", "sort"), ("limit=100000", "limit"), ("offset=-1", "offset"),
-                             ("label=nolabel", "label")):
+                             ("label=nolabel", "label"), ("offset=10001", "offset"), ("state=x&" * 11, "state")):
             async with s.get(f"{platform.url}/v1/console/sandboxes?{query}") as r:
                 body = await r.json()
                 assert r.status == 400, (query, body)
@@ -238,7 +326,7 @@ async def test_busiest_first_and_bad_input_is_a_clear_4xx(platform: Platform, cl
             assert r.status == 404
     # a forged or tampered session is no session
     async with aiohttp.ClientSession() as s:
-        for value in ("v1.admin.9999999999.deadbeef", "v1.admin.1.x", "garbage"):
+        for value in ("v1.admin.9999999999.deadbeef", "v1.admin.1.x", "garbage", "v2.admin.1.9999999999.\u00e9"):
             async with s.get(f"{platform.url}/v1/console/fleet", headers={"Cookie": f"dsec_session={value}"}) as r:
                 assert r.status == 401, value
 

@@ -138,6 +138,7 @@ async def test_sessions_verify_by_signature_expiry_and_a_live_token() -> None:
     keys = Keys()
     value, s = session.issue(keys, keys.live["t1"], now=1000.0)
     assert s.expires_at == 1000 + session.SESSION_S and "t1" in value
+    assert session.issue(keys, keys.live["t1"], now=1000.0)[1].nonce != s.nonce  # each login its own session
     assert session.parse(keys, value, now=1001.0) == s
     assert session.parse(keys, value, now=s.expires_at + 1) is None  # expired
     tampered = value.replace("t1", "admin")
@@ -150,6 +151,15 @@ async def test_sessions_verify_by_signature_expiry_and_a_live_token() -> None:
     assert s2.expires_at == 1500
     # a revoked token ends its sessions
     fresh, _ = session.issue(keys, keys.live["t1"])
-    assert await session.principal_of(keys, f"a=b; {session.COOKIE}={fresh}".encode()) == keys.live["t1"]
+    assert await session.principal_of(keys, None, f"a=b; {session.COOKIE}={fresh}".encode()) == keys.live["t1"]
+    # two session cookies (one planted by whatever could set a cookie) are never guessed between
+    other, _ = session.issue(keys, keys.live["admin"])
+    assert await session.principal_of(keys, None, f"{session.COOKIE}={other}; {session.COOKIE}={fresh}".encode()) \
+        is None
+    # malformed values are no session, never an error
+    for bad in ("v2.admin.1.9999999999.abcdefghijklmnop.\u00e9", "v2..1.2.x.y", "v1.admin.9999999999.deadbeef",
+                fresh + "0", fresh.replace("v2.", "v3."), "v2.t1.1.99999999999999.abcdefghijklmnop." + "0" * 40):
+        assert session.parse(keys, bad) is None, bad
     del keys.live["t1"]
-    assert await session.principal_of(keys, f"{session.COOKIE}={fresh}".encode()) is None
+    assert await session.principal_of(keys, None, f"{session.COOKIE}={fresh}".encode()) is None
+    assert session.without_session(f"a=1; {session.COOKIE}={fresh}; b=2") == "a=1; b=2"

@@ -70,5 +70,5 @@ def build_app(api: Apiserver) -> FastAPI:
     envd.mount(app, envd.Envd(api.edge_for))
     for module in MODULES:
         app.include_router(module.routes(api))
-    app.include_router(console_web.routes(api.tokens))
+    app.include_router(console_web.routes(api.tokens, api.sessions))
     return app

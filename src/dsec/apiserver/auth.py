@@ -29,6 +29,10 @@ from dsec.wire.models import (
     SandboxState,
 )
 
+# what a console session may reach: the routes its pages read and act on. Never a sandbox's
+# own ports (a page a sandbox serves there would be same-origin with the console), never
+# tokens or the cluster's administration: those need the token itself.
+COOKIE_PATHS = ("/v1/console/", "/v1/sandboxes", "/v1/jobs", "/v1/batches", "/v1/rollouts", "/v1/projects")
 # a sandbox's own routes, dsec's and E2B's: a project's token reaches its project's sandboxes only
 _SANDBOX_PATH = re.compile(r"^(?:/v1|/v2)?/sandboxes/([^/]+-[^/]+)(?:/|$)")
 
@@ -69,7 +73,8 @@ class BearerAuth:
         if not header and b"x-api-key" in headers:  # E2B's SDKs send their key this way
             header = b"Bearer " + headers[b"x-api-key"]
         principal: Principal | None
-        if not header and b"cookie" in headers and scope["path"].startswith("/v1/"):
+        if not header and b"cookie" in headers and scope["path"].startswith(COOKIE_PATHS) \
+                and "/ports/" not in scope["path"]:
             session_of = await self._session(scope, headers)
             if isinstance(session_of, DsecError):
                 return session_of
@@ -104,7 +109,7 @@ class BearerAuth:
     async def _session(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> Principal | DsecError:
         """The web console's session cookie (dsec.console.session) in place of a bearer
         token: a change needs the console's header too, and a websocket a same-origin page."""
-        principal = await session.principal_of(self.api.tokens, headers[b"cookie"])
+        principal = await session.principal_of(self.api.tokens, self.api.sessions, headers[b"cookie"])
         if principal is None:
             return Unauthorized("no valid session: log in again, or send 'Authorization: Bearer <token>'",
                                 field="authorization")

@@ -25,6 +25,7 @@ from dsec.batches import BatchRunner, BatchStore
 from dsec.checkpoints.mover import Mover
 from dsec.checkpoints.store import CheckpointStore
 from dsec.console.series import FleetSeries
+from dsec.console.session import Revocations
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     AdmissionRejected,
@@ -121,6 +122,7 @@ class Apiserver:
         self.batches = BatchRunner(self, BatchStore(tokens.db), BATCH_STARTING_PER_EDGE)
         self.checkpoints = CheckpointStore(tokens.db, layers)
         self.series = FleetSeries(lambda: self.watcher.view)  # the console's last hour (started by the lifespan)
+        self.sessions = Revocations(tokens.db)  # the console's ended sessions
         self.fleet_events = FleetEvents(tokens.db)
         # moving sandboxes between edges needs the cluster's index (a lone apiserver's edges share no database)
         self.mover = Mover(lambda: self.edges, placement, index, self.checkpoints, self.fleet_events,

@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from pydantic import BaseModel, Field
 
 from dsec.console import session
-from dsec.errors import NotFound, Unauthorized
+from dsec.errors import Forbidden, NotFound, Unauthorized
 from dsec.iam.tokens import TokenStore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,7 +34,7 @@ TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".css": "text/css"
 # the page runs only its own scripts and talks only to its own origin
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
-                               "connect-src 'self' ws: wss:; frame-ancestors 'none'; base-uri 'none'",
+                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
@@ -63,7 +63,7 @@ def vendor_missing() -> list[str]:
     return [name for name, rel in VENDOR.items() if not os.path.isfile(os.path.join(VENDOR_DIR, rel))]
 
 
-def routes(tokens: TokenStore) -> APIRouter:
+def routes(tokens: TokenStore, sessions: session.Revocations) -> APIRouter:
     router = APIRouter(include_in_schema=False)
 
     @router.get("/ui")
@@ -93,6 +93,8 @@ def routes(tokens: TokenStore) -> APIRouter:
     @router.post("/ui/session")
     async def login(body: Login, request: Request) -> Response:
         """Exchange a token for a session cookie (the token is not kept in the browser)."""
+        if session.CSRF_HEADER.decode() not in request.headers:  # no login from another site's form
+            raise Forbidden(f"send the {session.CSRF_HEADER.decode()} header to log in", field="x-dsec-console")
         principal = await tokens.verify(body.token.strip().encode())
         if principal is None:
             raise Unauthorized("invalid token", field="token")
@@ -105,14 +107,18 @@ def routes(tokens: TokenStore) -> APIRouter:
 
     @router.get("/ui/session")
     async def whoami(request: Request) -> Whoami:
-        principal = await session.principal_of(tokens, request.headers.get("cookie", "").encode())
+        principal = await session.principal_of(tokens, sessions, request.headers.get("cookie", "").encode("latin-1"))
         if principal is None:
             raise Unauthorized("not logged in", field="session")
         return Whoami(token_id=principal.token_id, project=principal.project, role=principal.role,
                       expires_at=principal.expires_at)
 
     @router.delete("/ui/session", status_code=204)
-    async def logout() -> Response:
+    async def logout(request: Request) -> Response:
+        """End this session for good (a copy of the cookie is refused from now on) and clear it."""
+        s = session.session_of(tokens, request.headers.get("cookie", "").encode("latin-1"))
+        if s is not None:
+            await sessions.end(s)
         resp = Response(status_code=204)
         resp.headers["set-cookie"] = session.cookie_header("", 0, False)
         return resp

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from dsec.console.session import without_session
 from dsec.edge.api import EdgeAPI
 from dsec.errors import DsecError, NotFound, SandboxError, SandboxNotRunning
 from dsec.wire.edge import HttpPart
@@ -54,7 +55,7 @@ class PortProxy:
             body += chunk
             if len(body) > MAX_BODY:
                 return _error(413, f"request body over {MAX_BODY} bytes")
-        headers = [(k, v) for k, v in request.headers.items()
+        headers = [(k, without_session(v) if k == "cookie" else v) for k, v in request.headers.items()
                    if k not in HOP_BY_HOP and not k.startswith("e2b-") and k != "x-access-token"]  # ours, not theirs
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         port = int(raw_port)

@@ -131,8 +131,9 @@ class Capacity(EdgeCore):
                             oom_kills=memory.oom_kills(cg))
 
     async def query_sandboxes(self, query: SandboxQuery) -> SandboxPage:
-        """This edge's answer to a console query (dsec.console.query): usage read for every
-        match when the order needs it, else only for the page."""
+        """This edge's answer to a console query (dsec.console.query). An order by CPU or
+        memory ranks by the two cgroup files of each match (the items carry those values, which
+        the merge orders by); the usage shown is read by the apiserver for its final page alone."""
         live = list(self.sandboxes.values())
         if needs_usage(query):  # ranked by CPU time and memory alone: two cgroup files per sandbox
             hits = [sb for sb in live if matches(sb.rec.info, query)]
@@ -140,10 +141,6 @@ class Capacity(EdgeCore):
             page = answer([sb.rec.info.model_copy(update={"usage": ranked.get(sb.id)}) for sb in hits], query)
         else:
             page = answer([sb.rec.info for sb in live], query)
-        if (query.usage or needs_usage(query)) and page.items:
-            by_id = {sb.id: sb for sb in live}
-            page.items = await asyncio.to_thread(lambda: [
-                i.model_copy(update={"usage": self._usage(by_id[i.sandbox_id])}) for i in page.items])
         return page
 
     async def _ranked(self, hits: list[Sandbox]) -> dict[str, SandboxUsage]:

@@ -159,6 +159,15 @@ checkpoints = Table(
     Index("checkpoints_taken_at", "taken_at"),
 )
 
+# the web console's ended sessions (revision 0010): "s:<nonce>" one session (logged out),
+# "t:<token id>" every session of that token made before ``cut``; a row goes at ``until``
+console_revocations = Table(
+    "console_revocations", metadata,
+    Column("key", String, primary_key=True),
+    Column("cut", Float, nullable=False),
+    Column("until", Float, nullable=False),
+)
+
 settings = Table(
     "settings", metadata,
     Column("key", String, primary_key=True),

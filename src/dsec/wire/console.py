@@ -17,7 +17,7 @@ SortKey = Literal["created", "-created", "last_active", "-last_active", "cpu", "
 MAX_PAGE = 500
 # an edge answers at most this many items of one query: a page deeper than this is refused
 # (a 10,000-sandbox fleet pages through its newest first; older ones are found by filter)
-MAX_WINDOW = 20_000
+MAX_WINDOW = 10_000
 
 
 class SandboxQuery(Strict):
@@ -26,10 +26,10 @@ class SandboxQuery(Strict):
 
     q: str = Field(default="", max_length=200, description="a substring of the id, image, "
                    "job, edge or a label key=value")
-    state: list[str] = Field(default_factory=list, description="any of these states")
-    backend: list[str] = Field(default_factory=list, description="any of these backends")
+    state: list[str] = Field(default_factory=list, max_length=10, description="any of these states")
+    backend: list[str] = Field(default_factory=list, max_length=5, description="any of these backends")
     job: str | None = Field(default=None, max_length=200)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=20)
     project: str | None = Field(default=None, max_length=200, description="exactly this project")
     edge: str | None = Field(default=None, max_length=200)
     sort: SortKey = Field(default="-created", description="a leading '-' sorts descending")
@@ -73,6 +73,7 @@ class FleetSample(BaseModel):
 class FleetHistory(BaseModel):
     interval_s: float
     samples: list[FleetSample]
+    shown: bool = Field(default=True, description="False: the fleet's history is the cluster's admin's to see")
 
 
 class FleetOverview(BaseModel):
@@ -104,6 +105,7 @@ class FnCallStats(BaseModel):
     statuses: dict[str, int] = Field(default_factory=dict, description="calls by the status of their result")
     verdicts: dict[str, int] = Field(default_factory=dict, description="test cases by verdict")
     errors: int = Field(default=0, description="calls that failed for the platform")
+    shown: bool = Field(default=True, description="False: the counters are the cluster's admin's to see")
 
 
 class LayerCacheStats(BaseModel):

@@ -16,12 +16,13 @@ from pydantic import ValidationError
 
 from dsec.apiserver.core import LIST_TIMEOUT_S, Apiserver, parse_labels
 from dsec.apiserver.routes.nodes import node_info
-from dsec.console.query import merge
+from dsec.console.query import merge, needs_usage
 from dsec.errors import EdgeUnavailable, InvalidRequest
 from dsec.iam import current_principal
 from dsec.iam.visibility import LayerAcl, may_see
 from dsec.wire.console import (
     MAX_PAGE,
+    FleetHistory,
     FleetOverview,
     FnCallStats,
     LayerCacheStats,
@@ -31,6 +32,7 @@ from dsec.wire.console import (
     SandboxQuery,
 )
 from dsec.wire.fleet import FleetEvent
+from dsec.wire.models import SandboxUsage
 
 EVENTS_SHOWN = 30
 
@@ -54,7 +56,14 @@ def routes(api: Apiserver) -> APIRouter:
                 raise part
             else:
                 pages.append(part)
-        return merge(pages, q, missing)
+        page = merge(pages, q, missing)
+        if (q.usage or needs_usage(q)) and page.items:
+            # what is shown is read for the page alone (the edges ranked by two cgroup files)
+            uses = await asyncio.gather(*(api.edge_for(i.sandbox_id).usage(i.sandbox_id) for i in page.items),
+                                        return_exceptions=True)
+            page.items = [i.model_copy(update={"usage": u if isinstance(u, SandboxUsage) else None})
+                          for i, u in zip(page.items, uses, strict=True)]
+        return page
 
     @router.get("/v1/console/sandboxes", response_model=SandboxPage)
     async def sandboxes(q: str = "", state: list[str] = Query(default=[]), backend: list[str] = Query(default=[]),
@@ -81,15 +90,25 @@ def routes(api: Apiserver) -> APIRouter:
         sandboxes by state and backend, the fleet's samples after ``since``, and (for the
         cluster's admin) the newest fleet events."""
         p = current_principal.get()
+        fleet_wide = p.all_projects  # a project's token sees the edges' load, not other projects' work
         health = api.watcher.health
         rows = {r.name: r for r in await asyncio.to_thread(health.registry.edges)} if health else {}
         view = api.watcher.view
-        nodes = [node_info(n, view.get(n), rows.get(n)) for n in sorted(set(api.edges))]
+        nodes = [node_info(n, view.get(n), rows.get(n), redact=not fleet_wide) for n in sorted(set(api.edges))]
         counts = await query(SandboxQuery(limit=0))
         events: list[FleetEvent] = []
-        if health is not None and p.all_projects and p.role == "admin":
+        if health is not None and fleet_wide and p.role == "admin":
             events = await asyncio.to_thread(health.events.newest, EVENTS_SHOWN)
-        return FleetOverview(nodes=nodes, sandboxes=counts, history=api.series.history(since), events=events)
+        history = api.series.history(since) if fleet_wide else FleetHistory(interval_s=api.series.interval_s,
+                                                                             samples=[], shown=False)
+        return FleetOverview(nodes=nodes, sandboxes=counts, history=history, events=events)
+
+    @router.delete("/v1/console/sessions")
+    async def end_sessions(token_id: str = Query(min_length=1, max_length=64)) -> dict[str, str]:
+        """End every console session of a token made until now (the cluster's admin: a copied
+        session cookie is refused from now on, even the admin token's own)."""
+        await api.sessions.end_all(token_id)
+        return {"ended": token_id}
 
     @router.get("/v1/console/fncall")
     async def fncall() -> list[FnCallStats]:
@@ -97,7 +116,21 @@ def routes(api: Apiserver) -> APIRouter:
         calls came to (results by status, test cases by verdict)."""
         parts = await asyncio.gather(*(asyncio.wait_for(e.fncall_stats(), LIST_TIMEOUT_S) for e in api.edges.values()),
                                      return_exceptions=True)
-        return [s for s in parts if isinstance(s, FnCallStats)]
+        out = [s for s in parts if isinstance(s, FnCallStats)]
+        p = current_principal.get()
+        if p.all_projects:
+            return out
+        # a project's token: the pools of layers it may see, without their errors, and no
+        # counters (FnCall pools serve every project: what they ran is no one project's)
+        rows = await asyncio.to_thread(acl.rows)
+
+        def visible(ref: str) -> bool:
+            row = rows.get(ref)
+            return row is None or may_see(p, row.project, row.visibility)
+        return [s.model_copy(update={
+            "pools": [pool.model_copy(update={"error": None}) for pool in s.pools
+                      if visible(pool.image) and all(visible(ref) for ref in pool.layers)],
+            "calls": 0, "statuses": {}, "verdicts": {}, "errors": 0, "shown": False}) for s in out]
 
     @router.get("/v1/console/layers")
     async def layers(q: str = "", offset: int = Query(default=0, ge=0),

@@ -26,7 +26,9 @@ def _blank(name: str) -> NodeStats:
                      memory_overcommit=0, sandboxes=0, cpu_reserved=0, memory_reserved_mb=0, max_sandboxes=0)
 
 
-def node_info(name: str, st: NodeStats | None, row: EdgeRow | None) -> NodeInfo:
+def node_info(name: str, st: NodeStats | None, row: EdgeRow | None, redact: bool = False) -> NodeInfo:
+    """An edge as a caller sees it; ``redact`` (a project's token): without other projects'
+    job names, the operators' token ids and the detector's evidence."""
     if st is None:
         st = row.stats if row is not None and row.stats is not None else _blank(name)
     lost = row is not None and row.state == "lost"
@@ -37,6 +39,9 @@ def node_info(name: str, st: NodeStats | None, row: EdgeRow | None) -> NodeInfo:
                       health_at=row.health_at, evidence=row.evidence, cordoned_by=row.cordoned_by)
         if lost:
             fields["healthy"] = False
+    if redact:
+        fields.update(per_job={}, cordoned_by="operator" if fields.get("cordoned_by") not in ("", "detector", None)
+                      else fields.get("cordoned_by", ""), evidence=[])
     return NodeInfo.model_validate(fields)
 
 
@@ -58,14 +63,15 @@ def routes(api: Apiserver) -> APIRouter:
         if name not in api.edges:
             raise NotFound(f"no edge {name!r} in this fleet", field="name")
         row = await health().row(name)
-        return node_info(name, api.watcher.view.get(name), row)
+        return node_info(name, api.watcher.view.get(name), row, not current_principal.get().all_projects)
 
     @router.get("/v1/nodes")
     async def nodes() -> list[NodeInfo]:
         """Every edge: its load (a fresh poll), whether it answers, its health and why."""
         view = await api.watcher.refresh()
         have = await rows()
-        return [node_info(n, view.get(n), have.get(n)) for n in sorted(set(view) | set(have))]
+        redact = not current_principal.get().all_projects
+        return [node_info(n, view.get(n), have.get(n), redact) for n in sorted(set(view) | set(have))]
 
     @router.get("/v1/nodes/{name}")
     async def node(name: str) -> NodeInfo:

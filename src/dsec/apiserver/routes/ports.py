@@ -1,4 +1,8 @@
-"""HTTP to a port inside a sandbox."""
+"""HTTP to a port inside a sandbox, on the API's own origin. What a sandbox serves here is
+hostile to a browser that opens it: the API's cookies (the console's session) never reach
+the sandbox, its Set-Cookie never reaches the browser, and its pages run in CSP's sandbox
+(an opaque origin: no cookies, no same-origin requests to dsec). A web app meant for a
+browser is reached through E2B's per-sandbox hosts (dsec.e2b.ports) instead."""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ from fastapi.responses import Response
 
 from dsec.apiserver.core import Apiserver
 from dsec.errors import InvalidRequest
+
+SANDBOXED = {"Content-Security-Policy": "sandbox allow-scripts allow-forms allow-popups allow-downloads",
+             "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY"}
 
 
 def routes(api: Apiserver) -> APIRouter:
@@ -17,11 +24,13 @@ def routes(api: Apiserver) -> APIRouter:
         if not 1 <= port <= 65535:
             raise InvalidRequest("port must be 1-65535", field="port")
         body = await request.body()
-        skip = {"host", "authorization", "content-length", "connection", "transfer-encoding"}
+        skip = {"host", "authorization", "cookie", "content-length", "connection", "transfer-encoding"}
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in skip]
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         resp = await api.edge_for(sandbox_id).http(sandbox_id, port, request.method, target, headers, body)
         out_headers = {k: v for k, v in resp.headers
-                       if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+                       if k.lower() not in ("content-length", "transfer-encoding", "connection", "set-cookie",
+                                            "content-security-policy")}
+        out_headers.update(SANDBOXED)
         return Response(content=resp.body, status_code=resp.status, headers=out_headers)
     return router

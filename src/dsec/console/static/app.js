@@ -15,7 +15,9 @@ const NAV = [["fleet", "Fleet"], ["sandboxes", "Sandboxes"], ["jobs", "Jobs"], [
 function parseHash() {
   const raw = window.location.hash.replace(/^#\/?/, "");
   const [path, query] = raw.split("?");
-  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  const parts = path.split("/").filter(Boolean).map((p) => {
+    try { return decodeURIComponent(p); } catch (_) { return p; }
+  });
   return { parts: parts.length ? parts : ["fleet"], params: new URLSearchParams(query || "") };
 }
 
@@ -51,7 +53,10 @@ function Page({ route }) {
   const [head, arg] = route.parts;
   switch (head) {
     case "sandboxes": return html`<${SandboxesPage} params=${route.params} />`;
-    case "sandbox": return html`<${SandboxPage} id=${arg} params=${route.params} key=${arg} />`;
+    case "sandbox":
+      // an id goes into API paths: only what the edges make (edge name, '-', base36)
+      if (!/^[a-z0-9][a-z0-9_.-]{0,126}$/i.test(arg || "")) return html`<p class="error">Not a sandbox id.</p>`;
+      return html`<${SandboxPage} id=${arg} params=${route.params} key=${arg} />`;
     case "jobs": return html`<${JobsPage} />`;
     case "job": return html`<${JobPage} name=${arg} params=${route.params} key=${arg} />`;
     case "layers": return html`<${LayersPage} />`;

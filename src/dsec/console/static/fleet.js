@@ -16,7 +16,8 @@ export function FleetPage() {
     return { ...r, samples: hist.current };
   }, POLL_MS);
   if (!data) return html`<${ErrorNote} error=${error} /><p class="muted">Loading the fleet&hellip;</p>`;
-  const { nodes, sandboxes, samples, events } = data;
+  const { nodes, sandboxes, samples, events, history } = data;
+  const note = history.shown ? null : html`<p class="muted small">The fleet's history is the cluster's admin's to see.</p>`;
   const last = samples.length ? samples[samples.length - 1] : null;
   const up = nodes.filter((n) => n.state === "up").length;
   const live = (sandboxes.states.running || 0) + (sandboxes.states.paused || 0) + (sandboxes.states.creating || 0);
@@ -41,13 +42,13 @@ export function FleetPage() {
         <div class="chips">${Object.entries(sandboxes.backends).sort().map(([b, n]) => html`
           <a class="chip" href=${`#/sandboxes${qs({ backend: b })}`}>${b} ${fmt.num(n)}</a>`)}</div>
       <//>
-      <${Card} title="Sandboxes over time">
+      <${Card} title="Sandboxes over time">${note}
         <${Chart} title="live sandboxes" testid="chart-sandboxes" series=${[{ label: "sandboxes" }]}
           data=${columns(samples, "at", ["sandboxes"])} height=${140} />
       <//>
     </div>
     <div class="grid2">
-      <${Card} title="Creation rate">
+      <${Card} title="Creation rate">${note}
         <${Chart} title="per second" testid="chart-creates"
           series=${[{ label: "creates/s" }, { label: "failures/s", color: "#c92a2a" }, { label: "refusals/s", color: "#e67700" }]}
           data=${columns(samples, "at", ["creates_per_s", "create_failures_per_s", "refusals_per_s"])} />

@@ -46,7 +46,8 @@ function Lineage({ items }) {
 export function FnCallPage() {
   const { data, error } = usePoll(() => api("/v1/console/fncall"), 3000);
   return html`<${ErrorNote} error=${error} />${(data || []).map((e) => html`
-    <${Card} title=${`FnCall on ${e.edge}`} right=${html`<span class="muted">${fmt.num(e.calls)} calls · ${fmt.num(e.errors)} platform errors</span>`}>
+    <${Card} title=${`FnCall on ${e.edge}`} right=${e.shown ? html`<span class="muted">${fmt.num(e.calls)} calls · ${fmt.num(e.errors)} platform errors</span>`
+      : html`<span class="muted small">the pools serve every project: their counters are the cluster's admin's to see</span>`}>
       <table class="t" data-testid="fncall-pools"><thead><tr><th>image</th><th>containers</th><th>workers busy</th><th>waiting</th>
         <th>starting</th><th>error</th></tr></thead>
         <tbody>${e.pools.map((p) => html`<tr><td class="mono small">${p.image}${p.layers.length ? ` +${p.layers.join(",")}` : ""}</td>
