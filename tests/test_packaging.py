@@ -18,7 +18,7 @@ def test_base_dependencies_are_the_sdks() -> None:
     with open("pyproject.toml", "rb") as f:
         project = tomllib.load(f)["project"]
     base = {d.split(">")[0].split("[")[0].split("=")[0] for d in project["dependencies"]}
-    assert base == {"aiohttp", "pydantic", "typer", "rich"}
+    assert base == {"aiohttp", "pydantic", "typer", "rich", "opentelemetry-api"}  # the API only: tracing off
     server = {d.split(">")[0].split("[")[0] for d in project["optional-dependencies"]["server"]}
     assert {"fastapi", "uvicorn", "pyfuse3", "pyroute2"} <= server
 
