@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from dsec.apiserver.core import LIST_TIMEOUT_S, Apiserver, parse_labels
 from dsec.apiserver.routes.nodes import node_info
 from dsec.console.query import merge, needs_usage
+from dsec.edge.api import EdgeAPI
 from dsec.errors import EdgeUnavailable, InvalidRequest
 from dsec.iam import current_principal
 from dsec.iam.visibility import LayerAcl, may_see
@@ -58,11 +59,19 @@ def routes(api: Apiserver) -> APIRouter:
                 pages.append(part)
         page = merge(pages, q, missing)
         if (q.usage or needs_usage(q)) and page.items:
-            # what is shown is read for the page alone (the edges ranked by two cgroup files)
-            uses = await asyncio.gather(*(api.edge_for(i.sandbox_id).usage(i.sandbox_id) for i in page.items),
-                                        return_exceptions=True)
-            page.items = [i.model_copy(update={"usage": u if isinstance(u, SandboxUsage) else None})
-                          for i, u in zip(page.items, uses, strict=True)]
+            # what is shown is read for the page alone, one call per edge (the edges ranked by
+            # two cgroup files)
+            by_edge: dict[str, tuple[EdgeAPI, list[str]]] = {}
+            for i in page.items:
+                edge = api.edge_for(i.sandbox_id)
+                by_edge.setdefault(edge.name, (edge, []))[1].append(i.sandbox_id)
+            found = await asyncio.gather(*(asyncio.wait_for(edge.usage_many(ids), LIST_TIMEOUT_S)
+                                           for edge, ids in by_edge.values()), return_exceptions=True)
+            uses: dict[str, SandboxUsage] = {}
+            for got in found:
+                if isinstance(got, dict):
+                    uses.update(got)
+            page.items = [i.model_copy(update={"usage": uses.get(i.sandbox_id)}) for i in page.items]
         return page
 
     @router.get("/v1/console/sandboxes", response_model=SandboxPage)
