@@ -31,7 +31,7 @@ SESSION_S = int(os.environ.get("DSEC_CONSOLE_SESSION_S", str(12 * 3600)))
 # page of another site cannot set it without a CORS preflight, which dsec never grants
 CSRF_HEADER = b"x-dsec-console"
 REFRESH_S = 5.0  # another replica's logouts are seen within this
-_VALUE = re.compile(r"^v2\.([A-Za-z0-9_-]{1,64})\.(\d{1,12})\.(\d{1,12})\.([A-Za-z0-9_-]{16,64})\.([0-9a-f]{40})$")
+_VALUE = re.compile(r"^v2\.([A-Za-z0-9_-]{1,64})\.(\d{1,15})\.(\d{1,12})\.([A-Za-z0-9_-]{16,64})\.([0-9a-f]{40})$")
 
 
 class Keys(Protocol):
@@ -42,7 +42,7 @@ class Keys(Protocol):
 @dataclass(frozen=True)
 class Session:
     token_id: str
-    issued_at: int
+    issued_ms: int  # milliseconds: a login right after its token's sessions were ended is not one of them
     expires_at: int
     nonce: str
 
@@ -73,7 +73,7 @@ class Revocations:
             except SQLAlchemyError:  # the database is away: the last list stands
                 pass
         cuts = self._cuts
-        return f"s:{s.nonce}" in cuts or s.issued_at < cuts.get(f"t:{s.token_id}", float("-inf"))
+        return f"s:{s.nonce}" in cuts or s.issued_ms < cuts.get(f"t:{s.token_id}", float("-inf"))
 
     def _put(self, key: str, cut: float, until: float) -> None:
         with self.db.begin() as c:
@@ -86,12 +86,12 @@ class Revocations:
             self._cuts = {**self._cuts, key: cut}
 
     async def end(self, s: Session) -> None:
-        await asyncio.to_thread(self._put, f"s:{s.nonce}", s.issued_at, s.expires_at + 60)
+        await asyncio.to_thread(self._put, f"s:{s.nonce}", s.issued_ms, s.expires_at + 60)
 
     async def end_all(self, token_id: str) -> None:
         """Every session of ``token_id`` issued until now (logged in before this moment)."""
         now = time.time()
-        await asyncio.to_thread(self._put, f"t:{token_id}", int(now) + 1, now + SESSION_S + 60)
+        await asyncio.to_thread(self._put, f"t:{token_id}", int(now * 1000) + 1, now + SESSION_S + 60)
 
 
 def issue(keys: Keys, principal: Principal, now: float | None = None) -> tuple[str, Session]:
@@ -100,8 +100,8 @@ def issue(keys: Keys, principal: Principal, now: float | None = None) -> tuple[s
     expires = now + SESSION_S
     if principal.expires_at is not None:
         expires = min(expires, principal.expires_at)
-    s = Session(principal.token_id, int(now), int(expires), secrets.token_urlsafe(18))
-    payload = f"{s.token_id}.{s.issued_at}.{s.expires_at}.{s.nonce}"
+    s = Session(principal.token_id, int(now * 1000), int(expires), secrets.token_urlsafe(18))
+    payload = f"{s.token_id}.{s.issued_ms}.{s.expires_at}.{s.nonce}"
     return f"v2.{payload}.{keys.derive('console-session', payload)}", s
 
 
