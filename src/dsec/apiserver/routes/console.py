@@ -11,6 +11,7 @@ import asyncio
 from collections import Counter
 
 from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
@@ -18,7 +19,7 @@ from dsec.apiserver.core import LIST_TIMEOUT_S, Apiserver, parse_labels
 from dsec.apiserver.routes.nodes import node_info
 from dsec.console.query import merge, needs_usage
 from dsec.edge.api import EdgeAPI
-from dsec.errors import EdgeUnavailable, InvalidRequest
+from dsec.errors import EdgeUnavailable
 from dsec.iam import current_principal
 from dsec.iam.visibility import LayerAcl, may_see
 from dsec.wire.console import (
@@ -86,10 +87,9 @@ def routes(api: Apiserver) -> APIRouter:
             sq = SandboxQuery(q=q, state=state, backend=backend, job=job, labels=parse_labels(label),
                               project=project, edge=edge, sort=sort, offset=offset, limit=limit,  # type: ignore[arg-type]
                               usage=usage)
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"]) or None
-            raise InvalidRequest(f"{field}: {err['msg']}" if field else err["msg"], field=field) from None
+        except ValidationError as e:  # reported as any query parameter's error is (apiserver/app.py)
+            raise RequestValidationError([{**err, "loc": ("query", *err.get("loc", ()))}
+                                          for err in e.errors()]) from None
         # dumped here: FastAPI would validate the page's items once more on the way out
         return Response((await query(sq)).model_dump_json(), media_type="application/json")
 
