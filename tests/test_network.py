@@ -105,13 +105,16 @@ async def test_default_deny_raw_rules_and_host_is_out_of_reach(
             r = await sb.run_shell(CONNECT.format(*target))
             assert r.exit_code != 0, (target, r)
         assert got == []
-        await sb.set_network_rules({f"{host}:{port}/tcp": True})
+        with pytest.raises(dsec.InvalidRequest) as e:  # the host's address is never a raw rule's ...
+            await sb.set_network_rules({f"{host}:{port}/tcp": True})
+        assert e.value.field == "network_rules" and "no sandbox may reach" in e.value.message
+        await sb.set_network_rules({f"host:{port}/tcp": True})  # ... only the cluster admin's host: rule
         r = await sb.run_shell(CONNECT.format(host, port))
         assert r.exit_code == 0 and r.stdout.strip() == "pong", r
         assert got == [b"ping"]
         r = await other.run_shell(CONNECT.format(host, port))  # the rule is the first sandbox's alone
         assert r.exit_code != 0
-        await sb.set_network_rules({f"{host}:{port}/tcp": False})
+        await sb.set_network_rules({f"host:{port}/tcp": False})
         r = await sb.run_shell(CONNECT.format(host, port))
         assert r.exit_code != 0
         await asyncio.sleep(2.5)  # the kernel's rejections are collected every 2 s
@@ -132,7 +135,7 @@ async def test_spoofed_source_and_ipv6_are_dropped(client: dsec.AsyncClient,
     a = await client.run_container(dsec.ContainerArgs(network_rules={}))
     b = await client.run_container(dsec.ContainerArgs(network_rules={}))
     try:
-        await b.set_network_rules({f"{host}:{port}/tcp": True})
+        await b.set_network_rules({f"host:{port}/tcp": True})
         b_addr = b.info.network.address  # type: ignore[union-attr]
         # root in a cannot take b's address (no CAP_NET_ADMIN) ...
         r = await a.run_shell(f"ip addr add {b_addr}/32 dev eth0")
@@ -177,13 +180,13 @@ async def test_bad_network_rules_are_400(client: dsec.AsyncClient) -> None:
 async def test_edge_restart_keeps_links_and_rules(platform: Platform, client: dsec.AsyncClient,
                                                   listener: tuple[str, int, list[bytes]]) -> None:
     host, port, got = listener
-    sb = await client.run_container(dsec.ContainerArgs(network_rules={f"{host}:{port}/tcp": True, "pypi": True}))
+    sb = await client.run_container(dsec.ContainerArgs(network_rules={f"host:{port}/tcp": True, "pypi": True}))
     assert (await sb.run_shell(CONNECT.format(host, port))).stdout.strip() == "pong"
     platform.restart(crash=True)
     async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c2:  # the old pool died with the server
         sb = await c2.connect(sb.sandbox_id)
         try:
-            assert sb.info.network is not None and sb.info.network.rules == {f"{host}:{port}/tcp": True, "pypi": True}
+            assert sb.info.network is not None and sb.info.network.rules == {f"host:{port}/tcp": True, "pypi": True}
             r = await sb.run_shell(CONNECT.format(host, port))
             assert r.stdout.strip() == "pong", r
             r = await sb.run_shell("getent hosts pypi.org && ! getent hosts " + npm_hosts()[0])

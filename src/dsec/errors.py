@@ -50,6 +50,13 @@ class NotFound(DsecError):
     code = "not_found"
 
 
+class RequestTimeout(DsecError):
+    """The request's body stopped arriving: the server gave up waiting for it."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class SandboxNotRunning(DsecError):
     status = 409
     code = "sandbox_not_running"
@@ -189,6 +196,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Unauthorized,
         Forbidden,
         NotFound,
+        RequestTimeout,
         SandboxNotRunning,
         KeyConflict,
         CommandForgotten,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dsec.agent.initclient import SETSID
 from dsec.agent.watch import DirWatch
+from dsec.errors import InvalidRequest
 from dsec.wire.models import FileStat, Owner
 
 if TYPE_CHECKING:
@@ -20,6 +21,18 @@ if TYPE_CHECKING:
 
 
 OnData = Callable[[str, bytes], None]
+PATH_MAX = 4096
+
+
+def check_path(path: str, field: str = "path") -> str:
+    """A path a caller named in a sandbox, refused if the kernel would read it as another
+    one: a NUL byte ends a C string, so ``/tmp/a\\0.b`` would be ``/tmp/a`` to the syscall
+    while the audit log recorded the whole string."""
+    if "\x00" in path:
+        raise InvalidRequest(f"{field}: a path may not contain a NUL byte", field=field)
+    if len(path.encode(errors="surrogateescape")) >= PATH_MAX:
+        raise InvalidRequest(f"{field}: longer than {PATH_MAX - 1} bytes", field=field)
+    return path
 
 
 @dataclass

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from dsec import sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
 from dsec.apiserver.core import Apiserver, error_response
+from dsec.apiserver.limits import BodyLimit, body_limits
 from dsec.apiserver.routes import MODULES
 from dsec.console import web as console_web
 from dsec.e2b import api as e2b_api
@@ -23,7 +24,7 @@ from dsec.errors import (
 )
 from dsec.templates.builder import Builder
 from dsec.templates.catalog import TemplateCatalog
-from dsec.templates.context import Contexts
+from dsec.templates.context import MAX_CONTEXT_BYTES, Contexts
 from dsec.templates.images import Images
 from dsec.wire.models import (
     BACKEND_TAGS,
@@ -56,6 +57,8 @@ def build_app(api: Apiserver) -> FastAPI:
                        traffic_token=lambda sid: api.tokens.derive("traffic", sid))
     swerex.mount(app, api)  # outermost too: SWE-ReX's X-API-Key may be one sandbox's own token
     sandboxfusion.mount(app, api)  # outermost too: its token rides in the URL, cut out before logging
+    # outermost of all: a body is bounded before any face or authentication reads it
+    app.add_middleware(BodyLimit, limits=body_limits(api.max_file_bytes, MAX_CONTEXT_BYTES))
     catalog = TemplateCatalog(api.tokens.db)
     images = Images.from_env(api.layers)
     contexts = Contexts(api.layers.root)

@@ -5,9 +5,13 @@ project's sandboxes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import logging
 import re
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -35,6 +39,12 @@ from dsec.wire.models import (
 COOKIE_PATHS = ("/v1/console/", "/v1/sandboxes", "/v1/jobs", "/v1/batches", "/v1/rollouts", "/v1/projects")
 # a sandbox's own routes, dsec's and E2B's: a project's token reaches its project's sandboxes only
 _SANDBOX_PATH = re.compile(r"^(?:/v1|/v2)?/sandboxes/([^/]+-[^/]+)(?:/|$)")
+# a long-lived connection (a TTY, a streamed exec, a watch) asks again this often whether
+# its token or session still stands, and ends when it does not
+RECHECK_S = 2.0
+log = logging.getLogger("dsec.apiserver")
+
+Recheck = Callable[[], Awaitable[bool]]
 
 
 class BearerAuth:
@@ -52,6 +62,8 @@ class BearerAuth:
         self.api = api
 
     async def _refusal(self, scope: dict[str, Any]) -> DsecError | None:
+        """Why the request is refused (None: it may go on). A request made with a token or a
+        session leaves, in ``scope["dsec.recheck"]``, how to ask again whether it still stands."""
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.OPEN or \
                 scope["path"] == "/ui" or scope["path"].startswith(self.OPEN_PREFIX):
             return None
@@ -79,6 +91,10 @@ class BearerAuth:
             if isinstance(session_of, DsecError):
                 return session_of
             principal = session_of
+            cookie = headers[b"cookie"]
+
+            async def recheck() -> bool:
+                return await session.principal_of(self.api.tokens, self.api.sessions, cookie) is not None
         else:
             scheme, _, cred = header.partition(b" ")
             if scheme.lower() != b"bearer" or not cred.strip():
@@ -87,6 +103,11 @@ class BearerAuth:
             principal = await self.api.tokens.verify(cred.strip())
             if principal is None:
                 return Unauthorized("invalid token", field="authorization")
+            secret = cred.strip()
+
+            async def recheck() -> bool:
+                return await self.api.tokens.verify(secret) is not None
+        scope["dsec.recheck"] = recheck
         method = scope.get("method", "GET")
         need = permission_for(method, scope["path"], websocket=scope["type"] == "websocket")
         if not principal.may(need):
@@ -142,7 +163,11 @@ class BearerAuth:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         err = await self._refusal(scope)
         if err is None:
-            await self.app(scope, receive, send)
+            recheck = scope.pop("dsec.recheck", None)
+            if recheck is None:
+                await self.app(scope, receive, send)
+            else:
+                await _while_valid(self.app, scope, receive, send, recheck)
         elif scope["type"] == "http" and (scope["path"] in ENVD_PATHS or scope["path"].startswith(ENVD_PREFIXES)):
             await JSONResponse({"code": err.status, "message": err.message}, status_code=err.status)(
                 scope, receive, send)  # envd's own error shape
@@ -152,3 +177,58 @@ class BearerAuth:
             await receive()  # websocket.connect
             await send({"type": "websocket.accept"})
             await send({"type": "websocket.close", "code": 4401, "reason": err.message[:120]})
+
+
+async def _while_valid(app: Any, scope: dict[str, Any], receive: Any, send: Any, recheck: Recheck) -> None:
+    """Run the request; once it turns long-lived (a websocket, or a response that streams),
+    ask every RECHECK_S whether its credential still stands, and end it when it does not:
+    a websocket is closed with 4401, a streamed response ends there. A plain request is
+    served with no watch at all (the check at its start is the one that counts)."""
+    task = asyncio.current_task()
+    assert task is not None
+    revoked = False
+    watch: asyncio.Task[None] | None = None
+
+    async def watchdog() -> None:
+        nonlocal revoked
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            try:
+                ok = await recheck()
+            except Exception:  # the token store cannot say: the connection goes on, asked again soon
+                log.debug("re-check of a long-lived connection failed", exc_info=True)
+                continue
+            if not ok:
+                revoked = True
+                task.cancel()
+                return
+
+    def arm() -> None:
+        nonlocal watch
+        if watch is None:
+            watch = asyncio.create_task(watchdog())
+
+    async def watched_send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.body" and msg.get("more_body"):
+            arm()
+        await send(msg)
+
+    if scope["type"] == "websocket":
+        arm()
+    try:
+        await app(scope, receive, watched_send)
+    except asyncio.CancelledError:
+        if not revoked:
+            raise
+    finally:
+        if watch is not None:
+            watch.cancel()
+    if revoked:
+        if task.cancelling():
+            task.uncancel()
+        log.info("ended a %s on %s: its token or session was revoked or expired", scope["type"], scope["path"])
+        with contextlib.suppress(Exception):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 4401, "reason": "token revoked or expired"})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -27,11 +27,13 @@ from dsec.checkpoints.store import CheckpointStore
 from dsec.console.series import FleetSeries
 from dsec.console.session import Revocations
 from dsec.edge.api import EdgeAPI
+from dsec.edge.network.rules import is_host_rule
 from dsec.errors import (
     AdmissionRejected,
     DeadlineExceeded,
     DsecError,
     EdgeUnavailable,
+    Forbidden,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -96,6 +98,15 @@ class Routes(Protocol):
 
     def holder(self, sandbox_id: str) -> str | None: ...
     def moved_here(self, sandbox_id: str, edge: str) -> None: ...
+
+
+def check_host_rules(rules: Mapping[str, bool], field: str) -> None:
+    """A rule that reaches the node itself (``host:port/proto``) is the cluster admin's to
+    give: a tenant's sandbox never opens a way to the platform's own host (docs/network.md)."""
+    p = current_principal.get()
+    if not (p.all_projects and p.role == "admin") and any(on and is_host_rule(k) for k, on in rules.items()):
+        raise Forbidden("only the cluster's admin may allow a sandbox to reach its host ('host:...' rules)",
+                        field=field)
 
 
 class Apiserver:
@@ -213,6 +224,8 @@ class Apiserver:
     @staticmethod
     def _own(req: CreateRequest) -> CreateRequest:
         principal = current_principal.get()
+        if isinstance(req.args, ContainerArgs) and req.args.network_rules:
+            check_host_rules(req.args.network_rules, "network_rules")
         if not principal.all_projects:  # a project's token makes sandboxes of that project only
             req = req.model_copy(update={"args": req.args.model_copy(
                 update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
@@ -394,6 +407,9 @@ class Apiserver:
         node that is down; a job operation reports it)."""
         principal = current_principal.get()
         if not principal.all_projects and principal.role != "admin":
+            if labels.get(PROJECT_LABEL, principal.project) != principal.project:
+                unreachable.set(())
+                return []  # asks for another project's sandboxes: none of them are the caller's
             labels = {**labels, PROJECT_LABEL: principal.project}  # the edges filter: one project's
         names = list(self.edges)
         parts = await asyncio.gather(*(asyncio.wait_for(self.edges[n].list_sandboxes(job=job, labels=labels,

@@ -103,6 +103,8 @@ def _read_secret(path: str) -> str:
 def _run_uvicorn(fastapi_app: Any, host: str, port: int, log_level: str) -> None:
     import uvicorn
 
+    from dsec.apiserver.limits import GuardedH11
+
     # keep-alive longer than clients keep idle connections (the SDK: 30 s), so a client never
     # sends on a connection the server is closing
     # the standard asyncio loop, not uvloop: uvloop and a Python socket object can both
@@ -111,8 +113,9 @@ def _run_uvicorn(fastapi_app: Any, host: str, port: int, log_level: str) -> None
     # (seen here: sandbox sockets and client connections closed under their owners)
     # a shutdown waits SHUTDOWN_GRACE_S for requests in flight (a 300 s exec, an open TTY),
     # then cancels them: the sandboxes keep running and are re-adopted by the next start
+    # http: uvicorn's HTTP/1.1 with a deadline on a request's headers (dsec.apiserver.limits)
     uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65,
-                loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=GuardedH11)
 
 
 @_with_edge_options

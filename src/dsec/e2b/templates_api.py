@@ -137,11 +137,11 @@ class TemplatesApi:
 
     async def start(self, template_id: str, build_id: str, spec: TemplateSpec) -> None:
         await self.reap()
-        await self._build(template_id, build_id, owned=True)
+        t, _ = await self._build(template_id, build_id, owned=True)
         if spec.fromTemplate:  # building on another template: one the caller may use
             await self._template(spec.fromTemplate.partition(":")[0])
         for s in spec.steps:
-            if s.type == "COPY" and s.filesHash and not await self._call(self.contexts.has, s.filesHash):
+            if s.type == "COPY" and s.filesHash and not await self._call(self.contexts.has, t.project, s.filesHash):
                 raise InvalidRequest(f"the files of COPY {s.args[0]} (hash {s.filesHash}) were not uploaded",
                                      field="steps")
         await self.builder.start(build_id, spec)
@@ -162,10 +162,12 @@ class TemplatesApi:
         return {"logs": [_entry(e) for e in await self._call(self.catalog.logs, build_id, cursor, limit)]}
 
     async def files(self, template_id: str, files_hash: str, base_url: str) -> dict[str, Any]:
-        await self._template(template_id, owned=True)
-        if await self._call(self.contexts.has, files_hash):
+        """Whether the template's project has these files; if not, where to upload them (a
+        URL signed for that project and hash)."""
+        t = await self._template(template_id, owned=True)
+        if await self._call(self.contexts.has, t.project, files_hash):
             return {"present": True}
-        q = urllib.parse.urlencode({"signature": self.sign(files_hash)})
+        q = urllib.parse.urlencode({"project": t.project, "signature": self.sign(upload_key(t.project, files_hash))})
         return {"present": False, "url": f"{base_url.rstrip('/')}{FILES_PATH}{files_hash}?{q}"}
 
     def _info(self, t: TemplateRow, builds: list[BuildRow]) -> dict[str, Any]:
@@ -234,11 +236,17 @@ def runner_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def upload_key(project: str, files_hash: str) -> str:
+    """What an upload URL is signed for: the project's namespace and the hash in it."""
+    return f"{project}\n{files_hash}"
+
+
 def signed_upload(path: str, query: bytes, sign: Callable[[str], str]) -> bool:
-    """Whether an upload request carries the signature of its files hash."""
+    """Whether an upload request carries the signature of its project and files hash."""
     files_hash = path[len(FILES_PATH):]
-    given = urllib.parse.parse_qs(query.decode(errors="replace")).get("signature", [""])[0]
-    return bool(files_hash) and hmac.compare_digest(given, sign(files_hash))
+    q = urllib.parse.parse_qs(query.decode(errors="replace"))
+    given, project = q.get("signature", [""])[0], q.get("project", [""])[0]
+    return bool(files_hash and project) and hmac.compare_digest(given, sign(upload_key(project, files_hash)))
 
 
 def mount(app: FastAPI, api: TemplatesApi) -> None:
@@ -270,7 +278,7 @@ def mount(app: FastAPI, api: TemplatesApi) -> None:
         return JSONResponse(await api.files(template_id, files_hash, str(request.base_url)), status_code=201)
 
     async def upload(request: Request, files_hash: str) -> Response:
-        await api.contexts.save(files_hash, request.stream())
+        await api.contexts.save(request.query_params.get("project", ""), files_hash, request.stream())
         return Response(status_code=200)
 
     async def alias(request: Request, alias: str) -> Response:

@@ -20,7 +20,7 @@ from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.cmdstore import CommandLog
 from dsec.edge.config import EdgeConfig
 from dsec.edge.hostload import HostLoadReader
-from dsec.edge.interactive import InteractiveOps, Watchers
+from dsec.edge.interactive import InteractiveOps, StreamSlots, Watchers
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.network import NetworkManager
 from dsec.edge.procwatch import ProcWatch
@@ -90,6 +90,7 @@ class EdgeCore(InteractiveOps):
         self.signals = Signals()  # what the fleet's health detector reads (edge/signals.py)
         self.host_load = HostLoadReader()
         self.watchers = Watchers()  # polled directory watchers clients hold here
+        self.streams = StreamSlots()  # open streams per sandbox, bounded
         self.node_layers = NodeLayers(layers, cfg.data_dir, self.run_dir, cfg.fetch_mode, cfg.chunk_cache_bytes,
                                       cfg.fetch_timeout_s, on_error=self._storage_error)
         self.layer_mnt = self.node_layers.mnt_dir

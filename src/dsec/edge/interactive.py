@@ -13,12 +13,13 @@ import contextlib
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from dsec.agent.aether import Aether, OnData
 from dsec.agent.fdio import write_all
 from dsec.agent.initclient import exit_code
+from dsec.agent.interfaces import check_path
 from dsec.agent.procs import Proc, ProcessTable
 from dsec.agent.watch import DirWatch
 from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, SandboxBusy
@@ -28,6 +29,7 @@ from dsec.wire.models import ExecEvent, ExecResult
 INPUT_LIMIT = 4 << 20  # bytes of input queued for a stream before its input is ended
 KEEPALIVE_S = 30.0  # a quiet stream says it is alive this often (proxies and clients time out idle ones)
 MAX_WATCHERS, MAX_WATCHERS_PER_SANDBOX = 8192, 256
+MAX_STREAMS_PER_SANDBOX = 256  # as many as its process table holds processes
 TTY_DRAIN_S = 0.5  # output after the shell's exit still goes out for this long
 
 
@@ -206,6 +208,33 @@ class Watchers:
             w.close()
 
 
+class StreamSlots:
+    """Open streams per sandbox (TTYs, streamed execs, process streams, watches, streamed
+    port responses): bounded, so that one client cannot hold an edge's memory and fds
+    open through one sandbox. A slot is held for as long as the stream is."""
+
+    def __init__(self, per_sandbox: int = MAX_STREAMS_PER_SANDBOX) -> None:
+        self.per_sandbox = per_sandbox
+        self.open: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, sandbox_id: str, what: str) -> Iterator[None]:
+        n = self.open.get(sandbox_id, 0)
+        if n >= self.per_sandbox:
+            raise AdmissionRejected(f"sandbox {sandbox_id} has {n} open streams (terminals, streamed commands, "
+                                    f"watches, port streams), the most it may; close one before opening a {what}",
+                                    sandbox_id=sandbox_id)
+        self.open[sandbox_id] = n + 1
+        try:
+            yield
+        finally:
+            left = self.open.get(sandbox_id, 1) - 1
+            if left > 0:
+                self.open[sandbox_id] = left
+            else:
+                self.open.pop(sandbox_id, None)
+
+
 # ---- the TTY duplex ------------------------------------------------------------------------
 
 async def tty_session(agent: Aether, cols: int, rows: int, input: AsyncIterator[TtyInput],
@@ -290,6 +319,7 @@ class InteractiveOps:
     edge, written against what every sandbox has once ready: its agent."""
 
     watchers: Watchers
+    streams: StreamSlots
 
     async def _ready(self, sandbox_id: str) -> tuple[Any, Aether]:
         raise NotImplementedError
@@ -306,14 +336,16 @@ class InteractiveOps:
         return agent.procs
 
     async def proc_start(self, sandbox_id: str, spec: ProcSpec) -> AsyncIterator[ProcOutput]:
-        p = await proc_start(await self._table(sandbox_id), spec)
-        async for ev in proc_events(p):
-            yield ev
+        with self.streams.hold(sandbox_id, "process stream"):
+            p = await proc_start(await self._table(sandbox_id), spec)
+            async for ev in proc_events(p):
+                yield ev
 
     async def proc_connect(self, sandbox_id: str, ref: ProcRef) -> AsyncIterator[ProcOutput]:
-        p = find_proc(await self._table(sandbox_id), ref)
-        async for ev in proc_events(p):
-            yield ev
+        with self.streams.hold(sandbox_id, "process stream"):
+            p = find_proc(await self._table(sandbox_id), ref)
+            async for ev in proc_events(p):
+                yield ev
 
     async def proc_list(self, sandbox_id: str) -> list[ProcInfo]:
         return proc_list(await self._table(sandbox_id))
@@ -340,16 +372,19 @@ class InteractiveOps:
 
         def touch() -> None:
             asyncio.ensure_future(self.touch(sandbox_id))
-        async for out in tty_session(agent, cols, rows, input, touch):
-            yield out
+        with self.streams.hold(sb.id, "terminal"):
+            async for out in tty_session(agent, cols, rows, input, touch):
+                yield out
 
     async def _dir_watch(self, sandbox_id: str, path: str, recursive: bool) -> DirWatch:
+        check_path(path)
         _, agent = await self._ready(sandbox_id)
         return agent.files.watch(path, recursive)
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool) -> AsyncIterator[list[FsEvent]]:
-        async for batch in watch_stream(await self._dir_watch(sandbox_id, path, recursive)):
-            yield batch
+        with self.streams.hold(sandbox_id, "watch"):
+            async for batch in watch_stream(await self._dir_watch(sandbox_id, path, recursive)):
+                yield batch
 
     async def watcher_create(self, sandbox_id: str, path: str, recursive: bool) -> str:
         return self.watchers.add(sandbox_id, await self._dir_watch(sandbox_id, path, recursive))
@@ -364,12 +399,13 @@ class InteractiveOps:
                           body: bytes, timeout: float = 60.0) -> AsyncIterator[HttpPart]:
         sb, agent = await self._ready(sandbox_id)
         self._audit(sb.id, "http", f"{method} :{port}{path[:512]}")
-        resp = await agent.http_stream(port, method, path, headers, body, timeout)
-        try:
-            yield HttpPart(status=resp.status, headers=resp.headers)
-            async for chunk in resp.body:
-                yield HttpPart(data=chunk)
-        finally:
-            aclose = getattr(resp.body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        with self.streams.hold(sb.id, "port stream"):
+            resp = await agent.http_stream(port, method, path, headers, body, timeout)
+            try:
+                yield HttpPart(status=resp.status, headers=resp.headers)
+                async for chunk in resp.body:
+                    yield HttpPart(data=chunk)
+            finally:
+                aclose = getattr(resp.body, "aclose", None)
+                if aclose is not None:
+                    await aclose()

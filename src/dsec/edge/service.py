@@ -30,6 +30,7 @@ from dsec.agent.aether import (
     SandboxFiles,
 )
 from dsec.agent.initclient import ChannelLost
+from dsec.agent.interfaces import check_path
 from dsec.agent.watch import ensure_instances as ensure_inotify_instances
 from dsec.backends.api import SandboxLost
 from dsec.backends.vm.display import click, screenshot, send_keys
@@ -403,8 +404,10 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await self._exec(sandbox_id, req, None)
 
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return exec_events(lambda on_data: self._exec(sandbox_id, req, on_data))
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        with self.streams.hold(sandbox_id, "streamed command"):
+            async for ev in exec_events(lambda on_data: self._exec(sandbox_id, req, on_data)):
+                yield ev
 
     async def _exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
         with tracing.span("edge.exec", sandbox_id=sandbox_id, session=req.session, keyed=req.key is not None):
@@ -441,6 +444,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             sb.ops -= 1
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        check_path(path)
         _, agent = await self._ready(sandbox_id)
         return await agent.files.read_file(path, self.cfg.max_file_bytes)
 
@@ -449,12 +453,14 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         if len(data) > self.cfg.max_file_bytes:
             raise PayloadTooLarge(f"file body of {len(data)} bytes exceeds the {self.cfg.max_file_bytes}-byte limit",
                                   field="body")
+        check_path(path)
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_write", f"{path} ({len(data)} bytes, mode {mode:o})")
         await agent.files.write_file(path, data, mode, owner)
 
     async def make_dir(self, sandbox_id: str, path: str, owner: Owner | None = None) -> bool:
         """Make ``path`` and its parents; False if it already existed."""
+        check_path(path)
         sb, agent = await self._ready(sandbox_id)
         if await agent.files.exists(path):
             return False
@@ -464,11 +470,14 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
 
     async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None:
         """The user.* extended attributes under ``prefix`` on ``path`` become ``values``."""
+        check_path(path)
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_write", f"{path} (xattrs {prefix}*)")
         await agent.files.set_xattrs(path, prefix, values)
 
     async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        check_path(source, "source")
+        check_path(destination, "destination")
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_write", f"{source} moved to {destination}")
         await agent.files.move(source, destination)
@@ -487,14 +496,17 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         return sb.rec.info
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        check_path(path)
         _, agent = await self._ready(sandbox_id)
         return await agent.files.list_dir(path)
 
     async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        check_path(path)
         _, agent = await self._ready(sandbox_id)
         return await agent.files.stat(path)
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        check_path(path)
         sb, agent = await self._ready(sandbox_id)
         self.audit.record(sb.id, "file_remove", f"{path}{' (recursive)' if recursive else ''}")
         await agent.files.remove(path, recursive)

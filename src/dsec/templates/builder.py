@@ -133,8 +133,11 @@ class Builder:
         try:
             b = await asyncio.to_thread(self.catalog.build, build_id)
             assert b is not None
-            result = await asyncio.wait_for(self._build(spec, out, builder, build_id, b.cpu_count, b.memory_mb),
-                                            self.max_build_s)
+            t = await asyncio.to_thread(self.catalog.template, b.template_id)
+            if t is None:
+                raise StepFailed("the build's template was deleted", "base")
+            result = await asyncio.wait_for(self._build(spec, out, builder, build_id, b.cpu_count, b.memory_mb,
+                                                        t.project), self.max_build_s)
             out.step = "finalize"
             out(f"Build finished: {' + '.join([result.image, *result.layers])}")
             await out.flush()
@@ -205,10 +208,12 @@ class Builder:
         return BuiltTemplate(image=base.image, layers=base.layers), steps
 
     async def _build(self, spec: TemplateSpec, out: _Log, builder: list[str], build_id: str, cpu: int,
-                     memory_mb: int) -> BuiltTemplate:
+                     memory_mb: int, project: str) -> BuiltTemplate:
+        """``project``: the template's; its build contexts and its build cache are its own
+        (another project's upload or cached step never lands in this build)."""
         start, steps = await self._base(spec, out)
         synthetic = len(steps) - len(spec.steps)  # the provisioning step, not the user's
-        keys = [base_key(start.image, start.layers, start.config)]
+        keys = [base_key(start.image, start.layers, start.config, project)]
         for s in steps:
             keys.append(chain(keys[-1], s.cache_text()))
         usable = 0 if spec.force else next((i for i, s in enumerate(steps) if s.force), len(steps))
@@ -226,7 +231,7 @@ class Builder:
         rest = steps[done:]
         if any(s.type in ("RUN", "COPY", "WORKDIR") for s in rest):
             state = await self._run_steps(state, steps, done, synthetic, out, builder, build_id, cpu, memory_mb,
-                                          keys)
+                                          keys, project)
         else:
             for s in rest:
                 config = config.after(s)
@@ -242,7 +247,7 @@ class Builder:
 
     async def _run_steps(self, state: BuiltTemplate, steps: list[Step], done: int, synthetic: int, out: _Log,
                          builder: list[str], build_id: str, cpu: int, memory_mb: int,
-                         keys: list[str]) -> BuiltTemplate:
+                         keys: list[str], project: str) -> BuiltTemplate:
         out.step = "base"
         out(f"Starting the builder ({cpu} CPU, {memory_mb} MiB, egress: package registries)")
         info = await self.platform.create(CreateRequest(args=ContainerArgs(
@@ -264,7 +269,7 @@ class Builder:
                 if code != 0:
                     raise StepFailed(f"step {out.step} ({_describe(s)}) failed: exit status {code}", out.step)
             elif s.type == "COPY":
-                await self._copy(edge, sid, s, config, out)
+                await self._copy(edge, sid, s, config, out, project)
             elif s.type == "WORKDIR":
                 d = shlex.quote(config.resolve(s.args[0]))
                 owner = await _owner_spec(edge, sid, config.user)
@@ -295,9 +300,9 @@ class Builder:
                         owner=acct.owner, tag=None)
         return await _stream(edge.proc_start(sid, spec), out)
 
-    async def _copy(self, edge: EdgeAPI, sid: str, s: Step, config: RunConfig, out: _Log) -> None:
+    async def _copy(self, edge: EdgeAPI, sid: str, s: Step, config: RunConfig, out: _Log, project: str) -> None:
         assert s.filesHash is not None
-        data = await asyncio.to_thread(self.contexts.read, s.filesHash)
+        data = await asyncio.to_thread(self.contexts.read, project, s.filesHash)
         archive = f"{SCRATCH}/{s.filesHash}.tar"
         await edge.write_file(sid, archive, data, 0o600)
         src, dest = config.expand(s.args[0]), s.args[1]

@@ -1,6 +1,13 @@
-"""Build contexts: the tar archives E2B's SDKs upload for COPY steps, kept by the hash the
-SDK computed over the files (so a second build of unchanged files uploads nothing). They
-live beside the layers, in the store every node and replica sees."""
+"""Build contexts: the tar archives E2B's SDKs upload for COPY steps, kept per project by
+the hash the SDK computed over the files (so a second build of unchanged files uploads
+nothing). They live beside the layers, in the store every node and replica sees.
+
+Per project, because the server cannot check an upload against its hash: the SDKs hash
+the client's own file metadata (the JS SDK a directory's size on the client's filesystem,
+which no tar carries; the Python SDK does not), so the same files give different hashes
+from different SDKs, and a hash names whatever its first uploader sent. Another project
+that predicts the hash (it is deterministic over files it may know) uploads into its own
+namespace only; within a project, the first upload wins and upload URLs go to builders."""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+import urllib.parse
 from collections.abc import AsyncIterator
 
 from dsec.errors import InvalidRequest, PayloadTooLarge
@@ -21,20 +29,22 @@ class Contexts:
         self.dir = os.path.join(root, "template-files")
         self.max_bytes = max_bytes
 
-    def path(self, files_hash: str) -> str:
+    def path(self, project: str, files_hash: str) -> str:
         if not FILES_HASH_RE.match(files_hash):
             raise InvalidRequest(f"files hash {files_hash!r} is not a lowercase hex SHA-256", field="hash")
-        return os.path.join(self.dir, files_hash)
+        if not project:
+            raise InvalidRequest("a build context belongs to a project", field="project")
+        return os.path.join(self.dir, urllib.parse.quote(project, safe=""), files_hash)
 
-    def has(self, files_hash: str) -> bool:
-        return os.path.exists(self.path(files_hash))
+    def has(self, project: str, files_hash: str) -> bool:
+        return os.path.exists(self.path(project, files_hash))
 
-    async def save(self, files_hash: str, body: AsyncIterator[bytes]) -> int:
+    async def save(self, project: str, files_hash: str, body: AsyncIterator[bytes]) -> int:
         """Store an upload (at most ``max_bytes``); published whole or not at all, and never
-        over an earlier upload of the same hash."""
-        dest = self.path(files_hash)
-        os.makedirs(self.dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".upload-")
+        over an earlier upload of the same hash in the same project."""
+        dest = self.path(project, files_hash)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest), prefix=".upload-")
         size = 0
         try:
             with os.fdopen(fd, "wb") as f:
@@ -56,9 +66,9 @@ class Contexts:
             raise
         return size
 
-    def read(self, files_hash: str) -> bytes:
+    def read(self, project: str, files_hash: str) -> bytes:
         try:
-            with open(self.path(files_hash), "rb") as f:
+            with open(self.path(project, files_hash), "rb") as f:
                 return f.read()
         except FileNotFoundError:
             raise InvalidRequest(f"the files of hash {files_hash} were never uploaded", field="filesHash") from None

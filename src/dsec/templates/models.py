@@ -167,5 +167,7 @@ def chain(key: str, text: str) -> str:
     return hashlib.sha256(f"{key}\0{text}".encode()).hexdigest()
 
 
-def base_key(image: str, layers: list[str], config: RunConfig) -> str:
-    return chain(CACHE_VERSION, json.dumps([image, layers, config.model_dump()], sort_keys=True))
+def base_key(image: str, layers: list[str], config: RunConfig, project: str) -> str:
+    """The first key of a build's cache chain: per project, so that one project's cached
+    step (a COPY of its own files under a hash another can predict) is never another's."""
+    return chain(CACHE_VERSION, json.dumps([image, layers, config.model_dump(), project], sort_keys=True))

@@ -122,7 +122,8 @@ class SandboxBase(Strict):
         return v
 
 
-_RULE_KEY = re.compile(r"^([a-z][a-z0-9_-]{0,31}|\d{1,3}(\.\d{1,3}){3}(/\d{1,2})?:\d{1,5}(-\d{1,5})?/(tcp|udp))$")
+_RULE_KEY = re.compile(r"^([a-z][a-z0-9_-]{0,31}"
+                       r"|(host|\d{1,3}(\.\d{1,3}){3}(/\d{1,2})?):\d{1,5}(-\d{1,5})?/(tcp|udp))$")
 
 
 def check_network_rules(v: dict[str, bool]) -> dict[str, bool]:
@@ -130,7 +131,8 @@ def check_network_rules(v: dict[str, bool]) -> dict[str, bool]:
         raise ValueError("at most 64 network rules")
     bad = [k for k in v if not _RULE_KEY.match(k)]
     if bad:
-        raise ValueError(f"{bad[0]!r} is neither a service name nor ip[/len]:port[-port]/tcp|udp")
+        raise ValueError(f"{bad[0]!r} is neither a service name nor ip[/len]:port[-port]/tcp|udp "
+                         "(nor host:port[-port]/tcp|udp)")
     return v
 
 
@@ -200,6 +202,9 @@ class ContainerArgs(SandboxBase):
         "gets CPU time latency-sensitive work leaves idle")
     tmpfs: dict[str, Annotated[int, Field(ge=1, le=64 * 1024)]] = Field(
         default_factory=dict, description="extra tmpfs mounts, absolute path -> size in MiB (charged to memory)")
+    readonly_rootfs: bool = Field(
+        default=False, description="the root filesystem is read-only inside the sandbox (to root there too, and "
+        "to the file API); writable: the tmpfs mounts, /dev/shm, /dev/mqueue")
     record_access: bool = Field(
         default=False, description="record which chunks of its layers this sandbox reads and save them, when "
         "it stops, as the layers' access lists (prefetched by later sandboxes); needs a shared layer store")
@@ -211,8 +216,10 @@ class ContainerArgs(SandboxBase):
         "files are fingerprinted at start; any later change, addition or removal is flagged in the audit log")
     network_rules: dict[str, bool] | None = Field(
         default=None, description="egress allowlist: service name (pypi, npm, debian, or one the operator "
-        "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed. None: no network interface at all (loopback "
-        "only); {} wires one that denies everything until rules are set")
+        "added) or 'ip[/len]:port[-port]/tcp|udp' -> allowed (never this host, other sandboxes, loopback, "
+        "link-local, multicast or wider than a /8); 'host:port[-port]/tcp|udp' reaches this host, for the "
+        "cluster admin only. None: no network interface at all (loopback only); {} wires one that denies "
+        "everything until rules are set")
 
     @model_validator(mode="after")
     def _requests_within_limits(self) -> ContainerArgs:

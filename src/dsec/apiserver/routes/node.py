@@ -7,6 +7,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from dsec.apiserver.core import Apiserver
+from dsec.errors import Forbidden
+from dsec.iam import current_principal
 from dsec.wire.models import StorageStats
 
 
@@ -19,7 +21,12 @@ def routes(api: Apiserver) -> APIRouter:
     @router.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text format: the edge's counters and per-sandbox cgroup usage (embedded mode has one
-        edge; in cluster mode each edge is scraped on its own)."""
+        edge; in cluster mode each edge is scraped on its own). The cluster's admin's: the series name
+        every project's sandboxes (a project reads its own usage from its sandboxes' usage routes)."""
+        p = current_principal.get()
+        if not (p.all_projects and p.role == "admin"):
+            raise Forbidden("the metrics name every project's sandboxes: scrape them with the cluster's admin token",
+                            field="authorization")
         # a scrape reads every sandbox's cgroup (and now and then walks its writable layer): not on the loop
         body = b"".join([await e.metrics_text() for e in api.edges.values()])
         return Response(body, media_type="text/plain; version=0.0.4")

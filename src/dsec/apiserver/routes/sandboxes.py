@@ -10,7 +10,14 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 
-from dsec.apiserver.core import UNREACHABLE_HEADER, Apiserver, all_edges_answered, parse_labels, unreachable
+from dsec.apiserver.core import (
+    UNREACHABLE_HEADER,
+    Apiserver,
+    all_edges_answered,
+    check_host_rules,
+    parse_labels,
+    unreachable,
+)
 from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     InvalidRequest,
@@ -113,6 +120,7 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/sandboxes/{sandbox_id}/network")
     async def set_network_rules(sandbox_id: str, req: NetworkRulesRequest) -> NetworkInfo:
         """Change a container's egress rules while it runs; keys not named keep their setting."""
+        check_host_rules(req.rules, "rules")
         return await api.edge_for(sandbox_id).set_network_rules(sandbox_id, req.rules)
 
     @router.post("/v1/sandboxes/{sandbox_id}/resume")

@@ -100,8 +100,9 @@ class Limits:
 
 
 def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
-               tmpfs: dict[str, int] | None = None) -> dict[str, object]:
+               tmpfs: dict[str, int] | None = None, readonly: bool = False) -> dict[str, object]:
     """``tmpfs``: extra size-bounded tmpfs mounts (path -> MiB), charged to the sandbox's memory.
+    ``readonly``: the root filesystem read-only inside the sandbox.
 
     The limits here are the sandbox cgroup's, which holds dsec-init: the workload's own plus
     a reserve, and no CPU quota. The workload's exact limits go on its child cgroup
@@ -120,7 +121,7 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
             "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
         },
-        "root": {"path": rootfs, "readonly": False},
+        "root": {"path": rootfs, "readonly": readonly},
         "hostname": sandbox_id,
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},

@@ -67,8 +67,17 @@ class ContainerSandboxes:
         for sub in ("upper", "work", "rootfs"):
             os.makedirs(os.path.join(sb.dir, sub), exist_ok=True)
         with tracing.span("rootfs.mount", sandbox_id=sid, lowers=len(lowers)):
-            linux.mount("overlay", os.path.join(sb.dir, "rootfs"), "overlay", 0,
-                        f"lowerdir={':'.join(lowers)},upperdir={sb.dir}/upper,workdir={sb.dir}/work")
+            # the layers named by this process's fds, not by their host paths: the options are
+            # what the sandbox reads in /proc/self/mountinfo, and host paths are none of its business
+            fds = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                   for p in (*lowers, f"{sb.dir}/upper", f"{sb.dir}/work")]
+            try:
+                *low, up, work = (f"/proc/self/fd/{fd}" for fd in fds)
+                linux.mount("overlay", os.path.join(sb.dir, "rootfs"), "overlay", 0,
+                            f"lowerdir={':'.join(low)},upperdir={up},workdir={work}")
+            finally:
+                for fd in fds:
+                    os.close(fd)
         await failpoint("create.mounted")
 
     async def start(self, sb: Sandbox, digests: list[str]) -> None:
@@ -76,7 +85,8 @@ class ContainerSandboxes:
         limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit,
                         cpu_shares=2 if args.qos == "best_effort" else 1024)
         with open(os.path.join(sb.dir, "config.json"), "w") as f:
-            json.dump(oci_config(sid, os.path.join(sb.dir, "rootfs"), limits, self.cgroup_path(sid), args.tmpfs), f)
+            json.dump(oci_config(sid, os.path.join(sb.dir, "rootfs"), limits, self.cgroup_path(sid), args.tmpfs,
+                                 args.readonly_rootfs), f)
         sock_path = self.sock_path(sid)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(sock_path)

@@ -32,7 +32,10 @@ from dsec.wire.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun,
 
 log = logging.getLogger("dsec.fncall")
 WORKER_SRC = os.path.join(os.path.dirname(__file__), "worker.py")
-WORKER_PATH = "/opt/dsec-fncall/worker.py"
+# on the container's /tmp tmpfs: the pool's containers have a read-only root, so that no
+# world-writable directory of the image (/run/lock, /var/crash, ...) carries one call's
+# files to the next; what stays writable (/tmp, /var/tmp, /dev/shm, /dev/mqueue) is swept
+WORKER_PATH = "/tmp/.dsec-fncall/worker.py"
 WORKERS = 2
 BASE_UID = 20000
 # RLIMIT_NPROC counts a uid's processes and threads host-wide (pool containers share the
@@ -206,7 +209,7 @@ class FnCallService:
             image=key.image, layers=list(key.layers), memory_limit_mb=WORKERS * SLOT_MEMORY_MB + 256,
             cpu_cores_limit=float(WORKERS),
             pids_limit=WORKERS * 1024 + 64, ttl_running_stop=None, max_lifetime_s=None,
-            labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, workdir="/",
+            labels={"dsec-role": "fncall"}, tmpfs={"/tmp": 1024, "/var/tmp": 16}, readonly_rootfs=True, workdir="/",
             qos="latency_sensitive"))  # a caller waits on every call: not work to run in idle time
         c = _Container(info.sandbox_id)
         block, self._uid_block = self._uid_block, (self._uid_block + 1) % UID_BLOCKS

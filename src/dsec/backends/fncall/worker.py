@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import gc
 import importlib
 import json
@@ -118,7 +119,7 @@ def _send(obj: object) -> None:
 class Worker:
     def __init__(self, uid: int, root: str) -> None:
         self.uid = uid
-        self.root = root  # /run/fncall/<uid>: root-only, holds captured output
+        self.root = root  # beside this file, <uid>: root-only, holds captured output
         self.scratch = f"/tmp/fncall-{uid}"
         os.makedirs(root, mode=0o700, exist_ok=True)
         self.zygote = Zygote(self)
@@ -350,6 +351,7 @@ class Worker:
                     os._exit(0)
             os.waitpid(killer, 0)
             time.sleep(0.01)
+        left |= _remove_ipc(self.uid)
         for top in SHARED_WRITABLE:  # only their top level is writable by a call's uid
             try:
                 entries = os.listdir(top)
@@ -457,6 +459,34 @@ def _fork_ahead(worker: Worker) -> tuple[int, socket.socket]:
     return pid, mine
 
 
+def _remove_ipc(uid: int) -> bool:
+    """Remove the System V shared memory, semaphores and message queues ``uid`` made or
+    owns: they outlive their processes, and a mode of 0666 would hand them to the next call
+    (the container has its own IPC namespace, so these are its calls' alone)."""
+    libc: ctypes.CDLL | None = None
+    found = False
+    for kind, ctl in (("shm", "shmctl"), ("sem", "semctl"), ("msg", "msgctl")):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                head, *rows = f.read().splitlines()
+        except OSError:
+            continue
+        cols = head.split()
+        for row in rows:
+            v = dict(zip(cols, row.split(), strict=False))
+            if str(uid) not in (v.get("uid"), v.get("cuid")):
+                continue
+            found = True
+            if libc is None:
+                libc = ctypes.CDLL(None, use_errno=True)
+            ident = int(v.get("shmid") or v.get("semid") or v.get("msqid") or -1)
+            if kind == "sem":
+                getattr(libc, ctl)(ident, 0, 0, None)  # IPC_RMID is 0
+            else:
+                getattr(libc, ctl)(ident, 0, None)
+    return found
+
+
 def _pids_of(uid: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
@@ -491,7 +521,7 @@ def main() -> None:
     # everything imported so far moves out of the collector's reach: a forked call then
     # does not dirty (copy) those pages just by running a collection
     gc.freeze()
-    w = Worker(uid, f"/run/fncall/{uid}")
+    w = Worker(uid, os.path.join(os.path.dirname(os.path.abspath(__file__)), str(uid)))
     _send({"ready": True, "languages": available()})
     while (req := _recv()) is not None:
         try:

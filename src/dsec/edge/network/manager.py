@@ -22,14 +22,15 @@ from dsec.edge.network import wiring
 from dsec.edge.network.catalog import ServiceCatalog, host_allowed
 from dsec.edge.network.dns import Resolver
 from dsec.edge.network.gate import Gate
-from dsec.edge.network.nft import NftTable, RawRule
+from dsec.edge.network.nft import NftTable
+from dsec.edge.network.rules import POOL, RawRule, check_disjoint, forbidden_destination, parse
 from dsec.errors import InvalidRequest
 from dsec.wire.models import NetworkInfo
 
 log = logging.getLogger("dsec.network")
 
-POOL = ipaddress.IPv4Network("10.211.0.0/16")  # carved into /19 blocks, one per edge on a host
 BLOCK_PREFIX = 19
+POLL_S = 2.0  # kernel denials collected, and the host's addresses re-read, this often
 
 
 @dataclass
@@ -42,20 +43,6 @@ class Link:
     rules: dict[str, bool] = field(default_factory=dict)
     raw: list[RawRule] = field(default_factory=list)
     patterns: list[str] = field(default_factory=list)
-
-
-def parse_raw(key: str) -> RawRule:
-    addr, _, rest = key.partition(":")
-    ports, _, proto = rest.partition("/")
-    lo, _, hi = ports.partition("-")
-    try:
-        net = ipaddress.IPv4Network(addr, strict=False)
-    except ValueError as e:
-        raise InvalidRequest(f"network rule {key!r}: {e}", field="network_rules") from None
-    p1, p2 = int(lo), int(hi or lo)
-    if not (1 <= p1 <= p2 <= 65535):
-        raise InvalidRequest(f"network rule {key!r}: ports must be 1-65535, low to high", field="network_rules")
-    return RawRule(net, (p1, p2), proto)
 
 
 class NetworkManager:
@@ -73,7 +60,7 @@ class NetworkManager:
         self.table: NftTable | None = None
         self.resolver = Resolver(self._allowed, self._denied)
         self.gate = Gate(self._allowed, self._denied, self._forbidden)
-        self._host_addrs: set[str] = set()
+        self._host_addrs: list[ipaddress.IPv4Network] = []
         self._lock_fd: int | None = None
         self._poll: asyncio.Task[None] | None = None
         self._seen: dict[tuple[str, str, str, int], int] = {}
@@ -85,7 +72,7 @@ class NetworkManager:
         edge start; a node without nftables still runs sandboxes without network."""
         self.catalog = await asyncio.to_thread(ServiceCatalog.from_node, self.extra_services)
         self.subnet = await asyncio.to_thread(self._claim_subnet)
-        self._host_addrs = await asyncio.to_thread(_host_addresses)
+        await self._refresh_host_addrs()
         await self.resolver.start()
         await self.gate.start()
         tag = hashlib.sha1(self.edge_root.encode()).hexdigest()[:8]
@@ -142,19 +129,26 @@ class NetworkManager:
         raise RuntimeError("no free sandbox subnet on this host")
 
     # ---- per sandbox ---------------------------------------------------------
+    async def _refresh_host_addrs(self) -> None:
+        """This host's own addresses (as /32s): no raw rule and no name may lead to them.
+        Read at start and every POLL_S (pyroute2 off the loop)."""
+        addrs = await asyncio.to_thread(_host_addresses)
+        self._host_addrs = sorted(ipaddress.IPv4Network(a) for a in addrs if ":" not in a)
+
     def _split(self, rules: dict[str, bool]) -> tuple[list[str], list[RawRule]]:
         services, raw = [], []
         for key, on in rules.items():
             if not on:
                 continue
             if ":" in key:
-                raw.append(parse_raw(key))
+                raw.append(parse(key, [self.subnet, *self._host_addrs]))
             elif key in self.catalog:
                 services.append(key)
             else:
                 known = ", ".join(sorted(self.catalog.services)) or "none"
                 raise InvalidRequest(f"unknown network service {key!r} (this node knows: {known})",
                                      field="network_rules")
+        check_disjoint(raw)
         return services, raw
 
     def _info(self, link: Link) -> NetworkInfo:
@@ -236,15 +230,15 @@ class NetworkManager:
             self.on_event(link.sandbox_id, "egress_denied", what)
 
     def _forbidden(self, address: str) -> bool:
-        ip = ipaddress.ip_address(address)
-        return (ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified
-                or ip in self.subnet or address in self._host_addrs)
+        return forbidden_destination(ipaddress.ip_address(address), [self.subnet, *self._host_addrs])
 
     async def _poll_denied(self) -> None:
         """Flows the kernel rejected, reported once per new packet count (bounded by the set's size)."""
         assert self.table is not None
         while True:
-            await asyncio.sleep(2)
+            await asyncio.sleep(POLL_S)
+            with contextlib.suppress(Exception):
+                await self._refresh_host_addrs()
             if not self.links:
                 continue
             with contextlib.suppress(Exception):

@@ -7,9 +7,13 @@ One ``inet`` table per edge, written whole at start and changed by element updat
 - DNS (udp/tcp 53 to anywhere) is redirected to the edge's resolver, and TCP 80/443 not
   named by a raw rule to the edge's egress gate; both learn the sandbox from the source
   address. Nothing else of the host is reachable from a sandbox (input chain).
+- ``never``: destinations dropped ahead of any allow (dsec.edge.network.rules.NEVER: every
+  sandbox on the host, loopback, link-local, multicast, reserved), whatever a rule says.
 - ``raw_allow`` (sandbox . destination . proto . port, intervals): the raw ``ip:port/proto``
-  rules. Everything else a sandbox sends is rejected and remembered in ``denied``
-  (dynamic, with a counter per flow) for the audit log.
+  rules, for destinations past the host (forward chain only). ``host_allow`` (sandbox .
+  proto . port): the cluster admin's ``host:port/proto`` rules, the only way a sandbox
+  reaches this host's own addresses (input chain). Everything else a sandbox sends is
+  rejected and remembered in ``denied`` (dynamic, with a counter per flow) for the audit log.
 """
 
 from __future__ import annotations
@@ -19,28 +23,13 @@ import ctypes
 import ctypes.util
 import ipaddress
 import json
+import logging
 import threading
-from dataclasses import dataclass
 
+from dsec.edge.network.rules import NEVER, RawRule
 from dsec.errors import SandboxError
 
-
-@dataclass(frozen=True)
-class RawRule:
-    net: ipaddress.IPv4Network
-    ports: tuple[int, int]
-    proto: str
-
-    def element(self, src: str) -> str:
-        lo, hi = self.ports
-        port = str(lo) if lo == hi else f"{lo}-{hi}"
-        return f"{src} . {self.net.with_prefixlen if self.net.prefixlen < 32 else self.net.network_address} " \
-               f". {self.proto} . {port}"
-
-    def __str__(self) -> str:
-        lo, hi = self.ports
-        net = self.net.with_prefixlen if self.net.prefixlen < 32 else str(self.net.network_address)
-        return f"{net}:{lo if lo == hi else f'{lo}-{hi}'}/{self.proto}"
+log = logging.getLogger("dsec.network")
 
 
 NFT_CTX_OUTPUT_JSON = 1 << 4
@@ -75,8 +64,9 @@ class LibNft:
             rc = self.lib.nft_run_cmd_from_buffer(self.ctx, script.encode())
             out = (self.lib.nft_ctx_get_output_buffer(self.ctx) or b"").decode(errors="replace")
             err = (self.lib.nft_ctx_get_error_buffer(self.ctx) or b"").decode(errors="replace")
-        if rc != 0:
-            raise SandboxError(f"nft: {err.strip() or 'failed'}")
+        if rc != 0:  # the detail names the table and its elements: for the node's log, not the caller
+            log.error("nft refused a change: %s", err.strip() or "failed")
+            raise SandboxError("the node's packet filter refused the change (the edge's log has the detail)")
         return out
 
 
@@ -87,6 +77,7 @@ class NftTable:
 
     def ruleset(self) -> str:
         s, t = self.subnet.with_prefixlen, self.name
+        never = ", ".join(n.with_prefixlen for n in NEVER)
         flow = "ipv4_addr . ipv4_addr . inet_proto . inet_service"
         deny = ("update @denied { ip saddr . ip daddr . meta l4proto . th dport counter }"
                 " reject with icmpx admin-prohibited")
@@ -97,6 +88,8 @@ table inet {t} {{
   set vifs {{ type ifname; }}
   set veths {{ type ifname . ipv4_addr; }}
   set raw_allow {{ type {flow}; flags interval; }}
+  set host_allow {{ type ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set never {{ type ipv4_addr; flags interval; elements = {{ {never} }} }}
   set denied {{ type {flow}; size 65535; flags dynamic,timeout; timeout 1h; }}
   chain guard {{ type filter hook prerouting priority raw; policy accept;
     iifname @vifs meta nfproto ipv6 drop
@@ -104,18 +97,20 @@ table inet {t} {{
   }}
   chain steer {{ type nat hook prerouting priority dstnat; policy accept;
     ip saddr {s} meta l4proto {{ tcp, udp }} th dport 53 redirect to :{self.dns_port}
+    ip saddr {s} fib daddr type local ip saddr . meta l4proto . th dport @host_allow accept
     ip saddr {s} ip saddr . ip daddr . meta l4proto . th dport @raw_allow accept
     ip saddr {s} tcp dport {{ 80, 443 }} redirect to :{self.gate_port}
   }}
   chain input {{ type filter hook input priority filter; policy accept;
     ip saddr {s} ct status dnat meta l4proto {{ tcp, udp }} th dport {{ {self.dns_port}, {self.gate_port} }} accept
-    ip saddr {s} ip saddr . ip daddr . meta l4proto . th dport @raw_allow accept
+    ip saddr {s} ip saddr . meta l4proto . th dport @host_allow accept
     ip saddr {s} ct state established,related accept
     ip saddr {s} {deny}
     ip saddr != {s} meta l4proto {{ tcp, udp }} th dport {{ {self.dns_port}, {self.gate_port} }} drop
   }}
   chain forward {{ type filter hook forward priority filter; policy accept;
     ip daddr {s} ct state established,related accept
+    ip saddr {s} ip daddr @never {deny}
     ip saddr {s} ip saddr . ip daddr . meta l4proto . th dport @raw_allow accept
     ip saddr {s} {deny}
     ip daddr {s} drop
@@ -160,20 +155,24 @@ table inet {t} {{
         if add_if:
             lines += [f"add element inet {t} vifs {{ {json.dumps(ifname)} }}",
                       f"add element inet {t} veths {{ {json.dumps(ifname)} . {ip} }}"]
-        gone = [r for r in old if r not in new]
-        fresh = [r for r in new if r not in old]
-        if gone:
-            lines.append(f"delete element inet {t} raw_allow {{ {', '.join(r.element(ip) for r in gone)} }}")
-        if fresh:
-            lines.append(f"add element inet {t} raw_allow {{ {', '.join(r.element(ip) for r in fresh)} }}")
+        lines += self._elements("delete", ip, [r for r in old if r not in new])
+        lines += self._elements("add", ip, [r for r in new if r not in old])
         return "\n".join(lines) + "\n"
+
+    def _elements(self, verb: str, ip: str, rules: list[RawRule]) -> list[str]:
+        """``verb`` (add/delete) the elements of ``rules`` for sandbox ``ip`` in their sets."""
+        out = []
+        for name, part in (("raw_allow", [r for r in rules if r.net is not None]),
+                           ("host_allow", [r for r in rules if r.net is None])):
+            if part:
+                out.append(f"{verb} element inet {self.name} {name} {{ {', '.join(r.element(ip) for r in part)} }}")
+        return out
 
     def drop_sandbox(self, ifname: str, ip: str, rules: list[RawRule]) -> str:
         t = self.name
         lines = [f"delete element inet {t} vifs {{ {json.dumps(ifname)} }}",
                  f"delete element inet {t} veths {{ {json.dumps(ifname)} . {ip} }}"]
-        if rules:
-            lines.append(f"delete element inet {t} raw_allow {{ {', '.join(r.element(ip) for r in rules)} }}")
+        lines += self._elements("delete", ip, rules)
         return "\n".join(lines) + "\n"
 
     async def denied(self) -> list[tuple[str, str, str, int, int]]:
