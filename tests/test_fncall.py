@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 import dsec
+from dsec.backends.fncall.pool import WORKER_PATH
 from dsec.wire.models import FnCallArgs, TestCase
 from tests.conftest import TOKEN, Platform
 
@@ -81,11 +82,13 @@ async def test_comparators(client: dsec.AsyncClient) -> None:
 
 
 HOSTILE = r"""
+WORKER = 'WORKER_PATH'
+
 import os, subprocess, time
 open('/tmp/planted', 'w').write('secret')
 open('/var/tmp/planted', 'w').write('secret')
 try:
-    open('/opt/dsec-fncall/worker.py', 'a').write('# pwned')
+    open(WORKER, 'a').write('# pwned')
     print('WROTE WORKER')
 except OSError as e:
     print('worker protected', e.errno)
@@ -103,14 +106,14 @@ with open('fill', 'wb') as f:  # fill the disk, stopped by the file size limit
         while True: f.write(b'x' * (1 << 20))
     except OSError:
         print('fill stopped')
-"""
+""".replace("WORKER_PATH", WORKER_PATH)
 
 BENIGN = r"""
 import os, subprocess
 print(os.path.exists('/tmp/planted'), os.path.exists('/var/tmp/planted'), sorted(os.listdir('.')))
 print(subprocess.run(['ps', '-eo', 'user,comm'], capture_output=True, text=True).stdout.count('sleep'))
-print(__import__('hashlib').sha256(open('/opt/dsec-fncall/worker.py', 'rb').read()).hexdigest())
-"""
+print(__import__('hashlib').sha256(open('WORKER_PATH', 'rb').read()).hexdigest())
+""".replace("WORKER_PATH", WORKER_PATH)
 
 
 async def test_hostile_call_then_benign_sees_nothing(client: dsec.AsyncClient) -> None:
