@@ -115,7 +115,10 @@ CMD ["sh", "-c", "echo cmd-ran > /tmp/cmd; sleep 3600"]
     Template.build(t, "tpl-dockerfile")
     sbx = Sandbox.create("tpl-dockerfile", timeout=120)
     try:
-        r = sbx.commands.run("cat /srv/app/note; python3 /srv/app/hello.py; echo $APP_HOME; cat /tmp/cmd",
+        # the CMD starts with the sandbox and is not waited for (its ready command is only E2B's
+        # build-time pause): its file is there a moment after the create, not at once
+        r = sbx.commands.run("cat /srv/app/note; python3 /srv/app/hello.py; echo $APP_HOME; "
+                             "for i in $(seq 100); do [ -s /tmp/cmd ] && break; sleep 0.1; done; cat /tmp/cmd",
                              user="root")
         assert r.stdout.splitlines() == ["built as runner in /srv/app", "hello from the template 1.16.0",
                                          "/srv/app", "cmd-ran"], r.stdout

@@ -14,12 +14,14 @@ import pty
 import secrets
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from conftest import TOKEN, Platform
 
@@ -114,19 +116,66 @@ async def test_errors_are_one_line(platform: Platform) -> None:
     assert code == 2 and "edge_unavailable" in err and "cannot reach dsec" in err and "Traceback" not in err, err
 
 
-def _top_in_a_terminal(env: dict[str, str], frames: int) -> tuple[int, bytes]:
+class Proxy:
+    """A TCP relay to the platform that can be made to hang: every byte stops flowing both
+    ways and new connections are taken but never answered (an apiserver stuck under load)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.hung = threading.Event()
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(64)
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            self.held.append(c)
+            if not self.hung.is_set():
+                up = socket.create_connection(("127.0.0.1", self.target))
+                self.held.append(up)
+                threading.Thread(target=self._pump, args=(c, up), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not self.hung.is_set():
+                ready = select.select([a, b], [], [], 0.1)[0]
+                for s in ready:
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    (b if s is a else a).sendall(data)
+
+    def close(self) -> None:
+        self.srv.close()
+        for s in self.held:
+            s.close()
+
+
+def _top_in_a_terminal(env: dict[str, str], frames: int, before_sigint: Callable[[], None] = lambda: None
+                       ) -> tuple[int, bytes, float]:
     """``dsec top`` on a 120x40 pseudo-terminal until it drew ``frames`` frames, then
-    Ctrl-C (SIGINT): its exit code and everything it wrote."""
+    ``before_sigint``, then Ctrl-C (SIGINT): its exit code, everything it wrote, and the
+    seconds from SIGINT to its exit. It starts with SIGINT ignored, as every process under
+    a script's background job has it (how CI and test runners start it): dsec top must
+    take Ctrl-C all the same."""
     fd, tty = pty.openpty()
     fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "top", "--interval", "0.5"], env=env,
-                            stdin=tty, stdout=tty, stderr=tty, start_new_session=True)
+                            stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     os.close(tty)
     seen = b""
 
     def read() -> None:
         nonlocal seen
-        if select.select([fd], [], [], 0.2)[0]:
+        if select.select([fd], [], [], 0.05)[0]:
             with contextlib.suppress(OSError):  # EIO once the child is gone
                 seen += os.read(fd, 65536)
 
@@ -135,13 +184,16 @@ def _top_in_a_terminal(env: dict[str, str], frames: int) -> tuple[int, bytes]:
         while seen.count(b"Busiest sandboxes") < frames and time.monotonic() < deadline and proc.poll() is None:
             read()
         assert seen.count(b"Busiest sandboxes") >= frames, seen[-2000:]
+        before_sigint()
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
+        deadline = t0 + 10
         while proc.poll() is None and time.monotonic() < deadline:
             read()
+        took = time.monotonic() - t0
         read()
         assert proc.returncode is not None, f"dsec top did not quit on SIGINT: {seen[-2000:]!r}"
-        return proc.returncode, seen
+        return proc.returncode, seen, took
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -153,9 +205,33 @@ async def test_live_in_a_terminal_quits_on_ctrl_c(platform: Platform, client: ds
     env = _env(platform, TERM="xterm-256color")
     env.pop("COLUMNS")  # the terminal's size
     async with _busy_and_idle(client) as (_, busy, _):
-        code, seen = await asyncio.to_thread(_top_in_a_terminal, env, 3)
-    assert code == 0, seen[-2000:]
+        code, seen, took = await asyncio.to_thread(_top_in_a_terminal, env, 3)
+    assert code == 0 and took < 1.5, (took, seen[-2000:])
     assert b"Traceback" not in seen and b"KeyboardInterrupt" not in seen, seen[-2000:]
     assert b"\x1b[?1049h" in seen and b"\x1b[?1049l" in seen  # the alternate screen, given back at the end
     # the first frame with CPU time, the next ones with CPU %; the busy one's id on them
     assert busy.sandbox_id.encode() in seen and b"CPU TIME" in seen and b"CPU %" in seen
+
+
+async def test_ctrl_c_quits_within_a_second_whatever_the_apiserver_does(platform: Platform,
+                                                                        client: dsec.AsyncClient) -> None:
+    """The apiserver hangs (every connection stalls, new ones are never answered) with a poll
+    in flight, or is gone: Ctrl-C still ends dsec top within a second, the terminal given back."""
+    for what in ("hung", "gone"):
+        proxy = Proxy(platform.port)
+        env = _env(platform, TERM="xterm-256color", DSEC_URL=proxy.url)
+        env.pop("COLUMNS")
+        try:
+            def fail(p: Proxy = proxy, w: str = what) -> None:
+                if w == "hung":
+                    p.hung.set()
+                else:
+                    p.close()
+                time.sleep(0.8)  # the next poll is under way and stuck
+            async with _busy_and_idle(client):
+                code, seen, took = await asyncio.to_thread(_top_in_a_terminal, env, 2, fail)
+        finally:
+            proxy.close()
+        assert code == 0 and took < 1.5, (what, took, seen[-2000:])
+        assert b"Traceback" not in seen, (what, seen[-2000:])
+        assert seen.rfind(b"\x1b[?1049l") > seen.rfind(b"\x1b[?1049h") >= 0, (what, seen[-500:])  # screen given back

@@ -18,7 +18,7 @@ import rich.markup
 import typer
 from rich.table import Column, Table
 
-from dsec.cli.common import StoreOpt, TokenOpt, UrlOpt, _errors, console, err
+from dsec.cli.common import StoreOpt, TokenOpt, UrlOpt, _errors, console, err, interruptible
 from dsec.sdk import Client
 from dsec.wire.models import FNCALL_IMAGE
 
@@ -196,7 +196,8 @@ def resume(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
 @app.command("exec", context_settings={"allow_interspersed_args": False})
 def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="command and arguments")],
           timeout: float = 300.0, url: UrlOpt = None, token: TokenOpt = None) -> None:
-    """Run a command in a sandbox, streaming its output; exits with its exit code."""
+    """Run a command in a sandbox, streaming its output; exits with its exit code (Ctrl-C: 130)."""
+    interruptible()
     with _api(url, token) as c:
         sb = c.connect(sandbox_id)
         if cmd and cmd[0] == "--":

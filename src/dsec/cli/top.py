@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 from rich.text import Text
 
-from dsec.cli.common import TokenOpt, UrlOpt, _errors, console
+from dsec.cli.common import TokenOpt, UrlOpt, _errors, console, interruptible
 from dsec.errors import DeadlineExceeded, EdgeUnavailable
 from dsec.sdk.client import AsyncClient
 from dsec.wire.batches import BatchInfo
@@ -452,8 +452,9 @@ def top(interval: Annotated[float, typer.Option(min=0.2, help="seconds between p
     """A live view of the fleet, like top: edges with their load, jobs with their newest
     batches, and the busiest running sandboxes (CPU % between polls). Ctrl-C quits."""
     opts = Options(interval=interval, sort=sort, limit=limit, job=job, project=project)
+    interruptible(exit_code=0)  # Ctrl-C: the way out, within a second
     with _errors():
         try:
             asyncio.run(_main(url, token, opts, once))
         except KeyboardInterrupt:
-            pass  # Ctrl-C: the way out
+            pass
