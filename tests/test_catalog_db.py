@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 from dsec.cluster.postgres import Postgres
 from dsec.embedded import open_store
 from dsec.errors import InvalidRequest, LayerInUse, NotFound
+from dsec.layers.base import build_busybox
 from dsec.layers.catalog import FILE_NAME, Catalog
 from dsec.layers.store import ImportOptions, LayerStore
 from dsec.meta import open_db, sqlite_url
@@ -298,3 +299,54 @@ def test_embedded_metadata_gets_the_catalog_revision(tmp_path: str, opened: Open
     with engine.connect() as c:
         assert c.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == HEAD
         assert CATALOG_TABLES | TEMPLATE_TABLES | JOB_TABLES <= set(inspect(c).get_table_names())
+
+
+def _edges_start_together(nodes: list[LayerStore]) -> list[object]:
+    """build_busybox on every node at once, each in a thread; a barrier makes all of them
+    check the catalog and build before any publishes. What each got (a layer or an error)."""
+    barrier = threading.Barrier(len(nodes), timeout=60)
+    for node in nodes:
+        real = node.import_dir
+
+        def racing(*a: object, _real: object = real, **kw: object) -> object:
+            barrier.wait()  # every node has looked and built; now all publish at once
+            return _real(*a, **kw)  # type: ignore[operator]
+        node.import_dir = racing  # type: ignore[method-assign]
+    got: list[object] = [None] * len(nodes)
+
+    def start(i: int) -> None:
+        try:
+            got[i] = build_busybox(nodes[i])
+        except Exception as e:  # noqa: BLE001  (reported by the test, per node)
+            got[i] = e
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
+@pytest.mark.parametrize("catalog", ["file", "db"])
+def test_edges_starting_together_build_the_base_layer_once(shared_root: str, pg_url: str, opened: Opened,
+                                                           catalog: str) -> None:
+    """Four edges start at once against a fresh store and catalog, five times over: each
+    finds base/busybox missing, builds it (the builds differ: timestamps), and publishes;
+    the barrier makes all four check before any publishes, the interleaving that lost an
+    edge for good. Every edge comes up with the one layer that won."""
+    for r in range(5):
+        url = None
+        if catalog == "db":
+            name = f"t_{secrets.token_hex(6)}"
+            admin = create_engine(normalize_url(pg_url), isolation_level="AUTOCOMMIT")
+            with admin.connect() as c:
+                c.execute(text(f"CREATE DATABASE {name}"))
+            admin.dispose()
+            url = make_url(pg_url).set(database=name).render_as_string(hide_password=False)
+        nodes = [opened.store(f"{shared_root}-{r}", "sharedfs", url) for _ in range(4)]
+        got = _edges_start_together(nodes)
+        assert all(not isinstance(g, Exception) for g in got), (r, got)
+        digests = {g.digest for g in got}  # type: ignore[attr-defined]
+        assert len(digests) == 1, (r, digests)
+        assert [x.ref for x in nodes[0].list()] == ["base/busybox:latest"]
+        assert nodes[0].get("base/busybox:latest").digest in digests

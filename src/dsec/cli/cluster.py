@@ -87,6 +87,9 @@ def status(ray_address: RayOpt = "auto", as_json: Annotated[bool, typer.Option("
                   if s else "-", edge["reason"])
     console.print(t)
     console.print("apiservers: " + ", ".join(st["apiservers"][k] for k in sorted(st["apiservers"])))
+    for what, f in sorted(st.get("failing_starts", {}).items()):
+        last = [ln for ln in f["error"].strip().splitlines() if ln.strip()][-1:] or [""]
+        err.print(f"[red]{what} fails to start[/red] ({f['tries']} tries, trying again): {last[0][:300]}")
     if st["last_error"]:
         console.print(f"[yellow]controller[/yellow]: {st['last_error']}")
 

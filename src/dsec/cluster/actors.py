@@ -9,7 +9,8 @@
 - ``EdgeActor`` (one per node, pinned to it, restarted by Ray): owns the node's ``dsec
   edge serve`` process (dsec.cluster.daemon says why an owned process and not the actor
   itself: the edge is a root daemon with its own event loop, signal handling and host
-  state, and a Ray worker is none of those) and registers it.
+  state, and a Ray worker is none of those) and registers it. A start that fails is tried
+  again with backoff and said in the registry (``starting:edge:NAME``) until it serves.
 - ``ApiserverActor`` (N, spread over nodes, restarted by Ray): owns one ``dsec apiserver
   --db`` process. Requests go straight to that process; Ray is not on the request path.
 """
@@ -19,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import pwd
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -34,7 +37,7 @@ from dsec.checkpoints.mover import Mover
 from dsec.checkpoints.store import CheckpointStore
 from dsec.cluster import postgres
 from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE, ClusterConfig
-from dsec.cluster.daemon import Daemon, dsec_argv, free_port, http_ok
+from dsec.cluster.daemon import Daemon, dsec_argv, free_port, http_ok, start_retrying
 from dsec.cluster.view import ClusterEdges
 from dsec.errors import DsecError
 from dsec.health.events import FleetEvents
@@ -48,6 +51,7 @@ RECONCILE_S = 1.0
 CLEAN_TIMEOUT_S = 30.0  # stopping what a returned edge still holds: bounded like any call
 DOWN_WAIT_S = 60.0  # `down --stop-sandboxes` waits this long for edges still starting
 STALE_SWEEP_S = 60.0  # copies of sandboxes that run elsewhere now are looked for this often per edge
+STARTING = "starting:"  # a registry setting per daemon whose starts fail: its last error
 
 
 def _secret_file(directory: str, secret: str) -> str:
@@ -70,6 +74,17 @@ def _tracing_env(cfg: ClusterConfig) -> dict[str, str]:
     return {k: v for k, v in cfg.tracing_env.items() if k not in os.environ}
 
 
+def _reporter(registry: Registry, what: str) -> Callable[[str | None, int], None]:
+    """Where a daemon's failed starts are said for ``dsec cluster status`` and ``up``:
+    the setting ``starting:WHAT`` (its last error and tries), gone once it serves."""
+    def report(error: str | None, tries: int) -> None:
+        if error is None:
+            registry.drop_setting(f"{STARTING}{what}")
+        else:
+            registry.put_setting(f"{STARTING}{what}", json.dumps({"error": error, "tries": tries, "at": time.time()}))
+    return report
+
+
 class EdgeActor:
     def __init__(self, cfg: dict[str, Any], name: str) -> None:
         self.cfg = ClusterConfig(**cfg)
@@ -84,11 +99,14 @@ class EdgeActor:
                          "--data-dir", data, "--log-level", self.cfg.log_level,
                          *(["--store", self.cfg.store] if self.cfg.store else []),
                          *self.cfg.edge_args, *self.cfg.edge_args_by_name.get(name, []))
+        registry = Registry(open_db(self.cfg.db, migrate=False))
         # the layer catalog's database through the environment, not argv: its URL has a password
-        self.daemon = Daemon(argv, os.path.join(data, "edge.log"),
-                             http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}),
-                             env={**_tracing_env(self.cfg), "DSEC_DB": self.cfg.db})
-        Registry(open_db(self.cfg.db, migrate=False)).register(name, self.url, self.node_id)
+        self.daemon = start_retrying(
+            lambda: Daemon(argv, os.path.join(data, "edge.log"),
+                           http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}),
+                           env={**_tracing_env(self.cfg), "DSEC_DB": self.cfg.db}),
+            _reporter(registry, f"edge:{name}"))
+        registry.register(name, self.url, self.node_id)
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "node_id": self.node_id, "pid": self.daemon.proc.pid}
@@ -111,10 +129,13 @@ class ApiserverActor:
                          *(["--store", self.cfg.store] if self.cfg.store else []))
         # the token and the database's password through the environment, not argv (which
         # every user of the node can read)
-        self.daemon = Daemon(argv, os.path.join(data, "apiserver.log"), http_ok(f"{self.url}/healthz", {}),
-                             env={**_tracing_env(self.cfg), "DSEC_TOKEN": self.cfg.admin_token,
-                                  "DSEC_DB": self.cfg.db})
-        Registry(open_db(self.cfg.db, migrate=False)).put_setting(f"apiserver:{index}", self.url)
+        registry = Registry(open_db(self.cfg.db, migrate=False))
+        self.daemon = start_retrying(
+            lambda: Daemon(argv, os.path.join(data, "apiserver.log"), http_ok(f"{self.url}/healthz", {}),
+                           env={**_tracing_env(self.cfg), "DSEC_TOKEN": self.cfg.admin_token,
+                                "DSEC_DB": self.cfg.db}),
+            _reporter(registry, f"apiserver:{index}"))
+        registry.put_setting(f"apiserver:{index}", self.url)
 
     def info(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "pid": self.daemon.proc.pid}
@@ -180,9 +201,10 @@ class Controller:
             st = view.get(r.name) or r.stats
             edges.append({**r.model_dump(exclude={"stats"}), "healthy": r.name in view and view[r.name].healthy,
                           "stats": st.model_dump() if st else None})
+        starting = {k.removeprefix(STARTING): json.loads(v) for k, v in self.registry.settings_like(STARTING).items()}
         return {"edges": edges,
                 "apiservers": self.registry.settings_like("apiserver:"), "events": self.events[-50:],
-                "last_error": self.last_error, "round": self.round}
+                "last_error": self.last_error, "round": self.round, "failing_starts": starting}
 
     def shutdown(self, stop_sandboxes: bool = False) -> dict[str, Any]:
         """Stop the loop, then the replicas, then the edges (their sandboxes stopped first

@@ -24,6 +24,7 @@ from collections.abc import Callable
 log = logging.getLogger("dsec.cluster")
 START_TIMEOUT_S = 120.0  # an edge's first start builds its volume and network: tens of seconds at worst
 STOP_GRACE_S = 30.0
+START_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # between failed starts; the last one repeats
 
 
 def _tied(argv: list[str]) -> list[str]:
@@ -111,3 +112,26 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def start_retrying(make: Callable[[], Daemon], report: Callable[[str | None, int], None]) -> Daemon:
+    """``make()`` until it gives a healthy daemon. A failed start (the process exited, or
+    never answered) is reported with its error and the number of tries so far, and tried
+    again after a backoff growing to 30 s; ``report(None, tries)`` once it serves. Why here
+    and not left to Ray: an actor whose constructor raised is dead for good (Ray restarts
+    actors that die, not ones that fail to be made), so one failed start lost an edge."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            daemon = make()
+        except (RuntimeError, OSError) as e:
+            with contextlib.suppress(Exception):  # the database may be what is down: keep trying anyway
+                report(str(e)[-2000:], tries)
+            pause = START_BACKOFF_S[min(tries, len(START_BACKOFF_S)) - 1]
+            log.warning("start %d failed (again in %g s): %s", tries, pause, e)
+            time.sleep(pause)
+            continue
+        with contextlib.suppress(Exception):
+            report(None, tries)
+        return daemon

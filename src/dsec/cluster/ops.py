@@ -75,10 +75,18 @@ def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_T
         if len(serving) >= len(nodes) and len(urls) >= cfg.apiservers and all(_answers(u) for u in urls):
             return UpResult(apiservers=urls, edges=sorted(serving), token=token, db=db)
         if time.monotonic() > deadline:
+            failing = "; ".join(f"{what} fails to start ({f['tries']} tries so far): {_last_line(f['error'])}"
+                                for what, f in sorted(st.get("failing_starts", {}).items()))
             raise TimeoutError(f"the cluster did not come up in {timeout_s:g} s: {len(serving)} of {len(nodes)} "
                                f"edges serve, {len(urls)} of {cfg.apiservers} apiservers; "
-                               f"{st['last_error'] or 'see the edges logs under ' + data_root}")
+                               f"{failing or st['last_error'] or 'see the edges logs under ' + data_root}")
         time.sleep(0.5)
+
+
+def _last_line(error: str) -> str:
+    """A failed start's error ends with the daemon's log: its last line says why."""
+    lines = [ln for ln in error.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else error[:300]
 
 
 def _answers(url: str) -> bool:

@@ -119,7 +119,7 @@ def ensure_interpreter_layer(store: LayerStore) -> Layer:
         shutil.copy(INTERPRETER_SOURCE, dest)
         for d, _, _ in os.walk(tmp):
             os.chmod(d, 0o755)  # the temporary root is 0700, and a layer's root dir is the sandbox's /
-        return store.import_dir(tmp, INTERPRETER_LAYER)
+        return store.ensure_dir(tmp, INTERPRETER_LAYER)
 
 
 def ensure_user_layer(store: LayerStore) -> Layer:
@@ -149,4 +149,4 @@ def ensure_user_layer(store: LayerStore) -> Layer:
                     os.chown(p, UID, GID, follow_symlinks=False)
         finally:
             linux.umount(mnt)
-        return store.import_dir(root, USER_LAYER)
+        return store.ensure_dir(root, USER_LAYER)

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 
 from dsec.layers.store import Layer, LayerStore
 from dsec.wire.models import FNCALL_IMAGE
@@ -44,14 +45,22 @@ def _write_etc(root: str) -> None:
             f.write(text)
 
 
-def build_busybox(store: LayerStore, ref: str = "base/busybox:latest") -> Layer:
+def _ensure(store: LayerStore, ref: str, make: Callable[[str], None]) -> Layer:
+    """The layer ``ref``: the one published already, else the tree ``make(root)`` builds,
+    published; safe on many nodes at once (LayerStore.ensure_dir)."""
     if store.has(ref):
         return store.get(ref)
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        raise RuntimeError("busybox is not installed (apt-get install busybox-static)")
-    with tempfile.TemporaryDirectory(prefix="dsec-busybox-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsec-base-") as tmp:
         root = os.path.join(tmp, "rootfs")
+        make(root)
+        return store.ensure_dir(root, ref)
+
+
+def build_busybox(store: LayerStore, ref: str = "base/busybox:latest") -> Layer:
+    def make(root: str) -> None:
+        busybox = shutil.which("busybox")
+        if busybox is None:
+            raise RuntimeError("busybox is not installed (apt-get install busybox-static)")
         for d in ("bin", "sbin", "usr/bin", "usr/sbin", "root", "tmp", "proc", "sys", "dev", "etc"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
         os.chmod(os.path.join(root, "tmp"), 0o1777)
@@ -64,16 +73,13 @@ def build_busybox(store: LayerStore, ref: str = "base/busybox:latest") -> Layer:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 os.symlink("/bin/busybox", dest)
         _write_etc(root)
-        return store.import_dir(root, ref)
+    return _ensure(store, ref, make)
 
 
 def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "bookworm",
                  packages: list[str] | None = None) -> Layer:
     """A Debian ``suite`` root with ``packages`` (default: the built-in set) and their dependencies."""
-    if store.has(ref):
-        return store.get(ref)
-    with tempfile.TemporaryDirectory(prefix="dsec-debian-") as tmp:
-        root = os.path.join(tmp, "rootfs")
+    def make(root: str) -> None:
         subprocess.run(
             ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(packages or DEBIAN_PACKAGES)}",
              "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
@@ -90,7 +96,7 @@ def build_debian(store: LayerStore, ref: str = "base/debian:12", suite: str = "b
                     ep = os.path.join(p, entry)
                     if os.path.isfile(ep):
                         os.unlink(ep)
-        return store.import_dir(root, ref)
+    return _ensure(store, ref, make)
 
 
 # the FnCall image: the Debian base plus the toolchains of the worker's languages

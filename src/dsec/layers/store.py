@@ -208,6 +208,18 @@ class LayerStore:
                                    created_at=time.time(), parent_image=parent_image,
                                    parent_layers=parent_layers or [], source=source))
 
+    def ensure_dir(self, src: str, ref: str) -> Layer:
+        """``import_dir``, for a layer every node of a cluster may build at once (the base
+        layers, at each edge's start): a node that finds ``ref`` published by another since
+        it looked adopts that layer instead of failing (two builds of one tree differ in
+        their timestamps, so the loser's digest is not the winner's)."""
+        try:
+            return self.import_dir(src, ref)
+        except InvalidRequest:
+            if self.has(ref):
+                return self.get(ref)
+            raise
+
     def build_blob(self, src: str, opts: ImportOptions) -> str:
         """mkfs.erofs ``src`` into the store as metadata image + data blob + chunk index
         (not yet published under a name); returns the metadata image's digest."""

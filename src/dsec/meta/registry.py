@@ -227,6 +227,10 @@ class Registry:
         except IntegrityError:
             return self.setting(key) or value
 
+    def drop_setting(self, key: str) -> None:
+        with self.db.begin() as c:
+            c.execute(delete(settings).where(settings.c.key == key))
+
     def drop_settings(self, prefix: str) -> None:
         with self.db.begin() as c:
             c.execute(delete(settings).where(settings.c.key.startswith(prefix)))
