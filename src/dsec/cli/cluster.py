@@ -47,7 +47,7 @@ def up(ray_address: RayOpt = "auto",
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
                      apiserver_resource=apiserver_resource,
                      data_root=data_root, listen_host=listen_host, edge_port=edge_port, api_port=api_port,
-                     edge_args=edge_arg or [])
+                     edge_args=edge_arg or [], say=lambda line: err.print(f"[dim]{line}[/dim]"))
     except (TimeoutError, RuntimeError, ValueError, ConnectionError, SQLAlchemyError) as e:
         err.print(f"[red]error[/red]: {str(e).splitlines()[0]}")
         raise typer.Exit(2) from None

@@ -150,9 +150,12 @@ class PostgresActor:
 
     def __init__(self, data_dir: str, host: str, port: int) -> None:
         password = postgres.init(data_dir)
+        # ready only once it takes queries, which after an unclean stop is after its crash
+        # recovery: waited for (an actor that gave up would have the server killed mid-way)
         self.daemon = Daemon(postgres.argv(data_dir, host, port), data_dir.rstrip("/") + ".log",
-                             lambda: postgres.ready(host, port), user=pwd.getpwnam(postgres.USER).pw_uid,
-                             stop_signal=signal.SIGINT)  # PostgreSQL's fast shutdown
+                             lambda: postgres.ready(data_dir, port), user=pwd.getpwnam(postgres.USER).pw_uid,
+                             stop_signal=signal.SIGINT,  # PostgreSQL's fast shutdown
+                             start_timeout_s=postgres.START_TIMEOUT_S)
         postgres.create_database(data_dir, port)
         self.url = postgres.url(host, port, password)
 

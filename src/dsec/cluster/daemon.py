@@ -59,8 +59,9 @@ def http_ok(url: str, headers: dict[str, str]) -> Callable[[], bool]:
 class Daemon:
     def __init__(self, argv: list[str], log_path: str, healthy: Callable[[], bool],
                  env: dict[str, str] | None = None, user: int | None = None,
-                 stop_signal: int = signal.SIGTERM) -> None:
+                 stop_signal: int = signal.SIGTERM, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.argv, self.log_path, self._healthy, self.stop_signal = argv, log_path, healthy, stop_signal
+        self.start_timeout_s = start_timeout_s
         self.stopping = False
         with open(log_path, "ab") as logf:
             if user is not None:
@@ -74,7 +75,7 @@ class Daemon:
         threading.Thread(target=self._watch, name="daemon-watch", daemon=True).start()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
@@ -82,7 +83,7 @@ class Daemon:
                 return
             time.sleep(0.1)
         self.proc.kill()
-        raise RuntimeError(f"{self.name} did not become healthy in {START_TIMEOUT_S:g} s: {self.log_tail()}")
+        raise RuntimeError(f"{self.name} did not become healthy in {self.start_timeout_s:g} s: {self.log_tail()}")
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dsec import tracing
+from dsec.cluster import postgres
 from dsec.cluster.actors import CONTROLLER, PostgresActor, controller
 from dsec.cluster.config import NAMESPACE, ClusterConfig
 from dsec.meta import open_db
@@ -43,22 +45,31 @@ def connect(ray_address: str) -> None:
                  configure_logging=False)
 
 
-def _private_db(data_root: str, host: str | None) -> str:
+def _private_db(data_root: str, host: str | None, say: Callable[[str], None]) -> str:
     node = ray.get_runtime_context().get_node_id()
     host = host or ray.util.get_node_ip_address()
     actor: Any = ray.remote(PostgresActor).options(  # type: ignore[attr-defined]
         name=POSTGRES, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
         max_task_retries=0, num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(os.path.join(data_root, "postgres"), host, PRIVATE_DB_PORT)
-    return str(ray.get(actor.db_url.remote(), timeout=120))
+    ref = actor.db_url.remote()
+    log_path = os.path.join(data_root, "postgres.log")
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not ray.wait([ref], timeout=5)[0]:
+        if time.monotonic() > deadline:  # the server goes on (recovering, say): a later `up` finds it
+            raise TimeoutError(f"the cluster's PostgreSQL ({host}:{PRIVATE_DB_PORT}) does not take queries yet: "
+                               f"{postgres.state(log_path)}; run `dsec cluster up` again once it does")
+        say(f"waiting for the cluster's PostgreSQL: {postgres.state(log_path)}")
+    return str(ray.get(ref))
 
 
 def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_TIMEOUT_S,
-       **settings: Any) -> UpResult:
-    """``settings``: ClusterConfig fields (store, apiservers, data_root, ports, edge args)."""
+       say: Callable[[str], None] = lambda _: None, **settings: Any) -> UpResult:
+    """``settings``: ClusterConfig fields (store, apiservers, data_root, ports, edge args);
+    ``say``: progress for a person waiting (a database recovering, say)."""
     connect(ray_address)
     data_root = settings.get("data_root") or ClusterConfig.model_fields["data_root"].default
-    db = db or _private_db(data_root, settings.get("listen_host"))
+    db = db or _private_db(data_root, settings.get("listen_host"), say)
     registry = Registry(open_db(db))
     secret = registry.setting_once("cluster_secret", secrets.token_urlsafe(32))
     token = registry.setting_once("admin_token", "dsec_" + secrets.token_urlsafe(32))

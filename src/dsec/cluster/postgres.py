@@ -6,18 +6,20 @@ it runs on."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 
 USER = "postgres"
 DB_USER = "dsec"
-START_TIMEOUT_S = 60.0
+# how long a start may take: a server killed uncleanly replays its WAL first (crash
+# recovery), which on a large database takes minutes; it is never cut short before this
+START_TIMEOUT_S = 3600.0
 
 
 def bin_dir() -> str:
@@ -31,8 +33,10 @@ def _as_postgres(argv: list[str]) -> subprocess.CompletedProcess[str]:
     pw = pwd.getpwnam(USER)
     out = subprocess.run(argv, user=pw.pw_uid, group=pw.pw_gid, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        raise RuntimeError(f"{os.path.basename(argv[0])} failed: {(out.stderr or out.stdout).strip()[-800:]} "
-                           f"(the {USER} user must be able to reach every directory above the data dir)")
+        why = (out.stderr or out.stdout).strip()[-800:]
+        hint = (f" (the {USER} user must be able to reach every directory above the data dir)"
+                if "ermission denied" in why or "could not change directory" in why else "")
+        raise RuntimeError(f"{os.path.basename(argv[0])} failed: {why}{hint}")
     return out
 
 
@@ -75,12 +79,25 @@ def create_database(data_dir: str, port: int) -> None:
         _as_postgres([os.path.join(bin_dir(), "createdb"), "-h", data_dir, "-p", str(port), "-U", DB_USER, "dsec"])
 
 
-def ready(host: str, port: int) -> bool:
+def ready(data_dir: str, port: int) -> bool:
+    """Whether the server accepts queries: pg_isready on its socket says so only once it
+    is up and out of crash recovery (a TCP accept, or "the database system is starting up",
+    is not ready)."""
     try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
+        out = subprocess.run([os.path.join(bin_dir(), "pg_isready"), "-q", "-h", data_dir, "-p", str(port),
+                              "-t", "2"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
         return False
+    return out.returncode == 0
+
+
+def state(log_path: str) -> str:
+    """What the server said last (its log's last line): recovery's progress while it starts."""
+    with contextlib.suppress(OSError), open(log_path, "rb") as f:
+        f.seek(max(0, os.path.getsize(log_path) - 2000))
+        lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else "starting"
+    return "starting"
 
 
 def url(host: str, port: int, password: str) -> str:
@@ -104,7 +121,7 @@ class Postgres:
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready(self.host, self.port):
+        while not ready(self.data_dir, self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"PostgreSQL did not start; see {log_path}")
