@@ -150,6 +150,14 @@ class EdgeUnavailable(DsecError):
     code = "edge_unavailable"
 
 
+class MetadataUnavailable(DsecError):
+    """The cluster's database did not answer (restarting, unreachable, overloaded): the
+    platform's failure, worth trying again in a moment; nothing was changed."""
+
+    status = 503
+    code = "metadata_unavailable"
+
+
 class SandboxError(DsecError):
     """The sandbox or its runtime failed while serving the request."""
 
@@ -211,6 +219,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         JobExists,
         JobNotActive,
         EdgeUnavailable,
+        MetadataUnavailable,
         SandboxError,
         DeadlineExceeded,
         InsufficientStorage,

@@ -8,6 +8,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 
 from dsec import sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
@@ -22,6 +23,7 @@ from dsec.errors import (
     DsecError,
     InvalidRequest,
 )
+from dsec.meta.db import unavailable
 from dsec.templates.builder import Builder
 from dsec.templates.catalog import TemplateCatalog
 from dsec.templates.context import MAX_CONTEXT_BYTES, Contexts
@@ -41,6 +43,13 @@ def build_app(api: Apiserver) -> FastAPI:
     @app.exception_handler(DsecError)
     async def _dsec_error(_: Request, e: DsecError) -> JSONResponse:
         return error_response(e)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(_: Request, e: SQLAlchemyError) -> JSONResponse:
+        away = unavailable(e)
+        if away is None:
+            raise e
+        return error_response(away)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.console import session
@@ -29,6 +30,7 @@ from dsec.errors import (
 )
 from dsec.iam import current_principal, permission_for, project_of_sandbox
 from dsec.iam.tokens import Principal
+from dsec.meta.db import unavailable
 from dsec.wire.models import (
     SandboxState,
 )
@@ -161,7 +163,12 @@ class BearerAuth:
         return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        err = await self._refusal(scope)
+        try:
+            err = await self._refusal(scope)
+        except SQLAlchemyError as e:  # a token not seen before, looked up while the database is away
+            err = unavailable(e)
+            if err is None:
+                raise
         if err is None:
             recheck = scope.pop("dsec.recheck", None)
             if recheck is None:

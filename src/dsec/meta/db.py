@@ -11,12 +11,26 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, InterfaceError, OperationalError
+
+from dsec.errors import MetadataUnavailable
 
 MIGRATIONS = os.path.join(os.path.dirname(__file__), "migrations")
 CONNECT_TIMEOUT_S = 5
 STATEMENT_TIMEOUT_MS = 10_000
 MIGRATION_LOCK = 0x64736563  # "dsec"
+
+
+def unavailable(e: BaseException) -> MetadataUnavailable | None:
+    """``e`` as the typed 503 a caller gets while the database is away (a server restarting
+    or unreachable, a connection cut, a statement past its timeout); None for any other
+    error, which stays the bug it is. The next request tries again: the engine checks a
+    pooled connection before use (pool_pre_ping) and connects anew within CONNECT_TIMEOUT_S."""
+    if isinstance(e, OperationalError | InterfaceError | DisconnectionError) or \
+            isinstance(e, DBAPIError) and e.connection_invalidated:
+        first = str(getattr(e, "orig", None) or e).strip().splitlines()[:1] or [type(e).__name__]
+        return MetadataUnavailable(f"the cluster's database did not answer ({first[0][:200]}); try again shortly")
+    return None
 
 
 def sqlite_url(data_dir: str) -> str:

@@ -23,6 +23,7 @@ from dsec.edge.api import EdgeAPI
 from dsec.edge.interactive import InputBuffer
 from dsec.edge.remote.ops import CANCEL, END, ERROR, FAILED, ITEM, OK, Op, error_json, ops
 from dsec.errors import DsecError, InvalidRequest, NotFound, Unauthorized
+from dsec.meta.db import unavailable
 
 log = logging.getLogger("dsec.edge.remote")
 HEARTBEAT_S = 20.0
@@ -34,6 +35,10 @@ def _error(e: DsecError) -> web.Response:
 
 
 def _internal(op: str, e: BaseException) -> DsecError:
+    if (away := unavailable(e)) is not None:  # the cluster's database (the layer catalog) is away
+        log.warning("edge operation %s: %s", op, away.message)
+        away.operation = op
+        return away
     log.exception("edge operation %s failed", op, exc_info=e)
     return DsecError(f"{op}: {type(e).__name__}: {e}", operation=op)
 
