@@ -235,3 +235,28 @@ async def test_ctrl_c_quits_within_a_second_whatever_the_apiserver_does(platform
         assert code == 0 and took < 1.5, (what, took, seen[-2000:])
         assert b"Traceback" not in seen, (what, seen[-2000:])
         assert seen.rfind(b"\x1b[?1049l") > seen.rfind(b"\x1b[?1049h") >= 0, (what, seen[-500:])  # screen given back
+
+
+async def test_dsec_exec_of_a_long_command_quits_on_ctrl_c(platform: Platform, busybox: dsec.AsyncSandbox) -> None:
+    """The other CLI command that streams: `dsec exec` of a long command, started with SIGINT
+    ignored like dsec top above, quits on Ctrl-C at once with 130 and no traceback."""
+    def run() -> tuple[int | None, float, bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "exec", busybox.sandbox_id, "--", "sh", "-c",
+                                 "echo started; sleep 100"], env=_env(platform), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            took = time.monotonic() - t0
+            assert proc.stderr is not None
+            return proc.poll(), took, proc.stderr.read() if proc.poll() is not None else b""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    code, took, err = await asyncio.to_thread(run)
+    assert code == 130 and took < 1.5, (code, took, err[-2000:])
+    assert b"Traceback" not in err, err[-2000:]

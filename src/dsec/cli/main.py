@@ -206,17 +206,20 @@ def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="comman
             raise typer.BadParameter("give a command after the sandbox id")
         argv = cmd if len(cmd) > 1 else cmd[0]
         code = 0
-        for ev in sb.exec_stream(argv, timeout=timeout):
-            if ev.type == "stdout":
-                sys.stdout.write(ev.data or "")
-                sys.stdout.flush()
-            elif ev.type == "stderr":
-                sys.stderr.write(ev.data or "")
-                sys.stderr.flush()
-            elif ev.result is not None:
-                code = ev.result.exit_code
-                if ev.result.timed_out:
-                    err.print(f"[yellow]timed out after {timeout}s[/yellow]")
+        try:
+            for ev in sb.exec_stream(argv, timeout=timeout):
+                if ev.type == "stdout":
+                    sys.stdout.write(ev.data or "")
+                    sys.stdout.flush()
+                elif ev.type == "stderr":
+                    sys.stderr.write(ev.data or "")
+                    sys.stderr.flush()
+                elif ev.result is not None:
+                    code = ev.result.exit_code
+                    if ev.result.timed_out:
+                        err.print(f"[yellow]timed out after {timeout}s[/yellow]")
+        except KeyboardInterrupt:  # Ctrl-C: the stream is closed, the way out is 130 as a shell's
+            code = 130
     raise typer.Exit(code)
 
 

@@ -8,6 +8,7 @@ coming back becomes a :class:`Sandbox`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -38,8 +39,25 @@ class _Portal:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        pending: list[asyncio.Task[Any]] = []  # the step under way, if the caller left mid-step
+
         async def step() -> T:
+            task = asyncio.current_task()
+            assert task is not None
+            pending[:] = [task]
             return await anext(agen)
+
+        async def close() -> None:
+            # a caller interrupted while waiting (Ctrl-C) left its step running in this loop:
+            # it ends first, or closing the generator would find it still running
+            for task in pending:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                await aclose()
         try:
             while True:
                 try:
@@ -47,9 +65,8 @@ class _Portal:
                 except StopAsyncIteration:
                     return
         finally:  # a caller that stops early closes the stream (and ends the command)
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None and not self.loop.is_closed():
-                self.call(aclose())
+            if not self.loop.is_closed():
+                self.call(close())
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
