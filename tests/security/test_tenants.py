@@ -406,6 +406,40 @@ async def test_a_streamed_exec_ends_with_its_token(platform: Platform, admin: ds
     await (await admin.connect(sb.sandbox_id)).stop()
 
 
+# ---- found by the red-team pass after the fixes ------------------------------------------------
+
+async def test_a_sandbox_named_twice_reaches_neither(platform: Platform, toks: dict[str, str]) -> None:
+    """E2B's envd names its sandbox in a header: given twice (another project's first, the
+    caller's own last), the check read one copy and the route acted on the other, and a
+    runner read, wrote and ran commands as root in another project's sandbox. A credential
+    or routing header given twice is a 400 now, before anything reads it."""
+    async with httpx.AsyncClient() as h:
+        made = {}
+        for who in ("ta", "tb"):
+            r = await h.post(f"{platform.url}/sandboxes", headers={"X-API-Key": toks[f"{who}-runner"]},
+                             json={"templateID": "base", "timeout": 120})
+            assert r.status_code == 201, r.text
+            made[who] = r.json()
+        a_id, a_tok, b_id = made["ta"]["sandboxID"], made["ta"]["envdAccessToken"], made["tb"]["sandboxID"]
+        async with dsec.AsyncClient(url=platform.url, token=toks["tb-runner"]) as b:
+            victim = await b.connect(b_id)
+            await victim.write_file("/root/secret.txt", b"SECRET-OF-TB")
+            for first, last in ((b_id, a_id), (a_id, b_id)):
+                r = await h.get(f"{platform.url}/files", params={"path": "/root/secret.txt", "username": "root"},
+                                headers=[("E2B-Sandbox-Id", first), ("E2B-Sandbox-Id", last),
+                                         ("X-Access-Token", a_tok)])
+                assert r.status_code == 400 and b"SECRET-OF-TB" not in r.content, r.text
+                assert r.json()["field"] == "e2b-sandbox-id"
+            r = await h.get(f"{platform.url}/files", params={"path": "/root/secret.txt", "username": "root"},
+                            headers=[("E2B-Sandbox-Id", b_id), ("X-Access-Token", a_tok)])
+            assert r.status_code == 401  # its own id with another's token: refused as before
+            r = await h.get(f"{platform.url}/v1/sandboxes", headers=[("Authorization", f"Bearer {toks['ta-runner']}"),
+                                                                      ("Authorization", f"Bearer {TOKEN}")])
+            assert r.status_code == 400 and r.json()["field"] == "authorization"
+            for sid, who in ((a_id, "ta"), (b_id, "tb")):
+                await h.delete(f"{platform.url}/sandboxes/{sid}", headers={"X-API-Key": toks[f"{who}-runner"]})
+
+
 # ---- the hardening gaps ----------------------------------------------------------------------
 
 async def test_a_nul_byte_in_a_path_is_refused(platform: Platform, toks: dict[str, str]) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from dsec import sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
 from dsec.apiserver.core import Apiserver, error_response
-from dsec.apiserver.limits import BodyLimit, body_limits
+from dsec.apiserver.limits import RequestLimits, body_limits
 from dsec.apiserver.routes import MODULES
 from dsec.console import web as console_web
 from dsec.e2b import api as e2b_api
@@ -66,8 +66,9 @@ def build_app(api: Apiserver) -> FastAPI:
                        traffic_token=lambda sid: api.tokens.derive("traffic", sid))
     swerex.mount(app, api)  # outermost too: SWE-ReX's X-API-Key may be one sandbox's own token
     sandboxfusion.mount(app, api)  # outermost too: its token rides in the URL, cut out before logging
-    # outermost of all: a body is bounded before any face or authentication reads it
-    app.add_middleware(BodyLimit, limits=body_limits(api.max_file_bytes, MAX_CONTEXT_BYTES))
+    # outermost of all: a body is bounded, and a credential or a sandbox named once, before any
+    # face or authentication reads the request
+    app.add_middleware(RequestLimits, limits=body_limits(api.max_file_bytes, MAX_CONTEXT_BYTES))
     catalog = TemplateCatalog(api.tokens.db)
     images = Images.from_env(api.layers)
     contexts = Contexts(api.layers.root)

@@ -1,7 +1,9 @@
-"""Limits on what a connection may make the apiserver hold, before anyone has looked at
-who sent it: a cap on every request body (small for JSON control routes, the route's own
-for file, exec and upload routes), a deadline for a request's headers and for each piece
-of its body (slow-loris), and nothing read past the cap.
+"""Limits on what a connection may make the apiserver hold or believe, before anyone has
+looked at who sent it: a cap on every request body (small for JSON control routes, the
+route's own for file, exec and upload routes), a deadline for a request's headers and for
+each piece of its body (slow-loris), nothing read past the cap, and each credential or
+routing header given at most once (two copies of ``E2B-Sandbox-Id`` let the auth check
+read one and the route act on the other).
 
 The outermost middleware (ahead of every face and of authentication), so an
 unauthenticated body is bounded too. A route that reads its body with a lower cap of its
@@ -17,9 +19,15 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dsec.apiserver.core import MAX_EXEC_BODY, error_response
-from dsec.errors import DsecError, PayloadTooLarge, RequestTimeout
+from dsec.errors import DsecError, InvalidRequest, PayloadTooLarge, RequestTimeout
 
 CONTROL_BODY = 1 << 20  # JSON control routes: a create, a job, a token, ...
+# headers that say who is asking or which sandbox a request is for: one copy each, else 400
+SINGLE_HEADERS = frozenset({
+    b"authorization", b"x-api-key", b"x-access-token", b"cookie", b"host", b"content-length",
+    b"transfer-encoding", b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"origin",
+    b"x-dsec-console",
+})
 CONSOLE_LOGIN_BODY = 64 << 10
 BODY_PIECE_TIMEOUT_S = 60.0  # a body that stops arriving for this long is given up on
 HEADER_TIMEOUT_S = 30.0  # a request's line and headers arrive within this, once begun
@@ -48,8 +56,9 @@ def body_limits(max_file_bytes: int, max_context_bytes: int) -> list[tuple[re.Pa
     )]
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a body over its route's cap (by its Content-Length at once,
+class RequestLimits:
+    """ASGI middleware: 400 for a credential or routing header given twice (a websocket is
+    closed with 4400), 413 for a body over its route's cap (by its Content-Length at once,
     else as it streams), 408 for a body that stalls. E2B's port traffic (any path, routed
     by its E2b-Sandbox-Port header) gets the exec cap."""
 
@@ -67,6 +76,14 @@ class BodyLimit:
         return CONTROL_BODY
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and (twice := _repeated(scope["headers"])):
+            err = InvalidRequest(f"header {twice} is given more than once", field=twice)
+            if scope["type"] == "http":
+                await error_response(err)(scope, receive, send)
+            else:
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 4400, "reason": err.message})
+            return
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
@@ -126,6 +143,16 @@ class BodyLimit:
                 raise
         if failed and not started:
             await error_response(failed[0])(scope, receive, send)
+
+
+def _repeated(headers: list[tuple[bytes, bytes]]) -> str | None:
+    seen: set[bytes] = set()
+    for k, _ in headers:
+        if k in SINGLE_HEADERS:
+            if k in seen:
+                return k.decode()
+            seen.add(k)
+    return None
 
 
 class GuardedH11(H11Protocol):
