@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import socket
 import tarfile
 import time
@@ -438,6 +439,48 @@ async def test_a_sandbox_named_twice_reaches_neither(platform: Platform, toks: d
             assert r.status_code == 400 and r.json()["field"] == "authorization"
             for sid, who in ((a_id, "ta"), (b_id, "tb")):
                 await h.delete(f"{platform.url}/sandboxes/{sid}", headers={"X-API-Key": toks[f"{who}-runner"]})
+
+
+HOLD_DNS = r"""
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[1])):
+    try:
+        s = socket.create_connection(("1.1.1.1", 53), 2)  # any address: the kernel hands it to the edge's resolver
+        held.append(s)
+    except OSError:
+        pass
+print(len(held), flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+async def test_a_sandbox_cannot_run_the_edge_out_of_file_descriptors(platform: Platform,
+                                                                     toks: dict[str, str]) -> None:
+    """TCP to port 53 goes to the edge's resolver: a sandbox that opened thousands held as
+    many of the edge's fds (20,000 took it to its limit, and other tenants' calls failed).
+    Now a sandbox holds at most 16 there (and 256 through the egress gate)."""
+    assert platform.proc is not None
+    fds = lambda: len(os.listdir(f"/proc/{platform.proc.pid}/fd"))  # noqa: E731
+    async with dsec.AsyncClient(url=platform.url, token=toks["ta-runner"]) as a, \
+            dsec.AsyncClient(url=platform.url, token=toks["tb-runner"]) as b:
+        attacker = await a.run_container(dsec.ContainerArgs(network_rules={}))
+        other = await b.run_container(dsec.ContainerArgs(image="base/busybox"))
+        try:
+            before = fds()
+            await attacker.write_file("/tmp/hold.py", HOLD_DNS.encode())
+            flood = asyncio.create_task(attacker.exec(["python3", "/tmp/hold.py", "2000", "20"], timeout=120))
+            await asyncio.sleep(8)
+            during = fds()
+            assert during - before < 200, (before, during)
+            for _ in range(5):  # another tenant is served meanwhile
+                assert (await other.exec(["echo", "ok"], timeout=10)).stdout == "ok\n"
+            await flood
+            denied = [e for e in await attacker.events() if e.kind == "egress_denied"]
+            assert len(denied) <= 200, len(denied)  # a flood of denials is counted, not kept one by one
+        finally:
+            await attacker.stop()
+            await other.stop()
 
 
 # ---- the hardening gaps ----------------------------------------------------------------------

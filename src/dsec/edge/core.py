@@ -24,6 +24,7 @@ from dsec.edge.interactive import InteractiveOps, StreamSlots, Watchers
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.network import NetworkManager
 from dsec.edge.procwatch import ProcWatch
+from dsec.edge.ratelimit import Buckets
 from dsec.edge.sandbox import (
     Sandbox,
     mem_total_mb,
@@ -54,6 +55,7 @@ from dsec.wire.models import (
 log = logging.getLogger("dsec.edge")
 
 
+DENIALS_PER_S, DENIALS_BURST = 10.0, 100.0  # denied connections kept (events, audit, log) per sandbox
 ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -102,6 +104,7 @@ class EdgeCore(InteractiveOps):
         self.audit = AuditLog(os.path.join(root, "audit.db"))
         self.detectors = Detectors(self._flag)
         self.procwatch = ProcWatch(f"dsec-{tag}", self._on_exec)
+        self.denials = Buckets(DENIALS_PER_S, DENIALS_BURST)
         self.network = NetworkManager(root, self.run_dir, cfg.egress_services, cfg.sandbox_subnet, self.on_event)
         self.network_status = "not started"
         core = memory.has_core_scheduling()
@@ -122,14 +125,22 @@ class EdgeCore(InteractiveOps):
             for sb in list(self.sandboxes.values()) if not sb.stopping], self._storage_stats)
 
     def on_event(self, sandbox_id: str, kind: str, message: str) -> None:
-        """Something a sandbox's owner should know: kept with the sandbox (``GET .../events``) and logged."""
+        """Something a sandbox's owner should know: kept with the sandbox (``GET .../events``) and logged.
+        Denied connections come at the sandbox's pace (a flood of DNS queries): past
+        DENIALS_PER_S, burst DENIALS_BURST, they are counted and said in the next one kept;
+        the burst detector still sees every one."""
+        if kind == "egress_denied":
+            self.detectors.denial(sandbox_id)
+            ok, dropped = self.denials.admit(sandbox_id)
+            if not ok:
+                return
+            if dropped:
+                message += f" (and {dropped} more denials not recorded: over {DENIALS_PER_S:g}/s)"
         log.info("%s %s: %s", sandbox_id, kind, message)
         if sb := self.sandboxes.get(sandbox_id):
             sb.events.append(SandboxEvent(t=time.time(), kind=kind, message=message))
         if kind in AUDITED_EVENTS:
             self.audit.record(sandbox_id, kind, message)
-        if kind == "egress_denied":
-            self.detectors.denial(sandbox_id)
 
     def _flag(self, sandbox_id: str, detector: str, message: str) -> None:
         self.audit.record(sandbox_id, "flag", message, flag=detector)

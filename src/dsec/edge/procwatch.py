@@ -14,8 +14,9 @@ import logging
 import os
 import socket
 import struct
-import time
 from collections.abc import Callable
+
+from dsec.edge.ratelimit import Buckets
 
 log = logging.getLogger("dsec.edge")
 
@@ -33,7 +34,7 @@ class ProcWatch:
         self.marker = f"/{cgroup_parent}/"
         self.on_exec = on_exec
         self.sock: socket.socket | None = None
-        self._buckets: dict[str, list[float]] = {}  # sandbox -> [tokens, last refill, suppressed]
+        self._buckets = Buckets(RATE, BURST)
 
     def start(self) -> None:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
@@ -102,21 +103,13 @@ class ProcWatch:
         return rest.split("\n", 1)[0].split("/", 1)[0] or None
 
     def _admit(self, sid: str) -> bool:
-        now = time.monotonic()
-        b = self._buckets.setdefault(sid, [BURST, now, 0.0])
-        b[0] = min(BURST, b[0] + (now - b[1]) * RATE)
-        b[1] = now
-        if b[0] >= 1:
-            b[0] -= 1
-            if b[2]:
-                self.on_exec(sid, 0, f"({int(b[2])} more executions not recorded: over {RATE:.0f}/s)")
-                b[2] = 0
-            return True
-        b[2] += 1
-        return False
+        ok, dropped = self._buckets.admit(sid)
+        if ok and dropped:
+            self.on_exec(sid, 0, f"({dropped} more executions not recorded: over {RATE:.0f}/s)")
+        return ok
 
     def forget(self, sandbox_id: str) -> None:
-        self._buckets.pop(sandbox_id, None)
+        self._buckets.forget(sandbox_id)
 
 
 def _control(op: int) -> bytes:

@@ -96,6 +96,7 @@ class Teardown(EdgeCore):
             await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
             self.detectors.forget(sb.id)
             self.procwatch.forget(sb.id)
+            self.denials.forget(sb.id)
             await self._bounded(sb, "forget checkpoints", asyncio.to_thread(
                 self._forget_checkpoints, sb, sb.keep_checkpoints))
             sb.rec.info.state = final

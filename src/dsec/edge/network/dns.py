@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import dns.asyncquery
 import dns.exception
@@ -21,6 +21,37 @@ import dns.rcode
 log = logging.getLogger("dsec.network")
 
 OnDeny = Callable[[str, str], None]  # source address, what was refused
+# TCP connections to the resolver held open at once, per sandbox and in all: a sandbox
+# opening thousands (each an fd of the edge, held 10 s) ran the edge out of file descriptors
+MAX_TCP_PER_SOURCE, MAX_TCP = 16, 1024
+
+
+class ConnLimit:
+    """Connections held at once, per source address and in all (the resolver's, the gate's)."""
+
+    def __init__(self, per_source: int, total: int) -> None:
+        self.per_source, self.total = per_source, total
+        self.open: dict[str, int] = {}
+        self.count = 0
+
+    @contextlib.contextmanager
+    def hold(self, source: str) -> Iterator[bool]:
+        """Yields whether this connection may be served (counted while it is)."""
+        n = self.open.get(source, 0)
+        if n >= self.per_source or self.count >= self.total:
+            yield False
+            return
+        self.open[source] = n + 1
+        self.count += 1
+        try:
+            yield True
+        finally:
+            self.count -= 1
+            left = self.open.get(source, 1) - 1
+            if left > 0:
+                self.open[source] = left
+            else:
+                self.open.pop(source, None)
 
 
 def host_resolvers(path: str = "/etc/resolv.conf") -> list[str]:
@@ -38,6 +69,7 @@ class Resolver:
         """``allowed(source, name)``: True, False, or None for a source that is no sandbox."""
         self.allowed, self.on_deny = allowed, on_deny
         self.upstreams = host_resolvers()
+        self.conns = ConnLimit(MAX_TCP_PER_SOURCE, MAX_TCP)
         self.port = 0
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
@@ -88,6 +120,13 @@ class Resolver:
 
     async def _serve_tcp(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         source = w.get_extra_info("peername")[0]
+        with self.conns.hold(source) as ok:
+            if not ok:  # one sandbox holding the edge's fds open: the rest of it are refused at once
+                w.close()
+                return
+            await self._serve_tcp_held(source, r, w)
+
+    async def _serve_tcp_held(self, source: str, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
             while True:
                 n = struct.unpack(">H", await asyncio.wait_for(r.readexactly(2), 10))[0]

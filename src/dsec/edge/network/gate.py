@@ -19,11 +19,15 @@ import struct
 import time
 from collections.abc import Callable
 
+from dsec.edge.network.dns import ConnLimit
+
 log = logging.getLogger("dsec.network")
 
 SO_ORIGINAL_DST = 80
 MAX_HELLO = 16 * 1024 + 5
 TLS_ALERT_ACCESS_DENIED = bytes([0x15, 0x03, 0x01, 0x00, 0x02, 0x02, 0x31])
+# connections through the gate at once, per sandbox and in all (each holds two fds)
+MAX_CONNS_PER_SOURCE, MAX_CONNS = 256, 4096
 
 
 def sni(data: bytes) -> str | None | bool:
@@ -91,6 +95,7 @@ class Gate:
         self._server: asyncio.Server | None = None
         self._cache: dict[str, tuple[float, list[str]]] = {}
         self._conns: set[asyncio.Task[None]] = set()
+        self.limit = ConnLimit(MAX_CONNS_PER_SOURCE, MAX_CONNS)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "0.0.0.0", 0, limit=MAX_HELLO)
@@ -117,7 +122,9 @@ class Gate:
         assert task is not None
         self._conns.add(task)
         try:
-            await self._handle(r, w)
+            with self.limit.hold(w.get_extra_info("peername")[0]) as ok:
+                if ok:  # else: one sandbox holding the edge's fds open; refused at once
+                    await self._handle(r, w)
         except (ConnectionError, TimeoutError, OSError, asyncio.IncompleteReadError):
             pass
         finally:
