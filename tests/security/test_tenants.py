@@ -483,6 +483,77 @@ async def test_a_sandbox_cannot_run_the_edge_out_of_file_descriptors(platform: P
             await other.stop()
 
 
+SPY = r"""
+import os, socket, time
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 8099)); srv.listen(8); srv.settimeout(0.2)
+seen = set()
+end = time.time() + 3
+while time.time() < end:
+    try:
+        c, _ = srv.accept(); seen.add("conn:" + c.recv(32).decode(errors="replace")); c.close()
+    except OSError:
+        pass
+    for name in os.listdir("/dev/shm") + os.listdir("/tmp"):
+        if "beta" in name:
+            seen.add("file:" + name)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if b"BETA-ARGV" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    seen.add("argv")
+            except OSError:
+                pass
+print(sorted(seen))
+"""
+
+BUSY_BETA = r"""
+import os, socket, subprocess, time
+open(f"/dev/shm/beta_{os.getpid()}", "w").write("x")
+p = subprocess.Popen(["sh", "-c", "sleep 1.5; : BETA-ARGV"])
+for _ in range(10):
+    try:
+        s = socket.create_connection(("127.0.0.1", 8099), 0.2); s.sendall(b"BETA"); s.close()
+    except OSError:
+        pass
+    time.sleep(0.1)
+p.wait()
+print("done")
+"""
+
+
+async def test_concurrent_fncalls_of_two_projects_never_share_a_container(platform: Platform,
+                                                                          toks: dict[str, str]) -> None:
+    """A pool container runs two calls at once: of two projects, they shared its loopback,
+    /dev/shm, /tmp and process list (a call read another's argv and files, and took its
+    connections). A container now runs one project's calls at a time."""
+    async with dsec.AsyncClient(url=platform.url, token=toks["ta-runner"]) as a, \
+            dsec.AsyncClient(url=platform.url, token=toks["tb-runner"]) as b:
+        for _ in range(2):
+            spy = asyncio.create_task(a.fncall(dsec.FnCallArgs(language="python", code=SPY, time_limit_s=10)))
+            await asyncio.sleep(0.3)
+            betas = await asyncio.gather(*(b.fncall(dsec.FnCallArgs(language="python", code=BUSY_BETA,
+                                                                    time_limit_s=10)) for _ in range(4)))
+            got = await spy
+            assert got.status == "ok" and got.stdout.strip() == "[]", got
+            assert all(r.status == "ok" and r.stdout == "done\n" for r in betas), [r.stderr for r in betas]
+            assert got.container not in {r.container for r in betas}
+
+
+async def test_a_retired_pool_container_lets_its_other_call_finish(platform: Platform,
+                                                                   toks: dict[str, str]) -> None:
+    """A call that leaves a file retires its container; the other call running there (the
+    same project's) finishes with its answer instead of an error."""
+    async with dsec.AsyncClient(url=platform.url, token=toks["ta-runner"]) as a:
+        slow = asyncio.create_task(a.fncall(dsec.FnCallArgs(
+            language="python", code="import time; time.sleep(2); print('slow done')", time_limit_s=10)))
+        await asyncio.sleep(0.3)
+        messy = await a.fncall(dsec.FnCallArgs(language="python", code="open('/tmp/left', 'w').write('x')"))
+        assert messy.status == "ok"
+        done = await slow
+        assert done.status == "ok" and done.stdout == "slow done\n", done
+
+
 # ---- the hardening gaps ----------------------------------------------------------------------
 
 async def test_a_nul_byte_in_a_path_is_refused(platform: Platform, toks: dict[str, str]) -> None:

@@ -40,7 +40,7 @@ from dsec.errors import (
     SandboxError,
 )
 from dsec.health.events import FleetEvents
-from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, current_principal, project_of_sandbox
+from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, acting_project, current_principal, project_of_sandbox
 from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Need, ProjectQuotas
 from dsec.iam.rates import FnCallRates
@@ -53,6 +53,8 @@ from dsec.watcher.watcher import FleetView
 from dsec.wire.models import (
     ContainerArgs,
     CreateRequest,
+    FnCallArgs,
+    FnCallResult,
     ForkRequest,
     SandboxBase,
     SandboxInfo,
@@ -273,6 +275,11 @@ class Apiserver:
                     slot.release()
         assert last is not None
         raise last
+
+    async def fncall(self, args: FnCallArgs) -> FnCallResult:
+        """An FnCall on the edge for its image, as the calling project's (its ``tenant``)."""
+        args = args.model_copy(update={"tenant": acting_project(None)})
+        return await self.fncall_edge(args.image).fncall(args)
 
     def fncall_edge(self, image: str) -> EdgeAPI:
         """The edge for a FnCall: placed like a small sandbox; its pool does the rest."""

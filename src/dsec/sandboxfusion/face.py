@@ -123,7 +123,7 @@ class SandboxFusionFace:
         args = to_fncall(req)
         try:
             await self.api.fncall_rates.take(acting_project(None))  # the project's FnCall rate (docs/iam.md)
-            res = await self.api.fncall_edge(args.image).fncall(args)
+            res = await self.api.fncall(args)
         except DsecError as e:
             if isinstance(e, NotFound) and e.field == "image":  # setup has not built the FnCall image
                 e = DsecError(f"{e.message}: run `dsec setup` (scripts/setup.sh) on this platform")

@@ -631,6 +631,8 @@ class FnCallArgs(Strict):
     comparator: Literal["exact", "whitespace", "float"] = "whitespace"
     float_tolerance: Annotated[float, Field(ge=0, le=1)] = 1e-6
     image: str = Field(default=FNCALL_IMAGE, description="FnCall image: a base layer with the toolchains")
+    tenant: str = Field(default="", max_length=256, description="set by the apiserver to the calling project "
+                        "(whatever the caller sends): a pool container runs one project's calls at a time")
     layers: list[str] = Field(default_factory=list, max_length=8,
                               description="toolkit/workspace layers on the image (e.g. pre-installed libraries)")
     preimport: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$")]] = Field(

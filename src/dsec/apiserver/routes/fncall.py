@@ -25,7 +25,7 @@ def routes(api: Apiserver) -> APIRouter:
         await api.fncall_rates.take(acting_project(None))
         args = parse_body(FnCallArgs, await read_body(request, MAX_EXEC_BODY, "body"))
         await api.check_refs(args.image, args.layers)  # another project's hidden layer is unknown here too
-        res = await api.fncall_edge(args.image).fncall(args)
+        res = await api.fncall(args)
         return Response(res.model_dump_json(), media_type="application/json")
 
     @router.get("/v1/fncall/languages")

@@ -63,6 +63,11 @@ class _Container:
     workers: list[_Worker] = field(default_factory=list)
     retired: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    # the project whose calls it runs now: calls of one project only at a time (two at once
+    # would share its /tmp, /dev/shm, loopback and process list); it may serve another
+    # once every worker is idle again, each call's sweep having reset what it left
+    tenant: str | None = None
+    busy: int = 0
 
     def close_workers(self) -> None:
         """Close the worker channels explicitly: under uvloop a transport left to the
@@ -70,6 +75,9 @@ class _Container:
         has that number, in any thread)."""
         for w in self.workers:
             w.writer.close()
+
+    def takes(self, tenant: str) -> bool:
+        return not self.retired and (self.busy == 0 or self.tenant == tenant)
 
 
 @dataclass
@@ -103,21 +111,29 @@ class _ImagePool:
         self.svc, self.key, self.image = svc, key, key.image
         self.containers: dict[str, _Container] = {}
         self.idle: deque[_Worker] = deque()
-        self.waiters: deque[asyncio.Future[_Worker]] = deque()
+        self.waiters: deque[tuple[str, asyncio.Future[_Worker]]] = deque()
+        self.draining: set[str] = set()  # retired with calls still running in them
         self.starting = 0
         self.languages: list[str] = []
         self.error: Exception | None = None
 
-    async def acquire(self, timeout: float) -> _Worker:
-        while self.idle:
-            w = self.idle.popleft()
-            if not w.container.retired:
-                return w
+    def _take(self, w: _Worker, tenant: str) -> _Worker:
+        c = w.container
+        c.tenant, c.busy = tenant, c.busy + 1
+        return w
+
+    async def acquire(self, timeout: float, tenant: str = "") -> _Worker:
+        """An idle worker of a container that runs ``tenant``'s calls or none at all."""
+        for w in list(self.idle):
+            if w.container.takes(tenant):
+                self.idle.remove(w)
+                return self._take(w, tenant)
         if len(self.containers) + self.starting < self.svc.max_containers and \
                 self.starting * WORKERS < len(self.waiters) + 1:
             self._start_soon()
         fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
+        entry = (tenant, fut)
+        self.waiters.append(entry)
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -125,31 +141,51 @@ class _ImagePool:
                                + (f": {self.error}" if self.error else "")) from None
         finally:
             with contextlib.suppress(ValueError):
-                self.waiters.remove(fut)
+                self.waiters.remove(entry)
 
     def release(self, w: _Worker, retire: bool) -> None:
         c = w.container
         c.last_used = time.monotonic()
+        c.busy = max(0, c.busy - 1)
         if retire and not c.retired:
             self.retire(c, "a call left state behind")
         if c.retired:
+            if c.busy == 0:
+                self._stop(c)
             return
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(w)
-                return
         self.idle.append(w)
+        self._serve_waiters()
+
+    def _serve_waiters(self) -> None:
+        """Hand idle workers to the callers waiting, first come first served, each to a
+        container that may run its project's calls."""
+        for tenant, fut in list(self.waiters):
+            if fut.done():
+                continue
+            w = next((w for w in self.idle if w.container.takes(tenant)), None)
+            if w is None:
+                continue
+            self.idle.remove(w)
+            fut.set_result(self._take(w, tenant))
 
     def retire(self, c: _Container, why: str) -> None:
+        """No more calls for ``c``; it stops once the calls running in it end (a call of
+        the same project in its other worker finishes first, it is not cut off)."""
         c.retired = True
-        c.close_workers()
         self.containers.pop(c.sandbox_id, None)
         self.idle = deque(w for w in self.idle if w.container is not c)
         log.info("fncall: retiring %s (%s)", c.sandbox_id, why)
-        self.svc.background(self.svc.edge.stop(c.sandbox_id))
+        if c.busy == 0:
+            self._stop(c)
+        else:
+            self.draining.add(c.sandbox_id)
         if self.waiters:
             self._start_soon()
+
+    def _stop(self, c: _Container) -> None:
+        self.draining.discard(c.sandbox_id)
+        c.close_workers()
+        self.svc.background(self.svc.edge.stop(c.sandbox_id))
 
     def _start_soon(self) -> None:
         self.starting += 1
@@ -161,7 +197,7 @@ class _ImagePool:
         except Exception as e:  # reported to whoever waits, retried by the next call
             self.error = e
             log.warning("fncall: cannot start a container for %s: %s", self.image, e)
-            for fut in list(self.waiters):
+            for _, fut in list(self.waiters):
                 if not fut.done():
                     fut.set_exception(SandboxError(f"FnCall pool for {self.image}: {e}"))
             return
@@ -169,8 +205,8 @@ class _ImagePool:
             self.starting -= 1
         self.error = None
         self.containers[c.sandbox_id] = c
-        for w in c.workers:
-            self.release(w, retire=False)
+        self.idle.extend(c.workers)
+        self._serve_waiters()
 
 
 class FnCallService:
@@ -252,14 +288,16 @@ class FnCallService:
                 c.close_workers()
                 with contextlib.suppress(Exception):
                     await self.edge.stop(c.sandbox_id)
+            for sid in list(pool.draining):
+                with contextlib.suppress(Exception):
+                    await self.edge.stop(sid)
         for t in list(self._tasks):
             t.cancel()
 
     async def languages(self, image: str) -> list[str]:
         pool = self.pool(PoolKey(image))
         if not pool.languages:
-            w = await pool.acquire(60)
-            pool.release(w, retire=False)
+            pool.release(await pool.acquire(60), retire=False)
         return pool.languages
 
     def stats(self, edge: str) -> FnCallStats:
@@ -296,13 +334,14 @@ class FnCallService:
         req = {"language": args.language, "code": args.code, "files": args.files, "stdins": stdins,
                "binary_files": args.binary_files, "fetch_files": args.fetch_files,
                "limits": limits, "compile_time_limit_s": args.compile_time_limit_s}
-        ckey = hashlib.sha256(json.dumps([args.image, args.layers, args.language, args.code, args.files,
+        # per project: whether a compile is cached must not tell one project what another ran
+        ckey = hashlib.sha256(json.dumps([args.tenant, args.image, args.layers, args.language, args.code, args.files,
                                           args.binary_files], sort_keys=True).encode()).hexdigest()
         if (artifact := self.artifacts.get(ckey)) is not None:
             self.artifacts.move_to_end(ckey)
             req["artifact"] = artifact
         budget = args.compile_time_limit_s * 2 + len(stdins) * (args.time_limit_s * 2 + 2) + 30
-        w = await pool.acquire(60)
+        w = await pool.acquire(60, args.tenant)
         if args.language not in pool.languages:  # known once any container of the pool has started
             pool.release(w, retire=False)
             raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
