@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 import os
 import socket
 import tarfile
@@ -26,6 +27,7 @@ import websockets
 from conftest import TOKEN, Platform
 
 import dsec
+from dsec.cli.servers import _no_signatures
 from dsec.edge.interactive import MAX_STREAMS_PER_SANDBOX, StreamSlots
 from dsec.edge.network.nft import LibNft
 
@@ -552,6 +554,17 @@ async def test_a_retired_pool_container_lets_its_other_call_finish(platform: Pla
         assert messy.status == "ok"
         done = await slow
         assert done.status == "ok" and done.stdout == "slow done\n", done
+
+
+async def test_the_access_log_shows_no_signature() -> None:
+    """A signed file URL is a credential: uvicorn's access log line for it (as the servers
+    install the filter) shows it with its signature cut out."""
+    rec = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                            ("127.0.0.1:5000", "GET", "/files?path=/a&signature=v1_leakme0123&username=root", "1.1",
+                             200), None)
+    assert _no_signatures(rec)
+    line = rec.getMessage()
+    assert "leakme0123" not in line and "/files?path=/a&signature=***&username=root" in line, line
 
 
 # ---- the hardening gaps ----------------------------------------------------------------------

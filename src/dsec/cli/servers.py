@@ -9,6 +9,7 @@ import faulthandler
 import inspect
 import logging
 import os
+import re
 import resource
 import signal
 from collections.abc import Callable
@@ -114,8 +115,22 @@ def _run_uvicorn(fastapi_app: Any, host: str, port: int, log_level: str) -> None
     # a shutdown waits SHUTDOWN_GRACE_S for requests in flight (a 300 s exec, an open TTY),
     # then cancels them: the sandboxes keep running and are re-adopted by the next start
     # http: uvicorn's HTTP/1.1 with a deadline on a request's headers (dsec.apiserver.limits)
-    uvicorn.run(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20, timeout_keep_alive=65,
-                loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http=GuardedH11)
+    config = uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level, ws_max_size=1 << 20,
+                            timeout_keep_alive=65, loop="asyncio", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                            http=GuardedH11)
+    logging.getLogger("uvicorn.access").addFilter(_no_signatures)  # after the Config set up uvicorn's logging
+    uvicorn.Server(config).run()
+
+
+_SIGNATURE = re.compile(r"(signature=)[^&\s]+")
+
+
+def _no_signatures(record: logging.LogRecord) -> bool:
+    """A signed URL (E2B's file URLs, a build context's upload URL) is a credential: the
+    access log shows it with its signature cut out."""
+    if isinstance(record.args, tuple) and len(record.args) >= 3 and isinstance(record.args[2], str):
+        record.args = (*record.args[:2], _SIGNATURE.sub(r"\1***", record.args[2]), *record.args[3:])
+    return True
 
 
 @_with_edge_options

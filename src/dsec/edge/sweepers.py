@@ -36,7 +36,8 @@ class Sweepers(EdgeCore):
     async def _relieve_pressure(self) -> None:
         """Below ``pause_below_mb`` available, pause the longest-idle best-effort container
         (idle: no request for 5 s) before the kernel's OOM killer has to pick something.
-        Latency-sensitive sandboxes, busy ones and VMs are left alone. One per tick."""
+        Latency-sensitive sandboxes (FnCall's pool containers among them), busy ones and
+        VMs are left alone; not by a label, which a tenant could set too. One per tick."""
         avail = memory.pressure().get("available_mb", float("inf"))
         if avail >= self.cfg.pause_below_mb:
             return
@@ -44,8 +45,7 @@ class Sweepers(EdgeCore):
         idle = sorted((sb for sb in self.sandboxes.values()
                        if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.qos == "best_effort"
                        and sb.rec.info.state == SandboxState.running and not sb.stopping and sb.agent
-                       and not sb.ops and now - sb.rec.info.last_active_at > 5
-                       and sb.rec.args.labels.get("dsec-role") != "fncall"),
+                       and not sb.ops and now - sb.rec.info.last_active_at > 5),
                       key=lambda sb: sb.rec.info.last_active_at)
         if idle:
             sb = idle[0]
