@@ -567,6 +567,29 @@ async def test_the_access_log_shows_no_signature() -> None:
     assert "leakme0123" not in line and "/files?path=/a&signature=***&username=root" in line, line
 
 
+async def test_a_template_build_learns_nothing_of_another_projects_private_layer(
+        platform: Platform, toks: dict[str, str]) -> None:
+    async with dsec.AsyncClient(url=platform.url, token=toks["tb-builder"]) as b:
+        env = await b.run_container(dsec.ContainerArgs(image="base/busybox"))
+        await env.exec(["sh", "-c", "echo private > /root/tb.txt"])
+        await env.pack_diff("ws/tb-private:1", visibility="private")
+        await env.stop()
+    async with httpx.AsyncClient(headers={"X-API-Key": toks["ta-builder"]}) as h:
+        req = (await h.post(f"{platform.url}/v3/templates", json={"name": "tpl-ta-peek"})).json()
+        tid, bid = req["templateID"], req["buildID"]
+        r = await h.post(f"{platform.url}/v2/templates/{tid}/builds/{bid}",
+                         json={"fromImage": "ws/tb-private:1", "steps": [{"type": "RUN", "args": ["true"]}]})
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 60
+        while (st := (await h.get(f"{platform.url}/templates/{tid}/builds/{bid}/status")).json())["status"] \
+                not in ("ready", "error"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.3)
+        text = json.dumps(st)
+        assert st["status"] == "error" and "unknown" in text, st
+        assert "base/busybox" not in text and "FROM ws/tb-private:1 (" not in text, text  # nor its stack
+
+
 # ---- the hardening gaps ----------------------------------------------------------------------
 
 async def test_a_nul_byte_in_a_path_is_refused(platform: Platform, toks: dict[str, str]) -> None:

@@ -59,6 +59,7 @@ class BuildPlatform(Protocol):
     async def create(self, req: CreateRequest) -> SandboxInfo: ...
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
     async def stopped(self, sandbox_id: str) -> None: ...
+    async def check_refs(self, image: str, layers: list[str]) -> None: ...
 
 
 class StepFailed(Exception):
@@ -201,6 +202,9 @@ class Builder:
             return b.result.model_copy(update={"config": cfg}), list(spec.steps)
         assert spec.fromImage is not None
         base = await self.images.resolve(spec.fromImage)
+        # another project's private layer named as the image: unknown to this build, before
+        # the log would show its stack (the build runs as the caller that started it)
+        await self.platform.check_refs(base.image, base.layers)
         out(f"FROM {spec.fromImage} ({' + '.join([base.image, *base.layers])})")
         steps = list(spec.steps)
         if not base.has_user:
