@@ -590,6 +590,31 @@ async def test_a_template_build_learns_nothing_of_another_projects_private_layer
         assert "base/busybox" not in text and "FROM ws/tb-private:1 (" not in text, text  # nor its stack
 
 
+async def test_a_project_cannot_publish_under_another_projects_layer_name(platform: Platform,
+                                                                          toks: dict[str, str]) -> None:
+    """Layer names are global: a project published the next version of another's private
+    layer, made it public, and the other project's next create ran its files; publishing to
+    an existing private ref also answered "already exists" where every other route says 404."""
+    async with dsec.AsyncClient(url=platform.url, token=toks["tb-builder"]) as b, \
+            dsec.AsyncClient(url=platform.url, token=toks["ta-builder"]) as a:
+        owner = await b.run_container(dsec.ContainerArgs(image="base/busybox"))
+        await owner.pack_diff("ws/tb-name:1", visibility="private")
+        await owner.stop()
+        squatter = await a.run_container(dsec.ContainerArgs(image="base/busybox"))
+        try:
+            messages = set()
+            for ref in ("ws/tb-name:2", "ws/tb-name:1", "base/busybox:2"):
+                with pytest.raises(dsec.Forbidden) as e:
+                    await squatter.pack_diff(ref)
+                assert e.value.field == "ref"
+                messages.add(e.value.message.replace(ref.rsplit(":", 1)[0], "NAME"))
+            assert len(messages) == 1  # an existing version and a new one answer alike
+            assert (await squatter.pack_diff("ws/ta-name:1")).ref == "ws/ta-name:1"
+            assert (await squatter.pack_diff("ws/ta-name:2")).ref == "ws/ta-name:2"  # its own name: any version
+        finally:
+            await squatter.stop()
+
+
 # ---- the hardening gaps ----------------------------------------------------------------------
 
 async def test_a_nul_byte_in_a_path_is_refused(platform: Platform, toks: dict[str, str]) -> None:

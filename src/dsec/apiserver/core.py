@@ -332,6 +332,8 @@ class Apiserver:
         info = await edge.get(sandbox_id)
         acl = LayerAcl(self.tokens.db)
         claim = None
+        if PROJECT_LABEL in info.labels:
+            await asyncio.to_thread(self._check_name, acl, ref, info.labels[PROJECT_LABEL])
         if PROJECT_LABEL in info.labels and not await asyncio.to_thread(self.layers.has, ref):
             claim = await asyncio.to_thread(acl.claim, ref, info.labels[PROJECT_LABEL], visibility or "project",
                                             current_principal.get().token_id)
@@ -346,6 +348,21 @@ class Apiserver:
                 await asyncio.shield(asyncio.to_thread(acl.release, claim))
             raise
         return layer, claim if claim is not None else await asyncio.to_thread(acl.get, layer.ref)
+
+    def _check_name(self, acl: LayerAcl, ref: str, project: str) -> None:
+        """A layer name (the ref less its version) is its first publisher's: a project may
+        not publish a version of another project's name, nor of the platform's own (its
+        versions have no owner row), or it could put its files under a name others trust.
+        Whether the version asked for exists is not said (that would tell a private
+        layer's existence): the name's owner is, as any shared namespace says it."""
+        repo = ref.rsplit(":", 1)[0]
+        versions = [layer.ref for layer in self.layers.list() if layer.ref.rsplit(":", 1)[0] == repo]
+        if not versions:
+            return
+        rows = acl.rows(versions)
+        if any(v not in rows or rows[v].project != project for v in versions):
+            raise Forbidden(f"the layer name {repo!r} belongs to another project (or to the platform): "
+                            "publish under a name of your own", field="ref")
 
     async def visible_layers(self, refs: builtins.list[str]) -> set[str]:
         """Which of ``refs`` the caller may see (dsec.iam.visibility)."""
