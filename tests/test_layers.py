@@ -148,8 +148,13 @@ def test_one_mount_serves_many_sandboxes(platform: Platform, composed: tuple[str
                 mounts = [line for line in f if line.split()[4].endswith(digest)]
             assert len(mounts) == 1 and " erofs " in mounts[0]
             assert "/dev/loop" not in mounts[0]  # file-backed, not a loop device
-            overlays = [line for line in open("/proc/self/mountinfo") if digest in line and " overlay " in line]
+            # each sandbox's overlay stacks on it; its options name the layers by fd, not by host
+            # path (what the sandbox reads in its own mountinfo: tests/security/test_tenants.py)
+            with open("/proc/self/mountinfo") as f:
+                overlays = [line for line in f if " overlay " in line
+                            and any(sb.sandbox_id in line.split()[4] for sb in sbs)]
             assert len(overlays) == 3
+            assert all("lowerdir=/proc/self/fd/" in line and digest not in line for line in overlays), overlays
         finally:
             for sb in sbs:
                 sb.stop()
