@@ -52,6 +52,9 @@ CLEAN_TIMEOUT_S = 30.0  # stopping what a returned edge still holds: bounded lik
 DOWN_WAIT_S = 60.0  # `down --stop-sandboxes` waits this long for edges still starting
 STALE_SWEEP_S = 60.0  # copies of sandboxes that run elsewhere now are looked for this often per edge
 STARTING = "starting:"  # a registry setting per daemon whose starts fail: its last error
+# an edge registered on a node this Ray cluster never knew (Ray itself restarted: the whole
+# cluster stopped uncleanly and came back) has this long to register again before it is lost
+RETURN_GRACE_S = 180.0
 
 
 def _secret_file(directory: str, secret: str) -> str:
@@ -185,6 +188,7 @@ class Controller:
         self.events: list[dict[str, Any]] = []
         self.last_error = ""
         self.round: dict[str, float] = {}  # when the last round ended, and what each step took
+        self.started_at = time.monotonic()
         self._stop = threading.Event()
         self._view: ClusterEdges | None = None
         self._mover: Mover | None = None
@@ -300,9 +304,15 @@ class Controller:
             name, actor = self.edges.pop(node_id)
             ray.kill(actor, no_restart=True)
             self._event("edge_actor_removed", edge=name, node=node_id[:12])
+        # a node this Ray cluster saw die is lost at once; one it never knew is from before a
+        # restart of Ray itself (the whole cluster stopped and came back): its edge re-adopts
+        # the sandboxes that still run when it registers again, and only if it does not come
+        # back is it lost (marking it lost at once had the returning edge stop them all)
+        waited = time.monotonic() - self.started_at > RETURN_GRACE_S
         for r in rows.values():
-            if r.state == "active" and (r.node_id in dead or r.node_id not in known):
-                reason = f"node lost: Ray node {r.node_id[:12]} is gone"
+            if r.state == "active" and (r.node_id in dead or (r.node_id not in known and waited)):
+                reason = (f"node lost: Ray node {r.node_id[:12]} is gone" if r.node_id in dead else
+                          f"node lost: not back {RETURN_GRACE_S:g} s after the cluster came up again")
                 self.registry.mark(r.name, "lost", reason)
                 n = self.registry.mark_lost(r.name, "node lost")
                 self._event("edge_lost", edge=r.name, node=r.node_id[:12], sandboxes=n)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -59,7 +60,9 @@ class LocalCluster:
         LayerStore(self.store, "sharedfs").link_from(self.source_layers, self.layers)
         for name in self.names:
             self._seed(name)
-        db = self.pg.start()
+        return self._ray_and_up(self.pg.start())
+
+    def _ray_and_up(self, db: str) -> ops.UpResult:
         head = self.node_args(self.names[0])
         # the replicas live on the head node, which is never removed: a node taken away to
         # test node loss takes an edge, not the replicas the test talks through
@@ -73,6 +76,30 @@ class LocalCluster:
                          data_root=self.root, listen_host="127.0.0.1", edge_port=0, api_port=0,
                          apiserver_resource=REPLICA_RESOURCE)
         return self.up
+
+    def crash(self) -> None:
+        """Every process of the cluster SIGKILLed where it stands, as a power loss would: Ray's
+        on every node (its GCS, raylets and workers), the edge and replica daemons its actors
+        own, PostgreSQL. The sandboxes, the shared store's mount and the edges' lazy layer
+        readers are not the cluster's processes: they run on, as they would on real nodes."""
+        assert self.ray is not None
+        nodes = [self.ray.head_node, *self.ray.worker_nodes]
+        subprocess.run(["pkill", "-9", "-f", f"dsec.cli.main (edge serve|apiserver) .*--data-dir {self.root}/"],
+                       check=False)
+        for node in nodes:
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+        if self.pg.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pg.proc.pid, signal.SIGKILL)
+            self.pg.proc.wait()
+        ray.shutdown()  # this process's driver connection died with the GCS
+        self.ray = None
+        self.nodes.clear()
+
+    def restart(self) -> ops.UpResult:
+        """After :meth:`crash`: PostgreSQL on its data dir (crash recovery), a new Ray cluster
+        with the same nodes, and `dsec cluster up` again, as an operator would."""
+        return self._ray_and_up(self.pg.start())
 
     def _seed(self, name: str) -> None:
         if self.seed is not None:
