@@ -254,7 +254,7 @@ class NodeLayers:
         dest = os.path.join(dest_dir, name)
         if os.path.exists(dest):
             return dest
-        tmp = await self._fetch(name, dest, max(self.fetch_timeout_s, 60.0))
+        tmp = await self._fetch(name, dest)
         if await asyncio.to_thread(sha256_file, tmp) != digest:
             os.unlink(tmp)
             raise SandboxError(f"{name[:12]} from the shared store does not match its digest")
@@ -267,7 +267,7 @@ class NodeLayers:
         dest = os.path.join(self.meta_dir, f"{data}.chunks")
         if os.path.exists(dest):
             return
-        tmp = await self._fetch(f"{data}.chunks", dest, self.fetch_timeout_s)
+        tmp = await self._fetch(f"{data}.chunks", dest)
         try:
             with open(tmp, "rb") as f:
                 ChunkIndex.from_bytes(f.read())
@@ -276,12 +276,16 @@ class NodeLayers:
             raise
         os.replace(tmp, dest)
 
-    async def _fetch(self, name: str, dest: str, limit: float) -> str:
+    async def _fetch(self, name: str, dest: str) -> str:
         """Copy a store file next to ``dest`` with cp, a process of its own: a stalled
         store then holds that process, never a file of the edge's (a child the edge forks
         closes every fd it inherits, and closing a FUSE file with a read stuck on it
-        blocks; the edge's fork would block with it). Returns the copy's path."""
+        blocks; the edge's fork would block with it). The bound is on progress, not on
+        the whole copy: a large image arriving steadily takes what it takes, a store
+        that delivers nothing for ``fetch_timeout_s`` fails the request. Returns the
+        copy's path."""
         tmp = f"{dest}.{os.getpid()}.tmp"
+        limit = self.fetch_timeout_s
         try:
             await failpoint("store.read")
         except OSError as e:
@@ -289,10 +293,19 @@ class NodeLayers:
         proc = await asyncio.create_subprocess_exec(
             "cp", "--", self.store.backend.path(name), tmp, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        done = asyncio.ensure_future(proc.communicate())
         try:
-            async with asyncio.timeout(limit):
-                _, err = await proc.communicate()
+            copied, since = -1, time.monotonic()
+            while not done.done():
+                await asyncio.wait([done], timeout=min(limit, 0.5))
+                size = _size(tmp)
+                if size != copied:
+                    copied, since = size, time.monotonic()
+                elif time.monotonic() - since >= limit and not done.done():
+                    raise TimeoutError
+            _, err = done.result()
         except BaseException:
+            done.cancel()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()  # reaped by asyncio's child watcher when the store lets it go
             with contextlib.suppress(FileNotFoundError):
@@ -347,3 +360,10 @@ class NodeLayers:
             return None
         got = await self.lazy.call("recorded", name=f"{data}@{record_tag}", forget=forget)
         return data, [int(c) for c in got["chunks"]]
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return -1
