@@ -175,8 +175,9 @@ class Apiserver:
                 req = req.model_copy(update={"args": req.args.model_copy(
                     update={"checkpoint_every_s": rec.checkpoint_every_s})})
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
-        hold = await asyncio.to_thread(self.quotas.admit, project, job,
-                                       Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+        with tracing.span("quota.admit", project=project):
+            hold = await asyncio.to_thread(self.quotas.admit, project, job,
+                                           Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
         try:
             if job is None:
                 info = await self._place(req, bounded)
@@ -188,7 +189,8 @@ class Apiserver:
         except BaseException:  # not made (or not known to be: then the sweep adopts it later)
             await asyncio.shield(asyncio.to_thread(self.quotas.release, hold=hold))
             raise
-        await asyncio.shield(asyncio.to_thread(self.quotas.bind, hold, info.sandbox_id))
+        with tracing.span("quota.bind", sandbox_id=info.sandbox_id):
+            await asyncio.shield(asyncio.to_thread(self.quotas.bind, hold, info.sandbox_id))
         if self.index is not None:
             try:
                 await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))

@@ -22,6 +22,7 @@ _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
 
 MS_RDONLY = 1
+MS_REMOUNT = 32
 MNT_DETACH = 2
 CLONE_NEWNET = 0x40000000
 SYS_OPENAT2 = 437

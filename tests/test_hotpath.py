@@ -1,0 +1,87 @@
+"""The hot path's mechanisms (docs/performance.md): what makes a create, an exec or a stop
+cheap must also stay correct. Timings are bench/hotpath.py's; these tests assert behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from dsec.backends.container.runtime import _wait_child
+from dsec.errors import DeadlineExceeded
+from dsec.host import linux
+from dsec.host.prep import _super_options, cgroup_mode, prepare_cgroups
+
+
+def _spawn(*argv: str) -> int:
+    return os.posix_spawn(argv[0], list(argv), dict(os.environ))
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _cgroup2() -> str:
+    return "/sys/fs/cgroup" if cgroup_mode() == "v2" else "/sys/fs/cgroup/unified"
+
+
+def test_prepare_cgroups_sets_favordynmods_and_keeps_the_other_options() -> None:
+    target = _cgroup2()
+    before = _super_options(target)
+    assert before is not None, f"no cgroup2 mount at {target}"
+    others = [o for o in before if o not in ("rw", "ro", "favordynmods")]
+    # as a fresh host has it: without the option
+    linux.mount("cgroup2", target, "cgroup2", linux.MS_REMOUNT, ",".join(others))
+    try:
+        assert "favordynmods" not in (_super_options(target) or [])
+        prepare_cgroups()
+        after = _super_options(target) or []
+        assert "favordynmods" in after
+        assert set(others) <= set(after), (others, after)
+        prepare_cgroups()  # idempotent
+        assert (_super_options(target) or []).count("favordynmods") == 1
+    finally:
+        prepare_cgroups()
+
+
+async def test_wait_child_returns_the_moment_the_child_exits() -> None:
+    pid = _spawn("/bin/sh", "-c", "exit 7")
+    status = await _wait_child(pid, 10, "sh")
+    assert os.waitstatus_to_exitcode(status) == 7
+    assert _reaped(pid)  # no zombie left
+
+
+async def test_wait_child_kills_and_reaps_past_its_deadline() -> None:
+    pid = _spawn("/bin/sleep", "60")
+    t = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="did not finish within 0.3 s"):
+        await _wait_child(pid, 0.3, "sleep")
+    assert time.monotonic() - t < 5
+    assert _reaped(pid)
+
+
+async def test_wait_child_cancelled_kills_and_reaps() -> None:
+    pid = _spawn("/bin/sleep", "60")
+    task = asyncio.ensure_future(_wait_child(pid, 60, "sleep"))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _reaped(pid)
+    # and the loop holds no reader for the closed pidfd: another wait works
+    pid2 = _spawn("/bin/true")
+    assert os.waitstatus_to_exitcode(await _wait_child(pid2, 10, "true")) == 0
+
+
+async def test_wait_child_of_a_child_killed_by_a_signal() -> None:
+    pid = _spawn("/bin/sleep", "60")
+    os.kill(pid, signal.SIGKILL)
+    status = await _wait_child(pid, 10, "sleep")
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
