@@ -7,13 +7,16 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
+import dsec
 from dsec.backends.container.runtime import _wait_child
 from dsec.errors import DeadlineExceeded
 from dsec.host import linux
 from dsec.host.prep import _super_options, cgroup_mode, prepare_cgroups
+from tests.conftest import TOKEN, Platform, own_platform
 
 
 def _spawn(*argv: str) -> int:
@@ -85,3 +88,31 @@ async def test_wait_child_of_a_child_killed_by_a_signal() -> None:
     os.kill(pid, signal.SIGKILL)
     status = await _wait_child(pid, 10, "sleep")
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def durable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    yield from own_platform(tmp_path_factory, "dsec-durable")
+
+
+async def test_creates_that_returned_survive_a_sigkill_with_exact_quotas(durable: Platform) -> None:
+    """Nothing durable moved off the hot path: a ``dsec serve`` SIGKILLed the moment N
+    creates have returned has all N on record after its restart, running, with the
+    project's usage exactly N sandboxes and nothing left starting."""
+    n = 8
+    async with dsec.AsyncClient(url=durable.url, token=TOKEN) as c:
+        made = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(
+            image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.5)) for _ in range(n)))
+    durable.stop(crash=True)  # SIGKILL: no shutdown, no flush
+    durable.start()
+    async with dsec.AsyncClient(url=durable.url, token=TOKEN) as c:
+        listed = {i.sandbox_id: i for i in await c.list()}
+        assert {sb.sandbox_id for sb in made} <= set(listed)
+        for sb in made:
+            assert listed[sb.sandbox_id].state == "running"
+            assert (await (await c.connect(sb.sandbox_id)).exec(["echo", "ok"])).stdout == "ok\n"
+        usage = (await c.projects.get("default")).usage
+        assert (usage.sandboxes, usage.starting, usage.cpu_cores, usage.memory_mb) == (n, 0, n * 0.5, n * 64)
+        await asyncio.gather(*(sb.stop() for sb in made))
+        usage = (await c.projects.get("default")).usage
+        assert (usage.sandboxes, usage.starting, usage.memory_mb) == (0, 0, 0)
