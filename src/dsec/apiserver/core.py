@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from dsec import tracing
 from dsec.batches import BatchRunner, BatchStore
 from dsec.checkpoints.mover import Mover
-from dsec.checkpoints.store import CheckpointStore
+from dsec.checkpoints.store import CheckpointStore, had_checkpoints
 from dsec.console.series import FleetSeries
 from dsec.console.session import Revocations
 from dsec.edge.api import EdgeAPI
@@ -198,9 +198,10 @@ class Apiserver:
                 log.warning("sandbox %s not indexed: %s", info.sandbox_id, e)
         return info
 
-    async def stopped(self, sandbox_id: str) -> None:
+    async def stopped(self, sandbox_id: str, info: SandboxInfo | None = None) -> None:
         """A sandbox was stopped through this apiserver: the index forgets it, its job's and
-        project's quotas free its share."""
+        project's quotas free its share. ``info``: as its edge ended it (a sandbox that never
+        had a checkpoint has none to drop)."""
         self.jobs.forget(sandbox_id)
         try:
             await asyncio.to_thread(self.quotas.release, sandbox_id=sandbox_id)
@@ -211,6 +212,8 @@ class Apiserver:
                 await asyncio.to_thread(self.index.index_drop, [sandbox_id])
             except Exception as e:  # the controller's sweep drops it later
                 log.warning("sandbox %s not dropped from the index: %s", sandbox_id, e)
+        if info is not None and info.state == SandboxState.stopped and not had_checkpoints(info):
+            return
         try:  # its edge dropped them when it ended there; not so for one that ended with its node
             await asyncio.to_thread(self.checkpoints.drop_sandbox, sandbox_id)
         except Exception as e:

@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 
 from dsec.backends.api import SandboxLost
 from dsec.checkpoints import delta
-from dsec.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore
+from dsec.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore, had_checkpoints
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import Sandbox, explain
 from dsec.edge.teardown import MOVED_TO
@@ -365,7 +365,9 @@ class Checkpointing(EdgeCore):
         self._chains.pop(sb.id, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._chain_path(sb.id))
-        if not keep:
+        # (a checkpoint ever begun here has a lock: it may have committed its row already)
+        begun = self._ckpt_locks.pop(sb.id, None) is not None
+        if not keep and (task is not None or begun or had_checkpoints(sb.rec.info)):
             try:  # fenced: a stale copy ending here leaves the holder's checkpoints alone
                 self.checkpoints.drop_sandbox(sb.id, holder=self.name)
             except Exception as e:  # the database is away: the apiserver's stop drops them too

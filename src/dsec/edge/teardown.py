@@ -89,16 +89,16 @@ class Teardown(EdgeCore):
                 await self._bounded(sb, "close the agent", sb.agent.close())
                 sb.agent = None
             await self._bounded(sb, "detach the network", self.network.detach(sb.id))
-            await self._bounded(sb, "release its runtime", self.backend_of(sb).destroy(sb), 2 * STEP_TIMEOUT_S)
-            if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.record_access:
-                await self._bounded(sb, "save access lists", self._save_access_lists(sb, forget=True))
-            await self._bounded(sb, "unmount", asyncio.to_thread(unmount_all, sb.dir))
-            await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
+            # nothing runs in it any more: the runtime's record, the mounts and files, and the
+            # checkpoints are released side by side (a stop waited for each in turn: 9 ms of 14)
+            await asyncio.gather(
+                self._bounded(sb, "release its runtime", self.backend_of(sb).destroy(sb), 2 * STEP_TIMEOUT_S),
+                self._release_files(sb),
+                self._bounded(sb, "forget checkpoints", asyncio.to_thread(
+                    self._forget_checkpoints, sb, sb.keep_checkpoints)))
             self.detectors.forget(sb.id)
             self.procwatch.forget(sb.id)
             self.denials.forget(sb.id)
-            await self._bounded(sb, "forget checkpoints", asyncio.to_thread(
-                self._forget_checkpoints, sb, sb.keep_checkpoints))
             sb.rec.info.state = final
             sb.rec.info.error = None if final == SandboxState.stopped else reason
             if record:
@@ -110,6 +110,12 @@ class Teardown(EdgeCore):
         if record:
             self.metrics.stopped.labels(self.name, final.value).inc()
         self.on_event(sb.id, final.value, f"{reason} (released in {time.monotonic() - t0:.2f} s)")
+
+    async def _release_files(self, sb: Sandbox) -> None:
+        if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.record_access:
+            await self._bounded(sb, "save access lists", self._save_access_lists(sb, forget=True))
+        await self._bounded(sb, "unmount", asyncio.to_thread(unmount_all, sb.dir))
+        await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
 
     async def _bounded(self, sb: Sandbox, step: str, aw: Awaitable[T], timeout: float = STEP_TIMEOUT_S) -> T | None:
         """One teardown step with a deadline; a failure is the sandbox's event, not the caller's."""

@@ -181,7 +181,6 @@ class Cgroup:
         if not pids:
             self.freeze(False)
             return True
-        self._unthrottle(pids)
         kill_file = os.path.join(ROOT, self.rel, "cgroup.kill")
         if self.v2 and os.path.exists(kill_file):
             _write(kill_file, "1")
@@ -197,6 +196,8 @@ class Cgroup:
                 return True
             if time.monotonic() > deadline:
                 return False
+            # still there: killed tasks need CPU time to exit, which a quota or the idle
+            # policy may withhold (lifted only now: most sandboxes are gone by the first look)
             self._unthrottle(pids)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, and_, delete, insert, or_, select, update
+from sqlalchemy import Connection, Engine, Update, and_, bindparam, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -55,6 +55,33 @@ COLUMNS = {
     "disk_mb": ("u_disk_mb", "q_disk_mb"),
     "starting": ("u_starting", "q_starting"),
 }
+
+
+
+
+def _charge_stmt() -> Update:
+    """One conditional UPDATE of every row of a lineage (``names``, expanding) adding the
+    amounts ``a_<resource>`` where each stays within its quota. Built once: making the
+    expression per call cost more than running it (the hot path, docs/performance.md)."""
+    t = projects.c
+    conds = [or_(t[q].is_(None), t[u] + bindparam(f"a_{r}") <= t[q]) for r, (u, q) in COLUMNS.items()]
+    return update(projects).where(t.name.in_(bindparam("names", expanding=True)), *conds).values(
+        {u: t[u] + bindparam(f"a_{r}") for r, (u, _) in COLUMNS.items()})
+
+
+def _move_stmt() -> Update:
+    """Add ``a_<resource>`` (negative: free) to the counters of every row of ``names``."""
+    t = projects.c
+    return update(projects).where(t.name.in_(bindparam("names", expanding=True))).values(
+        {u: t[u] + bindparam(f"a_{r}") for r, (u, _) in COLUMNS.items()})
+
+
+CHARGE, MOVE = _charge_stmt(), _move_stmt()
+HOLD_INSERT = insert(project_holds)
+_h = project_holds.c
+BIND = (update(project_holds).where(_h.id == bindparam("hold"), _h.state == "starting")
+        .values(sandbox_id=bindparam("sandbox_id"), state="running", bound_at=bindparam("now"))
+        .returning(_h.project))
 
 
 @dataclass(frozen=True)
@@ -134,10 +161,10 @@ class ProjectQuotas:
                     if not self._charge(c, project, need):
                         raise _Refused
                     hold = uuid.uuid4().hex
-                    c.execute(insert(project_holds).values(
-                        id=hold, sandbox_id=None, project=project, job=job, state="starting",
-                        cpu_milli=need.cpu_milli, memory_mb=need.memory_mb, disk_mb=need.disk_mb,
-                        charged_cpu_milli=need.cpu_milli, created_at=time.time()))
+                    c.execute(HOLD_INSERT, {
+                        "id": hold, "sandbox_id": None, "project": project, "job": job, "state": "starting",
+                        "cpu_milli": need.cpu_milli, "memory_mb": need.memory_mb, "disk_mb": need.disk_mb,
+                        "charged_cpu_milli": need.cpu_milli, "created_at": time.time()})
                     return hold
             except _Refused:
                 self._check(project, need)  # raises, naming the project and resource
@@ -153,13 +180,10 @@ class ProjectQuotas:
         """One conditional UPDATE of every row of the lineage: all or (rolled back) nothing.
         PostgreSQL locks the rows as it updates them; a concurrent admission that updated
         one first makes it wait, then re-check the condition against that row's new values."""
-        t = projects.c
         names = lineage(project)
-        amounts = need.amounts()
-        conds = [or_(t[q].is_(None), t[u] + amounts[r] <= t[q]) for r, (u, q) in COLUMNS.items()]
-        values = {u: t[u] + amounts[r] for r, (u, _) in COLUMNS.items()}
         _lock(c, names)
-        return c.execute(update(projects).where(t.name.in_(names), *conds).values(**values)).rowcount == len(names)
+        return c.execute(CHARGE, {"names": names, **{f"a_{r}": v for r, v in need.amounts().items()}}
+                         ).rowcount == len(names)
 
     def _check(self, project: str, need: Need) -> str | None:
         """Whether ``project`` and its ancestors have room, as last committed: QuotaExceeded
@@ -189,26 +213,20 @@ class ProjectQuotas:
     def _move(c: Connection, project: str, sandboxes: int, cpu_milli: int, memory_mb: int, disk_mb: int,
               starting: int) -> None:
         """Add these amounts (negative: free them) to the counters of ``project`` and its ancestors."""
-        t = projects.c
-        _lock(c, lineage(project))
-        c.execute(update(projects).where(t.name.in_(lineage(project))).values(
-            u_sandboxes=t.u_sandboxes + sandboxes, u_cpu_milli=t.u_cpu_milli + cpu_milli,
-            u_memory_mb=t.u_memory_mb + memory_mb, u_disk_mb=t.u_disk_mb + disk_mb,
-            u_starting=t.u_starting + starting))
+        names = lineage(project)
+        _lock(c, names)
+        c.execute(MOVE, {"names": names, "a_sandboxes": sandboxes, "a_cpu_cores": cpu_milli, "a_memory_mb": memory_mb,
+                         "a_disk_mb": disk_mb, "a_starting": starting})
 
     def bind(self, hold: str, sandbox_id: str) -> None:
         """The edge made the hold's sandbox: no longer starting."""
         try:
             with self._txn() as c:
-                h = c.execute(select(project_holds).where(project_holds.c.id == hold)).mappings().first()
-                if h is None or h["state"] != "starting":
-                    return
                 # conditional: a release racing this one (the sweep's) must not be counted twice
-                t = project_holds.c
-                if c.execute(update(project_holds).where(t.id == hold, t.state == "starting")
-                             .values(sandbox_id=sandbox_id, state="running", bound_at=time.time())).rowcount != 1:
+                project = c.execute(BIND, {"hold": hold, "sandbox_id": sandbox_id, "now": time.time()}).scalar()
+                if project is None:  # released (or bound) already
                     return
-                self._move(c, h["project"], 0, 0, 0, 0, -1)
+                self._move(c, project, 0, 0, 0, 0, -1)
         except IntegrityError:  # the sweep adopted the sandbox first: that hold counts it, not this one
             self.release(hold=hold)
 

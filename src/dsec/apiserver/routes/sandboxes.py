@@ -107,7 +107,7 @@ def routes(api: Apiserver) -> APIRouter:
     @router.delete("/v1/sandboxes/{sandbox_id}")
     async def stop(sandbox_id: str) -> SandboxInfo:
         info = await api.edge_for(sandbox_id).stop(sandbox_id)
-        await api.stopped(sandbox_id)
+        await api.stopped(sandbox_id, info)
         return info
 
     @router.post("/v1/sandboxes/{sandbox_id}/pause")

@@ -267,6 +267,12 @@ class CrunRuntime:
     async def delete(self, sandbox_id: str) -> None:
         await self._run("delete", "--force", sandbox_id, check=False)
 
+    def forget(self, sandbox_id: str) -> None:
+        """Drop the record of a container whose processes are all gone and whose cgroups are
+        removed: all that ``crun delete`` has left to do then, without its fork and exec
+        (4 ms of a 13 ms stop). Its state is one directory under the state root."""
+        shutil.rmtree(os.path.join(self.state_root, sandbox_id), ignore_errors=True)
+
 
 async def _wait_child(pid: int, timeout: float, what: str) -> int:
     """Wait for a child without a thread per wait: its pidfd turns readable on the loop the

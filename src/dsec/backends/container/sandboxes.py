@@ -175,14 +175,17 @@ class ContainerSandboxes:
         from dsec.edge.sandbox import wait_gone
 
         cg = Cgroup(self.cgroup_path(sb.id))
-        await asyncio.to_thread(cg.remove, True)  # crun removes the cgroup it made, not ours below it
         try:
-            await self.runtime.delete(sb.id)
-        finally:
-            await failpoint("stop.deleted")
             if sb.rec.init_pid:
                 await wait_gone(sb.rec.init_pid)
             left = await asyncio.to_thread(cg.remove)
+            if left:  # something outlived the kill: crun's own delete kills again and removes what it made
+                await self.runtime.delete(sb.id)
+                left = await asyncio.to_thread(cg.remove)
+            else:
+                self.runtime.forget(sb.id)
+        finally:
+            await failpoint("stop.deleted")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.sock_path(sb.id))
         if left:
