@@ -176,8 +176,8 @@ class Apiserver:
                     update={"checkpoint_every_s": rec.checkpoint_every_s})})
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
         with tracing.span("quota.admit", project=project):
-            hold = await asyncio.to_thread(self.quotas.admit, project, job,
-                                           Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+            hold = await self.quotas.run(self.quotas.admit, project, job,
+                                         Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
         try:
             if job is None:
                 info = await self._place(req, bounded)
@@ -187,10 +187,10 @@ class Apiserver:
                     info = await self._place(req, bounded)
                     admission.made(info)
         except BaseException:  # not made (or not known to be: then the sweep adopts it later)
-            await asyncio.shield(asyncio.to_thread(self.quotas.release, hold=hold))
+            await self.quotas.run(self.quotas.release, hold=hold)
             raise
         with tracing.span("quota.bind", sandbox_id=info.sandbox_id):
-            await asyncio.shield(asyncio.to_thread(self.quotas.bind, hold, info.sandbox_id))
+            await self.quotas.run(self.quotas.bind, hold, info.sandbox_id)
         if self.index is not None:
             try:
                 await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
@@ -204,7 +204,7 @@ class Apiserver:
         had a checkpoint has none to drop)."""
         self.jobs.forget(sandbox_id)
         try:
-            await asyncio.to_thread(self.quotas.release, sandbox_id=sandbox_id)
+            await self.quotas.run(self.quotas.release, sandbox_id=sandbox_id)
         except Exception as e:  # the sweep frees it later
             log.warning("sandbox %s's quota not freed: %s", sandbox_id, e)
         if self.index is not None:

@@ -19,13 +19,15 @@ paused. Blocking calls: the apiserver runs them in a thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, Update, and_, bindparam, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -37,6 +39,7 @@ from dsec.wire.iam import lineage
 from dsec.wire.models import SandboxInfo, SandboxState, parse_sandbox_id
 
 log = logging.getLogger("dsec.iam.quota")
+T = TypeVar("T")
 
 # a hold still "starting" this long after admission belongs to a create that will never
 # report back (its replica died): the sweep releases it (an edge create is bounded well below)
@@ -128,6 +131,16 @@ class ProjectQuotas:
         # SQLite has one writer: serializing here keeps threads off its busy-wait
         self._serial = threading.Lock() if db.dialect.name == "sqlite" else None
         self._warned: set[str] = set()
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args)`` of this class from the event loop: in place on a SQLite file (a
+        commit there is a few writes to the OS's cache, ~0.3 ms: cheaper than the hop to a
+        thread and back, which under a burst of creates waited for the GIL each way), on a
+        thread for PostgreSQL (a network round trip), shielded: a caller cancelled meanwhile
+        does not leave it half known (in place, nothing can interrupt it)."""
+        if self._serial is not None:
+            return fn(*args, **kwargs)
+        return await asyncio.shield(asyncio.to_thread(fn, *args, **kwargs))
 
     def serial(self) -> contextlib.AbstractContextManager[object]:
         """The lock SQLite's writers take here (nothing on PostgreSQL)."""
