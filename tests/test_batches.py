@@ -126,10 +126,15 @@ def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     yield from own_platform(tmp_path_factory, "dsec-batches", env={"DSEC_BATCH_STARTING_PER_EDGE": "2"})
 
 
+# enough items that the batch is still unfinished when the apiserver goes (24 were all made,
+# two at a time, before the first progress event once a create took 20 ms)
+N_RESTART = 60
+
+
 @pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
 async def test_a_batch_survives_an_apiserver_restart(restartable: Platform, crash: bool) -> None:
     async with dsec.AsyncClient(url=restartable.url, token=TOKEN) as c:
-        batch = await c.create_many(dsec.ContainerArgs(**SMALL), n=24)
+        batch = await c.create_many(dsec.ContainerArgs(**SMALL), n=N_RESTART)
         async for counts in batch.progress():
             if counts.running >= 3:
                 break
@@ -139,10 +144,10 @@ async def test_a_batch_survives_an_apiserver_restart(restartable: Platform, cras
         b = await c.batch(batch.id)
         made, failures = await b.result(timeout=120)
         try:
-            assert failures == [] and len(made) == 24
+            assert failures == [] and len(made) == N_RESTART
             live = [s for s in await c.list() if s.labels.get("dsec.batch", "").startswith(batch.id + "/")]
             # none made twice: one live sandbox per item
-            assert sorted(s.labels["dsec.batch"] for s in live) == sorted(f"{batch.id}/{i}" for i in range(24))
+            assert sorted(s.labels["dsec.batch"] for s in live) == sorted(f"{batch.id}/{i}" for i in range(N_RESTART))
             assert {s.sandbox_id for s in live} == {s.sandbox_id for s in made}
         finally:
             await _stop([await c.connect(s.sandbox_id) for s in made])

@@ -154,8 +154,9 @@ class EdgeCore(InteractiveOps):
     def _storage_error(self, data: str, message: str) -> None:
         """A read from the shared store failed (``data``: the blob or what was read)."""
         self.signals.store_errors += 1
+        blobs = self.node_layers.data_blob
         for sb in list(self.sandboxes.values()):
-            if any(self.layers.data_of(d) == data for d in sb.rec.digests):
+            if any(blobs.get(d) == data for d in sb.rec.digests):
                 self.on_event(sb.id, "storage_error", message)
 
     def _cgroup(self, sb: Sandbox) -> str:

@@ -182,7 +182,10 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         ``extra`` blobs stacked over its layers (``base``: their blobs as recorded then), its
         creation time and lifetime those of ``origin``."""
         t0 = time.monotonic()
-        digests = (base if base is not None else self._resolve_layers(args)) + (extra or [])
+        if base is None:
+            base = (self._resolve_layers(args) if self.node_layers.catalog_local else
+                    await self.node_layers.store_io("the layer catalog", self._resolve_layers, args))
+        digests = base + (extra or [])
         if isinstance(args, ContainerArgs) and args.network_rules is not None:
             self.network.validate(args.network_rules)
         try:

@@ -71,6 +71,10 @@ class NodeLayers:
         self.snapshot: dict[str, Any] = {}
         # bytes this node copied whole from the store (metadata, eager data blobs)
         self.copied_bytes = 0
+        # image digest -> its data blob (None: metadata only), as read when it was prepared: a
+        # storage error names a data blob, and which sandboxes it hurts must be found without a
+        # catalog read on the event loop (the store that failed may hold the catalog)
+        self.data_blob: dict[str, str | None] = {}
 
     @property
     def on_demand(self) -> bool:
@@ -199,6 +203,12 @@ class NodeLayers:
         # creates that need it
         async with self._mounting.setdefault(target, asyncio.Lock()):
             if shared and os.path.ismount(target):
+                if digest not in self.data_blob and self.store.backend.kind != "local":
+                    # mounted by an edge before a restart: learn its data blob, for storage
+                    # errors (a hint: the mount is there, so a store away now fails nothing)
+                    with contextlib.suppress(SandboxError):
+                        self.data_blob[digest] = await self.store_io(
+                            f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
                 return target
             source, opts = await self._prepare(digest, record_tag)
             os.makedirs(target, exist_ok=True)
@@ -218,7 +228,13 @@ class NodeLayers:
         source, opts = await self._prepare(digest, None)
         return source, opts.removeprefix("device=") if opts else None
 
-    async def _store_io(self, what: str, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+    @property
+    def catalog_local(self) -> bool:
+        """Whether the layer catalog is this node's own SQLite file (else a shared store's
+        file or the cluster's database: reads that can stall, kept off the event loop)."""
+        return self.store.backend.kind == "local" and self.store.catalog.engine.dialect.name == "sqlite"
+
+    async def store_io(self, what: str, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         """``fn(*args)`` against the shared store, on the store's threads, within the
         fetch bound; a miss is the request's clear error."""
         limit = timeout or self.fetch_timeout_s
@@ -238,7 +254,8 @@ class NodeLayers:
         return SandboxError(message)
 
     async def _prepare(self, digest: str, record_tag: str | None) -> tuple[str, str | None]:
-        data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
+        data = await self.store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
+        self.data_blob[digest] = data
         if self.store.backend.kind == "local":
             return self.store.mount_args(digest)
         meta = await self._copy(f"{digest}.erofs", self.meta_dir, digest)
@@ -338,8 +355,8 @@ class NodeLayers:
         queued = 0
         for digest in digests:
             try:  # a hint: never the reason a create fails
-                data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
-                chunks = await self._store_io("an access list", self.store.access_list, data) if data else []
+                data = await self.store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
+                chunks = await self.store_io("an access list", self.store.access_list, data) if data else []
                 if not (data and chunks):
                     continue
                 async with self._lock:
@@ -355,7 +372,7 @@ class NodeLayers:
         """(data blob, chunks in first-touch order) that the private mount read so far."""
         if not self.on_demand:
             return None
-        data = await self._store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
+        data = await self.store_io(f"the catalog entry of {digest[:12]}", self.store.data_of, digest)
         if data is None:
             return None
         got = await self.lazy.call("recorded", name=f"{data}@{record_tag}", forget=forget)
