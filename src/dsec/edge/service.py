@@ -288,13 +288,16 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.id, "LANG": "C.UTF-8", **args.env}
         ctx = AgentContext(sandbox_id=sb.id, init_pid=sb.rec.init_pid, env=env, workdir="/")
         agent = Aether(ctx, init, files)
-        ctx.shell = "/bin/bash" if await agent.files.exists("/bin/bash") else "/bin/sh"
-        if not await agent.files.exists(args.workdir):
+        bash, workdir = await asyncio.gather(agent.files.exists("/bin/bash"), agent.files.exists(args.workdir))
+        ctx.shell = "/bin/bash" if bash else "/bin/sh"
+        if not workdir:
             await agent.files.mkdirs(args.workdir)
         ctx.workdir = args.workdir
-        recovered = await agent.recover_sessions()
-        if recovered:
-            log.info("sandbox %s: took back sessions %s", sb.id, recovered)
+        # an init started by this create holds no sessions: only a re-adopted one may
+        if sb.rec.info.state != SandboxState.creating:
+            recovered = await agent.recover_sessions()
+            if recovered:
+                log.info("sandbox %s: took back sessions %s", sb.id, recovered)
         sb.agent = agent
         sb.watch = asyncio.create_task(self._watch(sb, init))
 

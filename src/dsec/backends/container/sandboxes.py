@@ -105,8 +105,10 @@ class ContainerSandboxes:
         await failpoint("create.started")
         idle = args.qos == "best_effort"
         # the workload's limits on its own child cgroup; init keeps a reserve beside it
-        procs = await asyncio.to_thread(Cgroup(self.cgroup_path(sid)).split_workload, args.memory_limit_mb,
-                                        args.cpu_cores_limit, args.pids_limit, limits.cpu_shares, idle)
+        # in place: a few mkdirs and writes in cgroupfs (~0.3 ms), where the hop to a thread
+        # and back waited for the GIL under a burst of creates (docs/performance.md)
+        procs = Cgroup(self.cgroup_path(sid)).split_workload(args.memory_limit_mb, args.cpu_cores_limit,
+                                                            args.pids_limit, limits.cpu_shares, idle)
         if args.network_rules is not None:
             await self.host.wire_network(sb, args.network_rules)
         with tracing.span("agent.attach", sandbox_id=sid):
