@@ -4,6 +4,7 @@ filtering, power-of-k choice, and the in-flight overlay that spreads a burst."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -64,6 +65,31 @@ def test_in_flight_overlay_spreads_a_burst_on_one_snapshot() -> None:
     fresh = {n: node(n) for n in ("a", "b")}
     p2 = Placement(lambda: fresh, k=2)
     assert p2.choose(ARGS) in ("a", "b")
+
+
+def test_recent_placements_count_until_a_snapshot_shows_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot taken while creates were finishing does not show them: they still count
+    (a quick run of creates spreads), until a snapshot whose counts show them, or 5 s."""
+    views = [{n: node(n) for n in ("a", "b")}]
+    p = Placement(lambda: views[-1], k=2, rng=random.Random(4))
+    placed = []
+    for _ in range(4):
+        views.append({n: node(n) for n in ("a", "b")})  # a fresh snapshot each time, stale in what it shows
+        name = p.choose(ARGS)
+        with p.reserve(name, ARGS):
+            placed.append(name)
+    assert sorted(placed) == ["a", "a", "b", "b"]
+    assert p._room(views[-1]["a"]).sandboxes == 2
+    # a snapshot that shows the two on "a" (and not those on "b"): only "b"'s still count
+    views.append({"a": node("a").model_copy(update={"sandboxes": 2, "cpu_reserved": 2}), "b": node("b")})
+    p.choose(ARGS)
+    assert (p._room(views[-1]["a"]).sandboxes, p._room(views[-1]["b"]).sandboxes) == (2, 2)
+    # and no snapshot ever shows "b"'s: forgotten after 5 s
+    later = time.monotonic() + 6
+    monkeypatch.setattr("dsec.placement.engine.time.monotonic", lambda: later)
+    views.append(dict(views[-1]))
+    p.choose(ARGS)
+    assert p._room(views[-1]["b"]).sandboxes == 0
 
 
 def test_never_a_cordoned_edge_and_a_suspect_one_only_when_no_ok_edge_has_room() -> None:

@@ -293,8 +293,9 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         if not workdir:
             await agent.files.mkdirs(args.workdir)
         ctx.workdir = args.workdir
-        # an init started by this create holds no sessions: only a re-adopted one may
-        if sb.rec.info.state != SandboxState.creating:
+        # an init this create started holds no sessions; a re-adopted one, or a VM restored
+        # with its memory (its shells running on), may
+        if sb.rec.info.state != SandboxState.creating or sb.rec.info.restored_from is not None:
             recovered = await agent.recover_sessions()
             if recovered:
                 log.info("sandbox %s: took back sessions %s", sb.id, recovered)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -15,6 +16,10 @@ from dsec import tracing
 from dsec.errors import AdmissionRejected
 from dsec.placement.admission import Demand, Room, refusal
 from dsec.wire.models import NodeStats
+
+# a placement no snapshot has shown this long is forgotten (its edge's count may have
+# grown and shrunk meanwhile, so the counts alone cannot always tell)
+RECENT_TTL_S = 5.0
 
 
 @dataclass
@@ -30,17 +35,34 @@ class Placement:
         self.k = k
         self.rng = rng or random.Random()
         self.in_flight: dict[str, _InFlight] = {}
-        # placements that finished since the snapshot was taken still count until the
-        # next snapshot shows them
+        # placements that finished since the snapshot was taken still count until a
+        # snapshot shows them (its edge's sandbox count grew by as many), or RECENT_TTL_S
         self._recent: dict[str, _InFlight] = {}
+        self._recent_at: dict[str, float] = {}
+        self._seen: dict[str, NodeStats] = {}
         self._snapshot_id = 0
 
     def _snapshot(self) -> dict[str, NodeStats]:
         view = self._view()
         if id(view) != self._snapshot_id:
             self._snapshot_id = id(view)
-            self._recent.clear()
+            self._settle(view)
         return view
+
+    def _settle(self, view: dict[str, NodeStats]) -> None:
+        """A new snapshot: forget the recent placements it shows. Not all of them, blindly:
+        a snapshot taken while a create was finishing does not show that sandbox yet, and
+        clearing it anyway let a quick run of creates pile onto one edge."""
+        now = time.monotonic()
+        for edge, rec in list(self._recent.items()):
+            old, new = self._seen.get(edge), view.get(edge)
+            shown = new.sandboxes - old.sandboxes if old is not None and new is not None else rec.count
+            if new is None or shown >= rec.count or now - self._recent_at[edge] > RECENT_TTL_S:
+                del self._recent[edge], self._recent_at[edge]
+            elif shown > 0:
+                keep = (rec.count - shown) / rec.count
+                self._recent[edge] = _InFlight(rec.cpu * keep, int(rec.memory_mb * keep), rec.count - shown)
+        self._seen = dict(view)
 
     def _overlay(self, edge: str) -> _InFlight:
         a = self.in_flight.get(edge, _InFlight())
@@ -86,6 +108,7 @@ class Placement:
             inf.memory_mb -= args.memory_admitted_mb
             inf.count -= 1
             if ok:
+                self._recent_at[edge] = time.monotonic()
                 rec = self._recent.setdefault(edge, _InFlight())
                 rec.cpu += args.cpu_admitted
                 rec.memory_mb += args.memory_admitted_mb
