@@ -35,10 +35,15 @@ class Placement:
         self.k = k
         self.rng = rng or random.Random()
         self.in_flight: dict[str, _InFlight] = {}
-        # placements that finished since the snapshot was taken still count until a
-        # snapshot shows them (its edge's sandbox count grew by as many), or RECENT_TTL_S
+        # placements that finished since the snapshot was taken: they count against an
+        # edge's room until the next snapshot (as before), and in ranking edges until a
+        # snapshot's counts show them or RECENT_TTL_S pass (``_unseen``): a snapshot taken
+        # while a create was finishing does not show that sandbox, and forgetting it then
+        # let a quick run of creates pile onto one edge. Only the ranking waits that long:
+        # a create after a stop must not be refused for a sandbox that is gone
         self._recent: dict[str, _InFlight] = {}
-        self._recent_at: dict[str, float] = {}
+        self._unseen: dict[str, _InFlight] = {}
+        self._unseen_at: dict[str, float] = {}
         self._seen: dict[str, NodeStats] = {}
         self._snapshot_id = 0
 
@@ -46,32 +51,31 @@ class Placement:
         view = self._view()
         if id(view) != self._snapshot_id:
             self._snapshot_id = id(view)
+            self._recent.clear()
             self._settle(view)
         return view
 
     def _settle(self, view: dict[str, NodeStats]) -> None:
-        """A new snapshot: forget the recent placements it shows. Not all of them, blindly:
-        a snapshot taken while a create was finishing does not show that sandbox yet, and
-        clearing it anyway let a quick run of creates pile onto one edge."""
+        """A new snapshot: forget the unseen placements it shows."""
         now = time.monotonic()
-        for edge, rec in list(self._recent.items()):
+        for edge, rec in list(self._unseen.items()):
             old, new = self._seen.get(edge), view.get(edge)
             shown = new.sandboxes - old.sandboxes if old is not None and new is not None else rec.count
-            if new is None or shown >= rec.count or now - self._recent_at[edge] > RECENT_TTL_S:
-                del self._recent[edge], self._recent_at[edge]
+            if new is None or shown >= rec.count or now - self._unseen_at[edge] > RECENT_TTL_S:
+                del self._unseen[edge], self._unseen_at[edge]
             elif shown > 0:
                 keep = (rec.count - shown) / rec.count
-                self._recent[edge] = _InFlight(rec.cpu * keep, int(rec.memory_mb * keep), rec.count - shown)
+                self._unseen[edge] = _InFlight(rec.cpu * keep, int(rec.memory_mb * keep), rec.count - shown)
         self._seen = dict(view)
 
-    def _overlay(self, edge: str) -> _InFlight:
-        a = self.in_flight.get(edge, _InFlight())
-        b = self._recent.get(edge, _InFlight())
-        return _InFlight(a.cpu + b.cpu, a.memory_mb + b.memory_mb, a.count + b.count)
-
-    def _room(self, st: NodeStats) -> Room:
-        inf = self._overlay(st.edge)
-        return Room.of(st, inf.cpu, inf.memory_mb, inf.count)
+    def _room(self, st: NodeStats, unseen: bool = False) -> Room:
+        """``st``'s room with this engine's in-flight and recent placements reserved on it;
+        ``unseen``: with those no snapshot has shown yet (for ranking, not refusing)."""
+        parts = [self.in_flight, self._unseen if unseen else self._recent]  # (the unseen hold the recent)
+        cpu = sum(d[st.edge].cpu for d in parts if st.edge in d)
+        mem = sum(d[st.edge].memory_mb for d in parts if st.edge in d)
+        count = sum(d[st.edge].count for d in parts if st.edge in d)
+        return Room.of(st, cpu, mem, count)
 
     def eligible(self, args: Demand, exclude: set[str]) -> list[NodeStats]:
         """Healthy, uncordoned edges with the backend and room; only ``ok`` ones while any
@@ -91,7 +95,8 @@ class Placement:
         sample = self.rng.sample(cands, min(self.k, len(cands)))
         # on the caller's placement.choose span (apiserver/core.py) when tracing is on
         tracing.annotate(candidates=len(cands), sampled=len(sample))
-        return min(sample, key=lambda st: self._room(st).load()).edge
+        return min(sample, key=lambda st: (self._room(st, unseen=True).load(),
+                                           self._room(st, unseen=True).sandboxes)).edge
 
     @contextlib.contextmanager
     def reserve(self, edge: str, args: Demand) -> Iterator[None]:
@@ -108,8 +113,9 @@ class Placement:
             inf.memory_mb -= args.memory_admitted_mb
             inf.count -= 1
             if ok:
-                self._recent_at[edge] = time.monotonic()
-                rec = self._recent.setdefault(edge, _InFlight())
-                rec.cpu += args.cpu_admitted
-                rec.memory_mb += args.memory_admitted_mb
-                rec.count += 1
+                self._unseen_at[edge] = time.monotonic()
+                for d in (self._recent, self._unseen):
+                    rec = d.setdefault(edge, _InFlight())
+                    rec.cpu += args.cpu_admitted
+                    rec.memory_mb += args.memory_admitted_mb
+                    rec.count += 1
