@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from aiohttp import web  # noqa: E402
 from container import pct, start_server, write_section  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+from tracing import Sink  # noqa: E402
 
 import dsec  # noqa: E402
 from dsec.host.prep import prepare_cgroups  # noqa: E402
@@ -63,10 +64,11 @@ BUDGET: list[tuple[str, float]] = [
 ]
 
 
-class Spans:
+class Spans(Sink):
     """An OTLP/HTTP endpoint that keeps every span's name and duration."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.ms: dict[str, list[float]] = collections.defaultdict(list)
         self.before: dict[str, list[float]] | None = None
 
@@ -83,15 +85,6 @@ class Spans:
         """Keep what was seen so far (the sequential operations') apart; collect afresh."""
         self.before = {k: list(v) for k, v in self.ms.items()}
         self.ms.clear()
-
-    async def start(self) -> tuple[web.AppRunner, str]:
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/traces", self.receive)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
 
 
 async def timed(fn, n: int) -> list[float]:  # type: ignore[no-untyped-def]
