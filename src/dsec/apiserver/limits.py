@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dsec.apiserver.core import MAX_EXEC_BODY, error_response
 from dsec.errors import DsecError, InvalidRequest, PayloadTooLarge, RequestTimeout
@@ -155,32 +156,35 @@ def _repeated(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-class GuardedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for a request's line and headers: a
-    client that opens a connection and trickles a header a byte at a time (slow-loris) is
-    cut off HEADER_TIMEOUT_S after it began, instead of holding the connection for ever.
-    Idle keep-alive connections keep uvicorn's own timeout."""
+class HeaderDeadline:
+    """A deadline for a request's line and headers, mixed into one of uvicorn's HTTP/1.1
+    protocols: a client that opens a connection and trickles a header a byte at a time
+    (slow-loris) is cut off HEADER_TIMEOUT_S after it began, instead of holding the
+    connection for ever. Idle keep-alive connections keep uvicorn's own timeout."""
 
     _header_timer: asyncio.TimerHandle | None = None
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and self._between_requests():
             self._arm()
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         if not self._between_requests():
             self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
-    def handle_websocket_upgrade(self, event: Any) -> None:
+    def handle_websocket_upgrade(self, *args: Any) -> None:
         self._disarm()  # the websocket's protocol takes the connection over
-        super().handle_websocket_upgrade(event)
+        super().handle_websocket_upgrade(*args)  # type: ignore[misc]
 
     def _between_requests(self) -> bool:
         """No request is being served: the next one's headers are what arrives."""
@@ -200,3 +204,10 @@ class GuardedH11(H11Protocol):
         if self._between_requests() and not self.transport.is_closing():
             self.transport.close()
 
+
+class GuardedHttpTools(HeaderDeadline, HttpToolsProtocol):
+    """uvicorn's httptools protocol (the C parser: the apiserver's hot path) with the header deadline."""
+
+
+class GuardedH11(HeaderDeadline, H11Protocol):
+    """uvicorn's pure-Python h11 protocol with the header deadline."""

@@ -19,5 +19,6 @@ from dsec.apiserver.routes import (
     tokens,
 )
 
-MODULES = (tokens, projects, node, nodes, checkpoints, sandboxes, jobs, batches, rollouts, exec, display, layers,
-           fncall, files, ports, console)
+# in the order a request's path is matched: the hot path's routes first
+MODULES = (exec, rollouts, fncall, sandboxes, files, ports, batches, jobs, checkpoints, display, layers, tokens,
+           projects, node, nodes, console)

@@ -13,8 +13,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
 
-from dsec.apiserver.core import Apiserver, parse_labels
+from dsec.apiserver.core import Apiserver, parse_body, parse_labels, read_body
 from dsec.errors import NotFound, PayloadTooLarge
 from dsec.iam import acting_project, current_principal, project_scope
 from dsec.rollouts.store import RolloutStore
@@ -43,6 +44,9 @@ from dsec.wire.rollouts import (
 POLL_S = 0.25
 SWEEP_S = 1.0
 MAX_WAIT_S = 60.0
+# a step request's body, as RequestLimits caps /v1/rollouts: the step's own size is checked
+# once parsed (a client's JSON may escape more than pydantic's does)
+MAX_STEP_BODY = 16 << 20
 log = logging.getLogger("dsec.rollouts")
 
 
@@ -51,9 +55,12 @@ def routes(api: Apiserver) -> APIRouter:
     store = RolloutStore(api.tokens.db)
     cleanups: set[asyncio.Task[None]] = set()
     swept: dict[str | None, float] = {}  # project scope -> when this replica last swept it
+    step_body = {"content": {"application/json": {"schema": StepRequest.model_json_schema()}}, "required": True}
 
     async def _get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
-        info = await asyncio.to_thread(store.get, rollout_id, steps=steps, spec=spec)
+        # a trajectory may be long: read on a thread; the row alone in place (SQLite)
+        get = asyncio.to_thread if steps else store.run
+        info = await get(store.get, rollout_id, steps=steps, spec=spec)
         p = current_principal.get()
         if info is None or not p.covers(info.project):
             raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
@@ -148,7 +155,7 @@ def routes(api: Apiserver) -> APIRouter:
     async def heartbeat(req: HeartbeatRequest) -> HeartbeatResult:
         """Renews the leases this worker still holds; says which it lost and which must hold
         (their job is paused)."""
-        return HeartbeatResult(rollouts=await asyncio.to_thread(
+        return HeartbeatResult(rollouts=await store.run(
             store.heartbeat, project_scope(None), req.worker, req.ids, req.lease_s, time.time()))
 
     @router.get("/v1/rollouts/{rollout_id}")
@@ -171,27 +178,32 @@ def routes(api: Apiserver) -> APIRouter:
             await _stop_sandboxes([rollout_id])
         return info
 
-    @router.post("/v1/rollouts/{rollout_id}/steps")
-    async def add_step(rollout_id: str, req: StepRequest) -> Step:
+    @router.post("/v1/rollouts/{rollout_id}/steps", response_model=Step,
+                 openapi_extra={"requestBody": step_body})
+    async def add_step(rollout_id: str, request: Request) -> Response:
         """Journal one step (the worker's); the step already at that seq, if any, is answered."""
-        await _get(rollout_id)
+        # a step per command or model call of every rollout: the body is parsed by
+        # pydantic-core directly, and the lookup, the check and the write are one transaction
+        req = parse_body(StepRequest, await read_body(request, MAX_STEP_BODY, "body"))
         if req.step.seq < 0 or req.step.seq >= MAX_STEPS:
             raise PayloadTooLarge(f"a rollout has at most {MAX_STEPS} steps", field="step.seq")
         if len(req.step.model_dump_json()) > MAX_STEP_BYTES:
             raise PayloadTooLarge(f"a step is at most {MAX_STEP_BYTES} bytes of JSON", field="step")
-        return await asyncio.to_thread(store.add_step, rollout_id, req.worker, req.attempt, req.step)
+        step = await store.run(store.add_step, rollout_id, req.worker, req.attempt, req.step,
+                                       current_principal.get().covers)
+        return Response(step.model_dump_json(), media_type="application/json")
 
     @router.post("/v1/rollouts/{rollout_id}/sandbox")
     async def set_sandbox(rollout_id: str, req: SandboxRecord) -> dict[str, str]:
         """The sandbox the worker made for it (shown in its info)."""
         await _get(rollout_id)
-        await asyncio.to_thread(store.set_sandbox, rollout_id, req.worker, req.attempt, req.sandbox_id)
+        await store.run(store.set_sandbox, rollout_id, req.worker, req.attempt, req.sandbox_id)
         return {"sandbox_id": req.sandbox_id}
 
     @router.post("/v1/rollouts/{rollout_id}/finish")
     async def finish(rollout_id: str, req: FinishRequest) -> RolloutInfo:
         """The worker's outcome (409 ``rollout_lost`` if it no longer holds the rollout)."""
         await _get(rollout_id)
-        return await asyncio.to_thread(store.finish, rollout_id, req)
+        return await store.run(store.finish, rollout_id, req)
     return router
 
