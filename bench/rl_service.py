@@ -57,10 +57,10 @@ async def service_loops(c: dsec.AsyncClient, n: int, turns: int, run: str) -> fl
                                                      task={"turns": turns}) for i in range(n)])
     ids = {r.id for r in made}
     left = set(ids)
-    while left:
-        for r in await c.rollouts.wait(limit=10_000, timeout=10):
-            left.discard(r.id)
-        await asyncio.sleep(0.1)
+    async for r in c.rollouts.finished(timeout=600):  # as a trainer takes them
+        left.discard(r.id)
+        if not left:
+            break
     took = time.monotonic() - t0
     rs = [await c.rollouts.get(i) for i in ids]
     bad = [r for r in rs if r.state != "done"]

@@ -146,6 +146,16 @@ class Apiserver:
         if self.routes is not None:
             self.routes.moved_here(info.sandbox_id, info.edge)
 
+    async def in_reach(self, sandbox_id: str) -> EdgeAPI:
+        """The sandbox's edge, if the caller's projects hold the sandbox (else NotFound, as
+        for a sandbox that does not exist): what authentication checks for a
+        ``/v1/sandboxes/{id}`` path, for a route that names the sandbox in its body."""
+        edge = self.edge_for(sandbox_id)
+        principal = current_principal.get()
+        if not principal.all_projects and not principal.covers(project_of_sandbox(await edge.get(sandbox_id))):
+            raise NotFound(f"no sandbox {sandbox_id!r} in project {principal.project!r}", field="sandbox_id")
+        return edge
+
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         try:
             name = parse_sandbox_id(sandbox_id)

@@ -23,8 +23,8 @@ from typing import Any
 import aiohttp
 
 from dsec.errors import DsecError, InferenceRefused, SandboxError
-from dsec.sdk.client import AsyncClient, AsyncSandbox
-from dsec.wire.models import ExecResult
+from dsec.sdk.client import AsyncClient, AsyncSandbox, exec_request
+from dsec.wire.models import ExecRequest, ExecResult
 from dsec.wire.rollouts import Inference, Step, StepKind
 
 RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
@@ -69,6 +69,15 @@ class Journal:
         self.steps: list[Step] = []
 
     async def step(self, kind: StepKind, request: Any, do: Callable[[int], Awaitable[Any]]) -> Any:
+        """``do(seq)``'s answer, journaled; or the journal's answer at this step."""
+        async def do_and_record(step: Step) -> Step:
+            return await self._record(step.model_copy(update={"response": await do(step.seq)}))
+        return await self.step_recorded(kind, request, do_and_record)
+
+    async def step_recorded(self, kind: StepKind, request: Any, do: Callable[[Step], Awaitable[Step]]) -> Any:
+        """As :meth:`step`, for a ``do`` that journals the step itself (a command the
+        platform runs and journals in one call): given the step without its response, it
+        returns the step as journaled."""
         seq = self.seq
         self.seq += 1
         d = digest(kind, request)
@@ -81,9 +90,7 @@ class Journal:
             self.steps.append(old)
             return old.response
         await self._hold()
-        response = await do(seq)
-        stored = await self._record(Step(seq=seq, kind=kind, request=request, response=response, digest=d,
-                                         at=time.time(), attempt=self.attempt))
+        stored = await do(Step(seq=seq, kind=kind, request=request, digest=d, at=time.time(), attempt=self.attempt))
         self.steps.append(stored)
         return stored.response
 
@@ -92,41 +99,41 @@ class RolloutSandbox:
     """The rollout's sandbox, its commands journaled and keyed. ``raw`` is the plain SDK
     handle (files, ports, pack_diff: not journaled)."""
 
-    def __init__(self, raw: AsyncSandbox, journal: Journal, rollout_id: str) -> None:
+    def __init__(self, raw: AsyncSandbox, journal: Journal, rollout_id: str,
+                 run: Callable[[Step, ExecRequest], Awaitable[Step]]) -> None:
         self.raw = raw
         self._journal = journal
         self._rollout_id = rollout_id
+        self._run = run
 
     @property
     def sandbox_id(self) -> str:
         return self.raw.sandbox_id
-
-    def _key(self, seq: int) -> str:
-        return f"dsec.rollout/{self._rollout_id}/{seq}"
 
     async def exec(self, cmd: str | list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: str | None = None) -> ExecResult:
         """One command (a string through the shell, a list directly), journaled; its output is
         kept up to 64 KiB per stream (``stdout_truncated``/``stderr_truncated`` say it was cut)."""
         req = {"cmd": cmd, "timeout": timeout, "env": env, "cwd": cwd, "stdin": stdin}
-
-        async def do(seq: int) -> Any:
-            r = await self.raw.exec(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, key=self._key(seq),
-                                    max_output_bytes=JOURNAL_OUTPUT_BYTES)
-            return r.model_dump(mode="json")
-        return ExecResult.model_validate(await self._journal.step("exec", req, do))
+        return await self._command("exec", req, cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
 
     async def run_shell(self, cmd: str, *, session: str = "default", timeout: float = 300.0,
                         env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
         """A command in a persistent shell session (cwd, env, background jobs carry over),
         journaled, its output kept as :meth:`exec` keeps it."""
         req = {"cmd": cmd, "session": session, "timeout": timeout, "env": env, "cwd": cwd}
+        return await self._command("shell", req, cmd, session=session, timeout=timeout, env=env, cwd=cwd)
 
-        async def do(seq: int) -> Any:
-            r = await self.raw.exec(cmd, session=session, timeout=timeout, env=env, cwd=cwd, key=self._key(seq),
-                                    max_output_bytes=JOURNAL_OUTPUT_BYTES)
-            return r.model_dump(mode="json")
-        return ExecResult.model_validate(await self._journal.step("shell", req, do))
+    async def _command(self, kind: StepKind, request: dict[str, Any], cmd: str | list[str], *, timeout: float,
+                       env: dict[str, str] | None, cwd: str | None, stdin: str | None = None,
+                       session: str | None = None) -> ExecResult:
+        """Run and journaled by the platform in one call, keyed ``dsec.rollout/<id>/<seq>``:
+        one that ran but whose answer was lost with the worker is not run again."""
+        async def run(step: Step) -> Step:
+            ex = exec_request(cmd, timeout, env, cwd, stdin, session, JOURNAL_OUTPUT_BYTES,
+                              key=f"dsec.rollout/{self._rollout_id}/{step.seq}")
+            return await self._run(step, ex)
+        return ExecResult.model_validate(await self._journal.step_recorded(kind, request, run))
 
     # files pass through: reading is idempotent, and a write of the same content twice is one write
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
@@ -190,14 +197,15 @@ class RolloutContext:
     anything else: a grader's sandbox, a fork), ``record`` for a step of the agent's own."""
 
     def __init__(self, *, rollout_id: str, attempt: int, task: dict[str, Any], job: str | None,
-                 client: AsyncClient, journal: Journal, sandbox: AsyncSandbox | None, llm: LLM | None) -> None:
+                 client: AsyncClient, journal: Journal, sandbox: AsyncSandbox | None, llm: LLM | None,
+                 run: Callable[[Step, ExecRequest], Awaitable[Step]]) -> None:
         self.rollout_id = rollout_id
         self.attempt = attempt
         self.task = task
         self.job = job
         self.client = client
         self.journal = journal
-        self.sandbox = RolloutSandbox(sandbox, journal, rollout_id) if sandbox is not None else None
+        self.sandbox = RolloutSandbox(sandbox, journal, rollout_id, run) if sandbox is not None else None
         self.llm = llm
 
     def require_sandbox(self) -> RolloutSandbox:

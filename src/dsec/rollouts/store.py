@@ -335,15 +335,18 @@ class RolloutStore:
                             hold=bool(r is not None and r[3] == "paused")))
         return out
 
-    def _owner(self, c: Connection, rollout_id: str, worker: str, attempt: int) -> RowMapping:
+    def _owner(self, c: Connection, rollout_id: str, worker: str, attempt: int,
+               covers: Callable[[str], bool] = lambda _p: True) -> RowMapping:
         """The row, if ``worker`` still holds this attempt, locked for the transaction: a no-op
         compare-and-set update first (it takes the row's lock on PostgreSQL and the write lock
-        on SQLite), so a lease expiring meanwhile cannot slip between the check and the write."""
+        on SQLite), so a lease expiring meanwhile cannot slip between the check and the write.
+        NotFound when there is no such rollout or ``covers(project)`` says the caller may not
+        see it (the transaction then writes nothing)."""
         held = c.execute(update(rollouts).where(rollouts.c.id == rollout_id, rollouts.c.state == "running",
                                                 rollouts.c.worker == worker, rollouts.c.attempts == attempt)
                          .values(worker=worker)).rowcount
         r = c.execute(select(rollouts).where(rollouts.c.id == rollout_id)).mappings().first()
-        if r is None:
+        if r is None or not covers(r["project"]):
             raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
         if not held:
             raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
@@ -372,15 +375,17 @@ class RolloutStore:
                 got = c.execute(_STEP_AT, {"rid": rollout_id, "seq": step.seq}).mappings().one()
         return _step(got)
 
-    def set_sandbox(self, rollout_id: str, worker: str, attempt: int, sandbox_id: str) -> None:
+    def set_sandbox(self, rollout_id: str, worker: str, attempt: int, sandbox_id: str,
+                    covers: Callable[[str], bool] = lambda _p: True) -> None:
         with self.db.begin() as c:
-            self._owner(c, rollout_id, worker, attempt)
+            self._owner(c, rollout_id, worker, attempt, covers)
             c.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(sandbox_id=sandbox_id))
 
-    def finish(self, rollout_id: str, req: FinishRequest) -> RolloutInfo:
+    def finish(self, rollout_id: str, req: FinishRequest, covers: Callable[[str], bool] = lambda _p: True
+               ) -> RolloutInfo:
         now = time.time()
         with self.db.begin() as c:
-            r = self._owner(c, rollout_id, req.worker, req.attempt)
+            r = self._owner(c, rollout_id, req.worker, req.attempt, covers)
             if req.release:
                 c.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(
                     state="queued", worker=None, lease_until=None, attempts=rollouts.c.attempts - 1))

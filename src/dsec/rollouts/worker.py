@@ -34,11 +34,12 @@ from dsec.errors import AdmissionRejected, DsecError, JobNotActive, NotFound, Ro
 from dsec.iam import PROJECT_LABEL
 from dsec.rollouts.context import LLM, Journal, RolloutContext
 from dsec.sdk.client import AsyncClient, AsyncSandbox
-from dsec.wire.models import ContainerArgs, SandboxState
+from dsec.wire.models import ContainerArgs, ExecRequest, SandboxState
 from dsec.wire.rollouts import (
     ROLLOUT_LABEL,
     Claimed,
     ClaimRequest,
+    ExecStepRequest,
     FinishRequest,
     HeartbeatRequest,
     HeartbeatResult,
@@ -218,7 +219,8 @@ class Worker:
                 run.sandbox = await self._sandbox(run)
             llm = LLM(spec.inference, journal, self._http) if spec.inference is not None else None
             ctx = RolloutContext(rollout_id=rid, attempt=c.attempt, task=spec.task, job=spec.job, client=self.client,
-                                 journal=journal, sandbox=run.sandbox, llm=llm)
+                                 journal=journal, sandbox=run.sandbox, llm=llm,
+                                 run=lambda step, ex: self._run_command(run, step, ex))
             agent = self._agent(spec.agent)
             out = await self._within_timeout(run, agent(ctx), started)
             reward, result = _outcome(out)
@@ -311,6 +313,14 @@ class Worker:
         rid = run.claimed.rollout.id
         return Step.model_validate(await self._post(f"/v1/rollouts/{rid}/steps", StepRequest(
             worker=self.name, attempt=run.claimed.attempt, step=step)))
+
+    async def _run_command(self, run: _Run, step: Step, ex: ExecRequest) -> Step:
+        """A command in the rollout's sandbox, run and journaled by the platform in one call."""
+        assert run.sandbox is not None
+        rid = run.claimed.rollout.id
+        return Step.model_validate(await self._post(f"/v1/rollouts/{rid}/exec", ExecStepRequest(
+            worker=self.name, attempt=run.claimed.attempt, sandbox_id=run.sandbox.sandbox_id, step=step, exec=ex),
+            timeout=ex.timeout_s + 30))
 
     async def _sandbox(self, run: _Run) -> AsyncSandbox:
         """The rollout's sandbox: the one an earlier attempt made (found by its label), else a

@@ -221,6 +221,27 @@ def _event(line: bytes) -> ExecEvent:
     return ExecEvent.model_validate(item)
 
 
+def exec_request(cmd: str | list[str], timeout: float, env: dict[str, str] | None, cwd: str | None,
+                 stdin: str | None, session: str | None, max_output_bytes: int | None,
+                 key: str | None = None, uid: int | None = None, gid: int | None = None) -> ExecRequest:
+    """The ExecRequest of a command (a string through the shell, a list directly), refused here
+    as the server would refuse it."""
+    kw: dict[str, Any] = {"timeout_s": timeout, "env": env or {}, "cwd": cwd, "stdin": stdin, "session": session,
+                          "key": key, "uid": uid, "gid": gid}
+    if max_output_bytes is not None:
+        kw["max_output_bytes"] = max_output_bytes
+    if isinstance(cmd, str):
+        kw["cmd"] = cmd
+    else:
+        kw["argv"] = list(cmd)
+    try:
+        return ExecRequest(**kw)
+    except ValidationError as e:  # the request is refused here as the server would: a typed 400
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err.get("loc", ())) or None
+        raise InvalidRequest(f"{field}: {err['msg']}" if field else str(err["msg"]), field=field) from None
+
+
 class AsyncSandbox:
     """Handle to one sandbox. Cheap to make; holds no connection of its own."""
 
@@ -249,7 +270,7 @@ class AsyncSandbox:
         in the sandbox's command log: the same key again returns the recorded result
         (``replayed``) and runs nothing (docs/rl.md). ``uid``/``gid``: run as that user
         (default root; not with a session)."""
-        req = self._exec_req(cmd, timeout, env, cwd, stdin, session, max_output_bytes, key, uid, gid)
+        req = exec_request(cmd, timeout, env, cwd, stdin, session, max_output_bytes, key, uid, gid)
         data = await self._client._json("POST", f"{self._base}/exec", json=req.model_dump(exclude_none=True),
                                         timeout=timeout + 30)
         return ExecResult.model_validate(data)
@@ -268,7 +289,7 @@ class AsyncSandbox:
         """Yield stdout/stderr as produced, then a final ``result`` event. With ``key``, a
         recorded result comes back as its output's events and the result, and closing the
         stream does not end the command (a retry with the key waits for it)."""
-        req = self._exec_req(cmd, timeout, env, cwd, None, session, None, key, uid, gid)
+        req = exec_request(cmd, timeout, env, cwd, None, session, None, key, uid, gid)
         resp = await self._client._open("POST", f"{self._base}/exec", {
             "params": {"stream": "true"}, "json": req.model_dump(exclude_none=True),
             "timeout": aiohttp.ClientTimeout(total=timeout + 30)}, timeout + 30)
@@ -284,25 +305,6 @@ class AsyncSandbox:
                         yield _event(line)
             if buf.strip():
                 yield _event(buf)
-
-    @staticmethod
-    def _exec_req(cmd: str | list[str], timeout: float, env: dict[str, str] | None, cwd: str | None,
-                  stdin: str | None, session: str | None, max_output_bytes: int | None,
-                  key: str | None = None, uid: int | None = None, gid: int | None = None) -> ExecRequest:
-        kw: dict[str, Any] = {"timeout_s": timeout, "env": env or {}, "cwd": cwd, "stdin": stdin, "session": session,
-                              "key": key, "uid": uid, "gid": gid}
-        if max_output_bytes is not None:
-            kw["max_output_bytes"] = max_output_bytes
-        if isinstance(cmd, str):
-            kw["cmd"] = cmd
-        else:
-            kw["argv"] = list(cmd)
-        try:
-            return ExecRequest(**kw)
-        except ValidationError as e:  # the request is refused here as the server would: a typed 400
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err.get("loc", ())) or None
-            raise InvalidRequest(f"{field}: {err['msg']}" if field else str(err["msg"]), field=field) from None
 
     async def command_log(self, *, after: int = 0, limit: int = 1000) -> builtins.list[CommandRecord]:
         """The keyed commands run here, in the order they started (``seq`` past ``after``),

@@ -5,7 +5,6 @@ its own: a new trainer process resubmits the same keys and gets the same rollout
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
 
 WAIT_S = 30.0
 SETTLE_S = 10.0
+LOOK_BACK_EVERY_S = 1.0
 PAGE = 1000
 LIST_PAGE = 5000
 
@@ -86,23 +86,28 @@ class AsyncRollouts:
         ``timeout`` passes with none (None: forever). Acknowledge with :meth:`ack` once it is
         used: what was not acknowledged comes again to the next trainer process."""
         # finished_at is stamped before the commit, so one may appear a little after a later
-        # stamp was seen: each query looks back SETTLE_S, and what it yielded there is skipped
+        # stamp was seen: a look-back query (SETTLE_S behind the newest seen) runs once every
+        # LOOK_BACK_EVERY_S, what it yielded before skipped; between them a long poll for
+        # stamps past the newest answers a new finish at once (the apiserver wakes it)
         seen: dict[str, float] = {}
         newest = 0.0
         crowded = False  # the last page was full of rollouts already yielded: page on, no look-back
+        look_back_at = 0.0
         idle_since = time.monotonic()
         while timeout is None or time.monotonic() - idle_since < timeout:
-            left = WAIT_S if timeout is None else max(0.0, timeout - (time.monotonic() - idle_since))
-            since = newest if crowded else max(0.0, newest - SETTLE_S)
-            page = await self.wait(job=job, limit=PAGE, timeout=min(WAIT_S, left), since=since)
+            now = time.monotonic()
+            left = WAIT_S if timeout is None else max(0.0, timeout - (now - idle_since))
+            if crowded or now >= look_back_at:
+                look_back_at = now + LOOK_BACK_EVERY_S
+                since, wait_s = (newest if crowded else max(0.0, newest - SETTLE_S)), min(WAIT_S, left)
+            else:
+                since, wait_s = newest + 1e-6, min(look_back_at - now, left)
+            page = await self.wait(job=job, limit=PAGE, timeout=wait_s, since=since)
             batch = [r for r in page if r.id not in seen]
             crowded = len(page) >= PAGE and not batch
             if page:
                 newest = max(newest, *(r.finished_at or 0.0 for r in page))
             if not batch:
-                if timeout is not None and time.monotonic() - idle_since >= timeout:
-                    return
-                await asyncio.sleep(0.2)  # only rollouts already yielded: look again shortly
                 continue
             idle_since = time.monotonic()
             for r in batch:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from dsec.wire.jobs import check_job_name, check_labels
-from dsec.wire.models import ContainerArgs, Strict
+from dsec.wire.models import ContainerArgs, ExecRequest, Strict
 
 MAX_SUBMIT = 10_000
 MAX_STEP_BYTES = 1 << 20  # one journal step (a command's result, a completion), JSON
@@ -192,6 +192,19 @@ class StepRequest(Strict):
     worker: str
     attempt: int
     step: Step
+
+
+class ExecStepRequest(Strict):
+    """A command and its journal entry in one call (``POST /v1/rollouts/{id}/exec``): the
+    apiserver runs ``exec`` in ``sandbox_id`` and journals its result as ``step``'s response
+    before it answers, saving the worker a round trip per command. ``exec.key`` is
+    required: a retry after a lost answer gets the command log's record, never a second run."""
+
+    worker: str
+    attempt: int
+    sandbox_id: str
+    step: Step = Field(description="seq, kind, request, digest and at; its response is the command's result")
+    exec: ExecRequest
 
 
 class FinishRequest(Strict):

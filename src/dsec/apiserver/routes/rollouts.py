@@ -7,16 +7,18 @@ rollout outlives its trainer, its worker and this process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from dsec.apiserver.core import Apiserver, parse_body, parse_labels, read_body
-from dsec.errors import NotFound, PayloadTooLarge
+from dsec.errors import InvalidRequest, NotFound, PayloadTooLarge
 from dsec.iam import acting_project, current_principal, project_scope
 from dsec.rollouts.store import RolloutStore
 from dsec.wire.models import ForkRequest
@@ -28,6 +30,7 @@ from dsec.wire.rollouts import (
     AckRequest,
     Claimed,
     ClaimRequest,
+    ExecStepRequest,
     FinishRequest,
     HeartbeatRequest,
     HeartbeatResult,
@@ -50,12 +53,38 @@ MAX_STEP_BODY = 16 << 20
 log = logging.getLogger("dsec.rollouts")
 
 
+class Wakeup:
+    """Wakes whoever waits, at once; a waiter takes its ``waiter()`` before it looks, so a
+    wake between its look and its wait is not lost."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def waiter(self) -> Callable[[float], Coroutine[Any, Any, None]]:
+        event = self._event
+
+        async def wait(timeout: float) -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+        return wait
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its own."""
+    return {"content": {"application/json": {"schema": model.model_json_schema()}}, "required": True}
+
+
 def routes(api: Apiserver) -> APIRouter:
     router = APIRouter()
     store = RolloutStore(api.tokens.db)
     cleanups: set[asyncio.Task[None]] = set()
     swept: dict[str | None, float] = {}  # project scope -> when this replica last swept it
-    step_body = {"content": {"application/json": {"schema": StepRequest.model_json_schema()}}, "required": True}
+    queued = Wakeup()  # rollouts were queued here: claims waiting for work look again
+    finished = Wakeup()  # rollouts finished here: trainers waiting for them look again
 
     async def _get(rollout_id: str, steps: bool = False, spec: bool = False) -> RolloutInfo:
         # a trajectory may be long: read on a thread; the row alone in place (SQLite)
@@ -91,6 +120,8 @@ def routes(api: Apiserver) -> APIRouter:
                               if r.args is not None and r.snapshot is None}:
             await api.check_refs(image, list(layers))
         items, created = await asyncio.to_thread(store.submit, project, req.rollouts)
+        if created:
+            queued.wake()
         return SubmitResult(rollouts=items, created=created)
 
     @router.get("/v1/rollouts")
@@ -116,11 +147,13 @@ def routes(api: Apiserver) -> APIRouter:
         scope = project_scope(project)
         deadline = time.monotonic() + timeout
         while True:
+            woken = finished.waiter()
             items = await asyncio.to_thread(store.list, scope, job=job, states=FINISHED, consumed=False, limit=limit,
                                             finished_since=since)
             if items or time.monotonic() >= deadline:
                 return items
-            await asyncio.sleep(POLL_S)
+            # at once for a rollout finished on this replica; another replica's within POLL_S
+            await woken(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
     @router.post("/v1/rollouts/ack")
     async def ack(req: AckRequest, project: str | None = None) -> dict[str, int]:
@@ -146,10 +179,12 @@ def routes(api: Apiserver) -> APIRouter:
                 cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, scope, now)
                 if failed or cancelled:  # in the background: a claim answers within the worker's timeout
                     _background(_stop_sandboxes([f.id for f in failed] + cancelled))
+            woken = queued.waiter()
             got = await asyncio.to_thread(store.claim, scope, req.worker, req.n, req.lease_s, now)
             if got or req.n == 0 or time.monotonic() >= deadline:
                 return got
-            await asyncio.sleep(POLL_S * 4)
+            # at once for a submit to this replica; another replica's, or a lease run out, within POLL_S * 4
+            await woken(min(POLL_S * 4, max(0.0, deadline - time.monotonic())))
 
     @router.post("/v1/rollouts/heartbeat")
     async def heartbeat(req: HeartbeatRequest) -> HeartbeatResult:
@@ -178,32 +213,53 @@ def routes(api: Apiserver) -> APIRouter:
             await _stop_sandboxes([rollout_id])
         return info
 
+    def _checked(step: Step) -> Step:
+        if step.seq < 0 or step.seq >= MAX_STEPS:
+            raise PayloadTooLarge(f"a rollout has at most {MAX_STEPS} steps", field="step.seq")
+        if len(step.model_dump_json()) > MAX_STEP_BYTES:
+            raise PayloadTooLarge(f"a step is at most {MAX_STEP_BYTES} bytes of JSON", field="step")
+        return step
+
+    async def _journal(rollout_id: str, worker: str, attempt: int, step: Step) -> Response:
+        stored = await store.run(store.add_step, rollout_id, worker, attempt, _checked(step),
+                                 current_principal.get().covers)
+        return Response(stored.model_dump_json(), media_type="application/json")
+
+    # a step per command or model call of every rollout: these bodies are parsed by
+    # pydantic-core directly, and the lookup, the check and the write are one transaction
     @router.post("/v1/rollouts/{rollout_id}/steps", response_model=Step,
-                 openapi_extra={"requestBody": step_body})
+                 openapi_extra={"requestBody": _body(StepRequest)})
     async def add_step(rollout_id: str, request: Request) -> Response:
         """Journal one step (the worker's); the step already at that seq, if any, is answered."""
-        # a step per command or model call of every rollout: the body is parsed by
-        # pydantic-core directly, and the lookup, the check and the write are one transaction
         req = parse_body(StepRequest, await read_body(request, MAX_STEP_BODY, "body"))
-        if req.step.seq < 0 or req.step.seq >= MAX_STEPS:
-            raise PayloadTooLarge(f"a rollout has at most {MAX_STEPS} steps", field="step.seq")
-        if len(req.step.model_dump_json()) > MAX_STEP_BYTES:
-            raise PayloadTooLarge(f"a step is at most {MAX_STEP_BYTES} bytes of JSON", field="step")
-        step = await store.run(store.add_step, rollout_id, req.worker, req.attempt, req.step,
-                                       current_principal.get().covers)
-        return Response(step.model_dump_json(), media_type="application/json")
+        return await _journal(rollout_id, req.worker, req.attempt, req.step)
+
+    @router.post("/v1/rollouts/{rollout_id}/exec", response_model=Step,
+                 openapi_extra={"requestBody": _body(ExecStepRequest)})
+    async def exec_step(rollout_id: str, request: Request) -> Response:
+        """Run a keyed command in the rollout's sandbox and journal its result as the step's
+        response, in one call; answers the step journaled (the first write wins)."""
+        req = parse_body(ExecStepRequest, await read_body(request, MAX_STEP_BODY, "body"))
+        if req.exec.key is None:
+            raise InvalidRequest("exec.key: a journaled command carries its command-log key", field="exec.key")
+        _checked(req.step)  # refused before anything runs
+        edge = await api.in_reach(req.sandbox_id)
+        res = await edge.exec(req.sandbox_id, req.exec)
+        step = req.step.model_copy(update={"response": res.model_dump(mode="json")})
+        return await _journal(rollout_id, req.worker, req.attempt, step)
 
     @router.post("/v1/rollouts/{rollout_id}/sandbox")
     async def set_sandbox(rollout_id: str, req: SandboxRecord) -> dict[str, str]:
         """The sandbox the worker made for it (shown in its info)."""
-        await _get(rollout_id)
-        await store.run(store.set_sandbox, rollout_id, req.worker, req.attempt, req.sandbox_id)
+        await store.run(store.set_sandbox, rollout_id, req.worker, req.attempt, req.sandbox_id,
+                        current_principal.get().covers)
         return {"sandbox_id": req.sandbox_id}
 
     @router.post("/v1/rollouts/{rollout_id}/finish")
     async def finish(rollout_id: str, req: FinishRequest) -> RolloutInfo:
         """The worker's outcome (409 ``rollout_lost`` if it no longer holds the rollout)."""
-        await _get(rollout_id)
-        return await store.run(store.finish, rollout_id, req)
+        info = await store.run(store.finish, rollout_id, req, current_principal.get().covers)
+        (finished if info.state in FINISHED else queued).wake()
+        return info
     return router
 
