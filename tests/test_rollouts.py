@@ -284,6 +284,53 @@ def test_a_lost_lease_fences_the_old_worker(client: dsec.Client, platform: Platf
     assert done.status_code == 200 and done.json()["reward"] == 0.5 and done.json()["n_steps"] == 1
 
 
+def test_a_journaled_command_is_one_call(client: dsec.Client, platform: Platform) -> None:
+    """POST /v1/rollouts/{id}/exec (what the worker sends for each command): the command runs
+    keyed in the sandbox and its result is the journal's step, in one call; the same seq
+    again answers the first write and runs nothing; a call without a key, from a worker that
+    does not hold the rollout, or naming another project's sandbox runs nothing."""
+    token = client.create_token(f"ro-jx-{uuid.uuid4().hex[:6]}", "runner").token
+    h = {"Authorization": f"Bearer {token}"}
+    url = f"{platform.url}/v1/rollouts"
+    c = dsec.Client(url=platform.url, token=token)
+    rid = c.rollouts.submit([dsec.RolloutSpec(agent="m:f")])[0].id
+    sb = c.run_container(BUSYBOX)
+    theirs = client.run_container(BUSYBOX)  # the admin's default project: not the runner's
+    try:
+        (got,) = httpx.post(f"{url}/claim", headers=h, json={"worker": "wa", "n": 10, "lease_s": 60}).json()
+        assert got["rollout"]["id"] == rid
+        cmd = "echo x >> /tmp/runs; wc -l < /tmp/runs"
+        step = {"seq": 0, "kind": "shell", "request": {"cmd": cmd}, "digest": "d0"}
+        ex = {"cmd": cmd, "session": "default", "key": f"dsec.rollout/{rid}/0"}
+        body = {"worker": "wa", "attempt": 1, "sandbox_id": sb.sandbox_id, "step": step, "exec": ex}
+        first = httpx.post(f"{url}/{rid}/exec", headers=h, json=body)
+        assert first.status_code == 200, first.text
+        assert first.json()["seq"] == 0 and first.json()["response"]["stdout"].strip() == "1"
+        again = httpx.post(f"{url}/{rid}/exec", headers=h, json=body)  # a retry after a lost answer
+        assert again.json() == first.json()
+        assert sb.exec("wc -l < /tmp/runs").stdout.strip() == "1"  # it ran once
+        assert [s.response["stdout"].strip() for s in client.rollouts.get(rid, steps=True).steps or []] == ["1"]
+        assert [r.key for r in sb.command_log()] == [f"dsec.rollout/{rid}/0"]
+
+        def refused(change: dict[str, object]) -> httpx.Response:
+            return httpx.post(f"{url}/{rid}/exec", headers=h, json={**body, "step": {**step, "seq": 1},
+                                                                        "exec": {**ex, "key": "k1"}, **change})
+        r = refused({"exec": {"cmd": "touch /tmp/nokey", "session": "default"}})
+        assert r.status_code == 400 and r.json()["field"] == "exec.key"
+        r = refused({"worker": "wb"})
+        assert r.status_code == 409 and r.json()["error"] == "rollout_lost"
+        r = refused({"sandbox_id": theirs.sandbox_id, "exec": {"cmd": "touch /tmp/pwned", "key": "k2"}})
+        assert r.status_code == 404 and r.json()["field"] == "sandbox_id"
+        assert theirs.exec("ls /tmp/pwned").exit_code != 0
+        assert sb.exec("ls /tmp/nokey").exit_code != 0
+        assert client.rollouts.get(rid).n_steps == 1
+    finally:
+        sb.stop()
+        theirs.stop()
+        client.rollouts.cancel(rid)
+        c.close()
+
+
 def test_paused_job_holds_its_rollouts(client: dsec.Client, workers: Workers) -> None:
     """Pausing the job pauses its sandboxes and the workers take no new step of its rollouts
     (nothing resumes the sandboxes behind the pause); resuming lets them finish."""

@@ -82,6 +82,7 @@ _STEP_HELD = (update(rollouts).where(_r.id == bindparam("rid"), _r.state == "run
                                      _r.attempts == bindparam("att", type_=Integer))
               .values(n_steps=case((_r.n_steps <= _seq, _seq + 1), else_=_r.n_steps))
               .returning(_r.project))
+_HOLDER = select(_r.project, _r.state, _r.worker, _r.attempts).where(_r.id == bindparam("rid"))
 _STEP_AT = select(rollout_steps).where(_s.rollout_id == bindparam("rid"), _s.seq == _seq)
 
 
@@ -352,6 +353,17 @@ class RolloutStore:
             raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
                               f"{r['state']}, attempt {r['attempts']}, worker {r['worker']}", field="worker")
         return r
+
+    def check_held(self, rollout_id: str, worker: str, attempt: int, covers: Callable[[str], bool]) -> None:
+        """NotFound or RolloutLost unless ``worker`` holds this attempt now (a read: the
+        write that follows checks again)."""
+        with self.db.connect() as c:
+            r = c.execute(_HOLDER, {"rid": rollout_id}).first()
+        if r is None or not covers(r[0]):
+            raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
+        if (r[1], r[2], r[3]) != ("running", worker, attempt):
+            raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
+                              f"{r[1]}, attempt {r[3]}, worker {r[2]}", field="worker")
 
     def add_step(self, rollout_id: str, worker: str, attempt: int, step: Step,
                  covers: Callable[[str], bool] = lambda _p: True) -> Step:

@@ -242,7 +242,10 @@ def routes(api: Apiserver) -> APIRouter:
         req = parse_body(ExecStepRequest, await read_body(request, MAX_STEP_BODY, "body"))
         if req.exec.key is None:
             raise InvalidRequest("exec.key: a journaled command carries its command-log key", field="exec.key")
-        _checked(req.step)  # refused before anything runs
+        # refused before anything runs: a bad step, a rollout this worker no longer holds, a
+        # sandbox the caller cannot reach (the journal write checks the holder again)
+        _checked(req.step)
+        await store.run(store.check_held, rollout_id, req.worker, req.attempt, current_principal.get().covers)
         edge = await api.in_reach(req.sandbox_id)
         res = await edge.exec(req.sandbox_id, req.exec)
         step = req.step.model_copy(update={"response": res.model_dump(mode="json")})
