@@ -10,7 +10,12 @@ PostgreSQL, a MooseFS store; every hop is real, every machine is this one).
    rate is CPU bound, so these costs are what predicts it elsewhere (bench/cluster_model.py
    takes them as inputs).
 
+3. ``--steps`` (a run of its own, tracing on): where a create's time goes outside the edge,
+   step by step, read from the spans the replica and the edge daemon export (the hot path's
+   receiver, bench/hotpath.py), beside the embedded platform's same steps.
+
     .venv/bin/python bench/cluster.py --write docs/benchmarks.md
+    .venv/bin/python bench/cluster.py --steps [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import httpx  # noqa: E402
-from container import private_server, report  # noqa: E402
+from aiohttp import web  # noqa: E402
+from container import pct, private_server, report  # noqa: E402
+from hotpath import Spans  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from remote_edge import _create_first_exec, _exec_rtts  # noqa: E402
 
 import dsec  # noqa: E402
@@ -177,6 +185,86 @@ def render(h: Samples, rates: list[dict[str, Any]], a: argparse.Namespace) -> st
     return "\n".join(lines)
 
 
+class ServiceSpans(Spans):
+    """Spans by service and name ("dsec-apiserver:quota.admit"): the embedded platform, the
+    replica and the edge daemon export to the same receiver."""
+
+    async def receive(self, request: web.Request) -> web.Response:
+        req = ExportTraceServiceRequest()
+        req.ParseFromString(await request.read())
+        for rs in req.resource_spans:
+            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "?")
+            for ss in rs.scope_spans:
+                for sp in ss.spans:
+                    self.ms[f"{service}:{sp.name}"].append((sp.end_time_unix_nano - sp.start_time_unix_nano) / 1e6)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+
+# (label, the embedded platform's span, the replica's or edge daemon's span)
+STEPS = [
+    ("POST /v1/sandboxes (the apiserver's whole answer)", "dsec-serve:POST /v1/sandboxes",
+     "dsec-apiserver:POST /v1/sandboxes"),
+    ("quota.admit (SQLite / PostgreSQL)", "dsec-serve:quota.admit", "dsec-apiserver:quota.admit"),
+    ("placement.choose", "dsec-serve:placement.choose", "dsec-apiserver:placement.choose"),
+    ("edge.create, as the apiserver sees it (in process / RPC)", "dsec-serve:edge.create",
+     "dsec-apiserver:edge.create"),
+    ("the edge's own create", "dsec-serve:edge.create", "dsec-edge:edge.call create"),
+    ("quota.bind", "dsec-serve:quota.bind", "dsec-apiserver:quota.bind"),
+    ("index.put (the cluster's sandbox index)", "-", "dsec-apiserver:index.put"),
+]
+
+
+async def steps(a: argparse.Namespace) -> str:
+    """n creates (and stops) on each platform, sequential, tracing on; the steps' p50."""
+    spans = ServiceSpans()
+    runner, endpoint = await spans.start()
+    saved = dict(os.environ)
+    os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    root = tempfile.mkdtemp(prefix="dsec-bench-cluster-")
+    local = LocalCluster(root, ("b1",), os.path.join(a.data_dir, "layers"), {"base/busybox:latest"}, apiservers=1)
+    emb_proc, emb_url, emb_token, emb_dir = private_server(a.data_dir)
+    try:
+        up = local.start()
+        os.environ.clear()  # the bench's own client traces nothing
+        os.environ.update(saved)
+        for url, token, services in ((emb_url, emb_token, ("dsec-serve:",)),
+                                     (up.apiservers[0], up.token, ("dsec-apiserver:", "dsec-edge:"))):
+            async with dsec.AsyncClient(url=url, token=token) as c:
+                for i in range(a.creates * a.rounds + 3):
+                    sb = await c.run_container(dsec.ContainerArgs(image="base/busybox"))
+                    await sb.stop()
+                    if i == 2:  # the first creates warm caches: their spans are dropped
+                        await asyncio.sleep(1.0)
+                        for k in [k for k in spans.ms if k.startswith(services)]:
+                            del spans.ms[k]
+        await asyncio.sleep(1.0)  # the last batch of spans
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        emb_proc.send_signal(signal.SIGTERM)
+        emb_proc.wait(timeout=60)
+        local.stop()
+        await runner.cleanup()
+        shutil.rmtree(emb_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+    def p50(key: str) -> float:
+        xs = spans.ms.get(key) or []
+        return pct(xs, 50) if xs else float("nan")
+    n = len(spans.ms.get("dsec-serve:POST /v1/sandboxes", []))
+    out = [f"{n} sequential creates (busybox) on each, tracing on, p50 of each span; one edge on its own Ray node, "
+           f"one replica, PostgreSQL; {os.cpu_count()} cores.", "",
+           "| step | embedded (`dsec serve`) ms | cluster ms |", "|---|---:|---:|"]
+    for label, emb, clu in STEPS:
+        out.append(f"| {label} | {'-' if emb == '-' else f'{p50(emb):.2f}'} | {p50(clu):.2f} |")
+    emb_out = p50("dsec-serve:POST /v1/sandboxes") - p50("dsec-serve:edge.create")
+    clu_out = p50("dsec-apiserver:POST /v1/sandboxes") - p50("dsec-edge:edge.call create")
+    rpc = p50("dsec-apiserver:edge.create") - p50("dsec-edge:edge.call create")
+    out.append(f"| **outside the edge** (the answer less the edge's own create) | {emb_out:.2f} | {clu_out:.2f} |")
+    out.append(f"| of which the RPC to the edge daemon | - | {rpc:.2f} |")
+    return "\n".join(out)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -186,7 +274,12 @@ async def main() -> None:
     ap.add_argument("--conc", type=int, default=8)
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
     ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
+    ap.add_argument("--steps", action="store_true", help="only the per-step cost of a create outside the edge")
     a = ap.parse_args()
+    if a.steps:
+        report(await steps(a), a.write, "cluster.py --steps", "cluster-steps",
+               "Cluster: a create's steps outside the edge (`bench/cluster.py --steps`)")
+        return
     root = tempfile.mkdtemp(prefix="dsec-bench-cluster-")
     local = LocalCluster(root, ("b1", "b2"), os.path.join(a.data_dir, "layers"), {"base/busybox:latest"},
                          apiservers=1)

@@ -203,7 +203,8 @@ class Apiserver:
             await self.quotas.run(self.quotas.bind, hold, info.sandbox_id)
         if self.index is not None:
             try:
-                await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
+                with tracing.span("index.put", sandbox_id=info.sandbox_id):
+                    await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
             except Exception as e:  # the sandbox exists: it only goes unreported should its node be lost
                 log.warning("sandbox %s not indexed: %s", info.sandbox_id, e)
         return info
