@@ -116,3 +116,38 @@ async def test_creates_that_returned_survive_a_sigkill_with_exact_quotas(durable
         await asyncio.gather(*(sb.stop() for sb in made))
         usage = (await c.projects.get("default")).usage
         assert (usage.sandboxes, usage.starting, usage.memory_mb) == (0, 0, 0)
+
+
+def _freezer_state(sandbox_id: str) -> str | None:
+    """The sandbox's freezer as the kernel reports it ("FROZEN", "THAWED"; v2: "1", "0")."""
+    v2 = cgroup_mode() == "v2"
+    for root, dirs, _ in os.walk("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/freezer"):
+        if sandbox_id in dirs:
+            d = os.path.join(root, sandbox_id)
+            if v2:
+                with open(os.path.join(d, "cgroup.events")) as f:
+                    return next(line.split()[1] for line in f if line.startswith("frozen "))
+            with open(os.path.join(d, "freezer.state")) as f:
+                return f.read().strip()
+    return None
+
+
+async def test_pause_freezes_through_the_cgroup_and_resume_thaws(durable: Platform) -> None:
+    """Pause freezes the sandbox's cgroup itself (no ``crun pause``): the kernel reports it
+    frozen before pause answers; resume thaws it and a process that was running goes on;
+    a paused sandbox stops cleanly (its cgroup is gone)."""
+    async with dsec.AsyncClient(url=durable.url, token=TOKEN) as c:
+        sb = await c.run_container(dsec.ContainerArgs(image="base/busybox"))
+        await sb.run_shell("(i=0; while true; do i=$((i+1)); echo $i > /tmp/t; mv /tmp/t /tmp/tick; usleep 20000; "
+                           "done) >/dev/null 2>&1 &")  # a session's background job outlives the command
+        await asyncio.sleep(0.2)
+        info = await sb.pause()
+        assert info.state == "paused" and _freezer_state(sb.sandbox_id) in ("FROZEN", "1")
+        info = await sb.resume()
+        assert info.state == "running" and _freezer_state(sb.sandbox_id) in ("THAWED", "0")
+        first = int((await sb.exec("cat /tmp/tick")).stdout)
+        await asyncio.sleep(0.3)
+        assert int((await sb.exec("cat /tmp/tick")).stdout) > first  # the loop runs again
+        await sb.pause()
+        await sb.stop()
+        assert _freezer_state(sb.sandbox_id) is None

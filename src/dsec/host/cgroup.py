@@ -155,6 +155,23 @@ class Cgroup:
         path, on, off = self._freezer()
         _write(path, on if frozen else off)
 
+    def freeze_all(self, timeout: float) -> bool:
+        """Freeze every task and wait until the kernel says all are frozen (v1 reads FREEZING
+        while tasks are still on their way); False if that takes past ``timeout``. What
+        ``crun pause`` does, without its fork and exec (~5 ms a pause here)."""
+        path, on, _ = self._freezer()
+        _write(path, on)
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            state = _read(os.path.join(ROOT, self.rel, "cgroup.events")) if self.v2 else _read(path)
+            if ("frozen 1" in state) if self.v2 else state == on:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
     def frozen(self) -> bool:
         path, on, _ = self._freezer()
         if self.v2:

@@ -255,12 +255,6 @@ class CrunRuntime:
         rc, out = await self._run("list", "-q", check=False)
         return out.split() if rc == 0 else []
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self._run("pause", sandbox_id)
-
-    async def resume(self, sandbox_id: str) -> None:
-        await self._run("resume", sandbox_id)
-
     async def kill(self, sandbox_id: str, sig: str = "KILL") -> None:
         await self._run("kill", sandbox_id, sig, check=False)
 

@@ -16,7 +16,7 @@ from dsec import tracing
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.edge import memory
-from dsec.errors import DsecError, InvalidRequest, SandboxError
+from dsec.errors import DsecError, InvalidRequest, SandboxBusy, SandboxError
 from dsec.faults import failpoint
 from dsec.host import linux
 from dsec.host.cgroup import Cgroup
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dsec.edge.volume import SandboxVolume
 
 KILL_TIMEOUT_S = 10.0  # SIGKILL through the cgroup for at most this long
+FREEZE_TIMEOUT_S = 10.0  # a task in uninterruptible sleep (I/O) delays freezing: this long at most
 
 
 class ContainerSandboxes:
@@ -146,13 +147,18 @@ class ContainerSandboxes:
         return f"{procs} processes in its cgroup, {memory.oom_kills(cg)} OOM kills"
 
     async def freeze(self, sb: Sandbox) -> None:
-        await self.runtime.pause(sb.id)
+        """Every task frozen through the cgroup's freezer, as ``crun pause`` would do it
+        (without its fork and exec); SandboxBusy, thawed again, if a task will not freeze."""
+        if not await asyncio.to_thread(Cgroup(self.cgroup_path(sb.id)).freeze_all, FREEZE_TIMEOUT_S):
+            await self.thaw(sb)
+            raise SandboxBusy(f"sandbox {sb.id}: its tasks did not all freeze within {FREEZE_TIMEOUT_S:g} s "
+                              "(one is stuck in the kernel, say on I/O); it was left running")
 
     async def thaw(self, sb: Sandbox) -> None:
-        await self.runtime.resume(sb.id)
+        await asyncio.to_thread(Cgroup(self.cgroup_path(sb.id)).freeze, False)
 
     async def pause(self, sb: Sandbox) -> str:
-        await self.runtime.pause(sb.id)  # frozen first: nothing touches the memory we push out
+        await self.freeze(sb)  # frozen first: nothing touches the memory pushed out next
         await failpoint("pause.frozen")
         await asyncio.to_thread(memory.page_out, self.cgroup_path(sb.id))
         await failpoint("pause.paged")
@@ -161,7 +167,7 @@ class ContainerSandboxes:
     async def resume(self, sb: Sandbox) -> str:
         # swap-in starts (asynchronously) before the processes run and fault it in one page at a time
         await asyncio.to_thread(memory.prefetch, self.cgroup_path(sb.id))
-        await self.runtime.resume(sb.id)
+        await self.thaw(sb)
         await failpoint("resume.thawed")
         if sb.agent is None:  # paused across an edge restart: bound now that init answers
             await self.attach(sb)
@@ -210,7 +216,7 @@ class ContainerSandboxes:
                 return False
             # killed mid-resume: thawed already, so it runs
         elif cg.frozen():  # killed mid-pause or mid-pack_diff: the record says running
-            await self.runtime.resume(sb.id)
+            await self.thaw(sb)
         await self.attach(sb)
         return True
 
