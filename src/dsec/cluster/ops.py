@@ -5,6 +5,7 @@ replica answers, and take it all down again."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -83,7 +84,8 @@ def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_T
         nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(cfg.resource, 0) >= 1]
         serving = [e["name"] for e in st["edges"] if e["state"] == "active" and e["healthy"]]
         urls = [st["apiservers"][k] for k in sorted(st["apiservers"])]
-        if len(serving) >= len(nodes) and len(urls) >= cfg.apiservers and all(_answers(u) for u in urls):
+        if len(serving) >= len(nodes) and len(urls) >= cfg.apiservers and all(_sees(u, token, serving)
+                                                                                for u in urls):
             return UpResult(apiservers=urls, edges=sorted(serving), token=token, db=db)
         if time.monotonic() > deadline:
             failing = "; ".join(f"{what} fails to start ({f['tries']} tries so far): {_last_line(f['error'])}"
@@ -100,15 +102,19 @@ def _last_line(error: str) -> str:
     return lines[-1][:300] if lines else error[:300]
 
 
-def _answers(url: str) -> bool:
+def _sees(url: str, token: str, edges: list[str]) -> bool:
+    """The replica at ``url`` answers and its own fleet view has every one of ``edges``
+    healthy: until then its first creates would all go to the edges it already sees."""
     import urllib.error
     import urllib.request
 
+    req = urllib.request.Request(f"{url}/v1/nodes", headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
+        with urllib.request.urlopen(req, timeout=2) as r:
+            seen = {n["edge"] for n in json.loads(r.read()) if n.get("healthy")}
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
         return False
+    return set(edges) <= seen
 
 
 def _controller() -> Any:
