@@ -323,7 +323,22 @@ def test_a_journaled_command_is_one_call(client: dsec.Client, platform: Platform
         assert r.status_code == 404 and r.json()["field"] == "sandbox_id"
         assert theirs.exec("ls /tmp/pwned").exit_code != 0
         assert sb.exec("ls /tmp/nokey").exit_code != 0
-        assert client.rollouts.get(rid).n_steps == 1
+        r = refused({"exec": {**ex, "key": "k3", "max_output_bytes": 1 << 20}})  # could not fit its step
+        assert r.status_code == 400 and r.json()["field"] == "exec.max_output_bytes"
+        # another project's token, naming this rollout's worker and attempt (both guessable),
+        # sees no such rollout anywhere on the worker's side, and changes nothing
+        other = {"Authorization": f"Bearer {client.create_token(f'ro-jx-b-{uuid.uuid4().hex[:6]}', 'runner').token}"}
+        for path, payload in (
+                ("exec", {**body, "step": {**step, "seq": 1}, "exec": {**ex, "cmd": "touch /tmp/b", "key": "kb"}}),
+                ("steps", {"worker": "wa", "attempt": 1, "step": {**step, "seq": 1, "response": "forged"}}),
+                ("sandbox", {"worker": "wa", "attempt": 1, "sandbox_id": sb.sandbox_id}),
+                ("finish", {"worker": "wa", "attempt": 1, "state": "done", "reward": 99.0})):
+            r = httpx.post(f"{url}/{rid}/{path}", headers=other, json=payload)
+            assert r.status_code == 404 and r.json()["field"] in ("rollout_id", "sandbox_id"), (path, r.text)
+        assert sb.exec("ls /tmp/b").exit_code != 0
+        after = client.rollouts.get(rid, steps=True)
+        assert after.n_steps == 1 and after.state == "running" and after.reward is None
+        assert [s.response["stdout"].strip() for s in after.steps or []] == ["1"]
     finally:
         sb.stop()
         theirs.stop()

@@ -25,12 +25,11 @@ import aiohttp
 from dsec.errors import DsecError, InferenceRefused, SandboxError
 from dsec.sdk.client import AsyncClient, AsyncSandbox, exec_request
 from dsec.wire.models import ExecRequest, ExecResult
-from dsec.wire.rollouts import Inference, Step, StepKind
+from dsec.wire.rollouts import MAX_JOURNALED_OUTPUT, Inference, Step, StepKind
 
 RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
-# a journaled command's output kept per stream: the whole step must fit the journal's 1 MiB of
-# JSON even if every byte is a control character (escaped as six); more is cut and flagged
-JOURNAL_OUTPUT_BYTES = 64 * 1024
+# a journaled command's output kept per stream (more is cut and flagged): the platform's bound
+JOURNAL_OUTPUT_BYTES = MAX_JOURNALED_OUTPUT
 
 
 class JournalMismatch(DsecError):

@@ -20,6 +20,9 @@ from dsec.wire.models import ContainerArgs, ExecRequest, Strict
 
 MAX_SUBMIT = 10_000
 MAX_STEP_BYTES = 1 << 20  # one journal step (a command's result, a completion), JSON
+# a journaled command's output per stream: two streams of it, every byte a control character
+# escaped as six, fit a step with room for its request
+MAX_JOURNALED_OUTPUT = 64 << 10
 MAX_STEPS = 10_000  # steps per rollout
 ROLLOUT_LABEL = "dsec.rollout"  # on the sandbox a worker made for a rollout: its id
 RolloutState = Literal["queued", "running", "done", "failed", "cancelled"]

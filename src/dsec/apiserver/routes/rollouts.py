@@ -24,6 +24,7 @@ from dsec.rollouts.store import RolloutStore
 from dsec.wire.models import ForkRequest
 from dsec.wire.rollouts import (
     FINISHED,
+    MAX_JOURNALED_OUTPUT,
     MAX_STEP_BYTES,
     MAX_STEPS,
     ROLLOUT_LABEL,
@@ -45,6 +46,7 @@ from dsec.wire.rollouts import (
 )
 
 POLL_S = 0.25
+HEARTBEAT_IN_PLACE = 512  # leases renewed in place on SQLite at most (more: on a thread)
 SWEEP_S = 1.0
 MAX_WAIT_S = 60.0
 # a step request's body, as RequestLimits caps /v1/rollouts: the step's own size is checked
@@ -119,7 +121,7 @@ def routes(api: Apiserver) -> APIRouter:
         for image, layers in {(r.args.image, tuple(r.args.layers)) for r in req.rollouts
                               if r.args is not None and r.snapshot is None}:
             await api.check_refs(image, list(layers))
-        items, created = await asyncio.to_thread(store.submit, project, req.rollouts)
+        items, created = await store.on_thread(store.submit, project, req.rollouts)
         if created:
             queued.wake()
         return SubmitResult(rollouts=items, created=created)
@@ -158,7 +160,7 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/rollouts/ack")
     async def ack(req: AckRequest, project: str | None = None) -> dict[str, int]:
         """Finished rollouts marked consumed: ``wait`` no longer answers them."""
-        return {"acked": await asyncio.to_thread(store.ack, project_scope(project), req.ids)}
+        return {"acked": await store.on_thread(store.ack, project_scope(project), req.ids)}
 
     @router.post("/v1/rollouts/claim")
     async def claim(req: ClaimRequest, request: Request, project: str | None = None) -> list[Claimed]:
@@ -175,12 +177,12 @@ def routes(api: Apiserver) -> APIRouter:
             # and replica, however many workers poll
             if now - swept.get(scope, 0.0) >= SWEEP_S:
                 swept[scope] = now
-                failed = await asyncio.to_thread(store.expire, scope, now)
-                cancelled = await asyncio.to_thread(store.cancel_stopped_jobs, scope, now)
+                failed = await store.on_thread(store.expire, scope, now)
+                cancelled = await store.on_thread(store.cancel_stopped_jobs, scope, now)
                 if failed or cancelled:  # in the background: a claim answers within the worker's timeout
                     _background(_stop_sandboxes([f.id for f in failed] + cancelled))
             woken = queued.waiter()
-            got = await asyncio.to_thread(store.claim, scope, req.worker, req.n, req.lease_s, now)
+            got = await store.on_thread(store.claim, scope, req.worker, req.n, req.lease_s, now)
             if got or req.n == 0 or time.monotonic() >= deadline:
                 return got
             # at once for a submit to this replica; another replica's, or a lease run out, within POLL_S * 4
@@ -190,7 +192,9 @@ def routes(api: Apiserver) -> APIRouter:
     async def heartbeat(req: HeartbeatRequest) -> HeartbeatResult:
         """Renews the leases this worker still holds; says which it lost and which must hold
         (their job is paused)."""
-        return HeartbeatResult(rollouts=await store.run(
+        # a worker's usual few hundred leases in place; a long list (up to 10,000) on a thread
+        run = store.run if len(req.ids) <= HEARTBEAT_IN_PLACE else store.on_thread
+        return HeartbeatResult(rollouts=await run(
             store.heartbeat, project_scope(None), req.worker, req.ids, req.lease_s, time.time()))
 
     @router.get("/v1/rollouts/{rollout_id}")
@@ -207,7 +211,7 @@ def routes(api: Apiserver) -> APIRouter:
     async def cancel(rollout_id: str) -> RolloutInfo:
         """A queued or running rollout is cancelled and its sandbox stopped; a finished one stays as it is."""
         await _get(rollout_id)
-        info = await asyncio.to_thread(store.cancel, rollout_id, "cancelled")
+        info = await store.on_thread(store.cancel, rollout_id, "cancelled")
         assert info is not None
         if info.state == "cancelled":
             await _stop_sandboxes([rollout_id])
@@ -242,6 +246,12 @@ def routes(api: Apiserver) -> APIRouter:
         req = parse_body(ExecStepRequest, await read_body(request, MAX_STEP_BODY, "body"))
         if req.exec.key is None:
             raise InvalidRequest("exec.key: a journaled command carries its command-log key", field="exec.key")
+        # its output must fit its step, or it could run and then not be journaled
+        if "max_output_bytes" not in req.exec.model_fields_set:
+            req.exec.max_output_bytes = MAX_JOURNALED_OUTPUT
+        elif req.exec.max_output_bytes > MAX_JOURNALED_OUTPUT:
+            raise InvalidRequest(f"exec.max_output_bytes: at most {MAX_JOURNALED_OUTPUT} for a journaled command "
+                                 f"(a step is at most {MAX_STEP_BYTES} bytes of JSON)", field="exec.max_output_bytes")
         # refused before anything runs: a bad step, a rollout this worker no longer holds, a
         # sandbox the caller cannot reach (the journal write checks the holder again)
         _checked(req.step)
