@@ -37,10 +37,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import httpx  # noqa: E402
-from aiohttp import web  # noqa: E402
 from container import pct, private_server, report  # noqa: E402
 from hotpath import Spans  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from remote_edge import _create_first_exec, _exec_rtts  # noqa: E402
 
 import dsec  # noqa: E402
@@ -185,21 +183,6 @@ def render(h: Samples, rates: list[dict[str, Any]], a: argparse.Namespace) -> st
     return "\n".join(lines)
 
 
-class ServiceSpans(Spans):
-    """Spans by service and name ("dsec-apiserver:quota.admit"): the embedded platform, the
-    replica and the edge daemon export to the same receiver."""
-
-    async def receive(self, request: web.Request) -> web.Response:
-        req = ExportTraceServiceRequest()
-        req.ParseFromString(await request.read())
-        for rs in req.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "?")
-            for ss in rs.scope_spans:
-                for sp in ss.spans:
-                    self.ms[f"{service}:{sp.name}"].append((sp.end_time_unix_nano - sp.start_time_unix_nano) / 1e6)
-        return web.Response(body=b"", content_type="application/x-protobuf")
-
-
 # (label, the embedded platform's span, the replica's or edge daemon's span)
 STEPS = [
     ("POST /v1/sandboxes (the apiserver's whole answer)", "dsec-serve:POST /v1/sandboxes",
@@ -216,7 +199,7 @@ STEPS = [
 
 async def steps(a: argparse.Namespace) -> str:
     """n creates (and stops) on each platform, sequential, tracing on; the steps' p50."""
-    spans = ServiceSpans()
+    spans = Spans(by_service=True)  # the embedded platform, the replica and the edge daemon
     runner, endpoint = await spans.start()
     saved = dict(os.environ)
     os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"})

@@ -65,10 +65,12 @@ BUDGET: list[tuple[str, float]] = [
 
 
 class Spans(Sink):
-    """An OTLP/HTTP endpoint that keeps every span's name and duration."""
+    """An OTLP/HTTP endpoint that keeps every span's duration by its name, or with
+    ``by_service`` by "service:name" (several processes exporting to one receiver)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_service: bool = False) -> None:
         super().__init__()
+        self.by_service = by_service
         self.ms: dict[str, list[float]] = collections.defaultdict(list)
         self.before: dict[str, list[float]] | None = None
 
@@ -76,9 +78,13 @@ class Spans(Sink):
         req = ExportTraceServiceRequest()
         req.ParseFromString(await request.read())
         for rs in req.resource_spans:
+            prefix = ""
+            if self.by_service:
+                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "?")
+                prefix = service + ":"
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    self.ms[s.name].append((s.end_time_unix_nano - s.start_time_unix_nano) / 1e6)
+                    self.ms[prefix + s.name].append((s.end_time_unix_nano - s.start_time_unix_nano) / 1e6)
         return web.Response(body=b"", content_type="application/x-protobuf")
 
     def clear(self) -> None:

@@ -88,6 +88,18 @@ _HOLDER = select(_r.project, _r.state, _r.worker, _r.attempts).where(_r.id == bi
 _STEP_AT = select(rollout_steps).where(_s.rollout_id == bindparam("rid"), _s.seq == _seq)
 
 
+def _refuse(rollout_id: str, worker: str, attempt: int, r: Mapping[Any, Any] | None,
+            covers: Callable[[str], bool], held: bool) -> None:
+    """NotFound for no such rollout (or one the caller may not see), RolloutLost when
+    ``worker`` does not hold this attempt of it (``r``: its row, or at least its project,
+    state, worker and attempts)."""
+    if r is None or not covers(r["project"]):
+        raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
+    if not held:
+        raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
+                          f"{r['state']}, attempt {r['attempts']}, worker {r['worker']}", field="worker")
+
+
 class RolloutStore:
     def __init__(self, db: Engine) -> None:
         self.db = db
@@ -363,23 +375,17 @@ class RolloutStore:
                                                 rollouts.c.worker == worker, rollouts.c.attempts == attempt)
                          .values(worker=worker)).rowcount
         r = c.execute(select(rollouts).where(rollouts.c.id == rollout_id)).mappings().first()
-        if r is None or not covers(r["project"]):
-            raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
-        if not held:
-            raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
-                              f"{r['state']}, attempt {r['attempts']}, worker {r['worker']}", field="worker")
+        _refuse(rollout_id, worker, attempt, r, covers, held=bool(held))
+        assert r is not None
         return r
 
     def check_held(self, rollout_id: str, worker: str, attempt: int, covers: Callable[[str], bool]) -> None:
         """NotFound or RolloutLost unless ``worker`` holds this attempt now (a read: the
         write that follows checks again)."""
         with self.db.connect() as c:
-            r = c.execute(_HOLDER, {"rid": rollout_id}).first()
-        if r is None or not covers(r[0]):
-            raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
-        if (r[1], r[2], r[3]) != ("running", worker, attempt):
-            raise RolloutLost(f"rollout {rollout_id} is no longer held by {worker} (attempt {attempt}): it is "
-                              f"{r[1]}, attempt {r[3]}, worker {r[2]}", field="worker")
+            r = c.execute(_HOLDER, {"rid": rollout_id}).mappings().first()
+        held = r is not None and (r["state"], r["worker"], r["attempts"]) == ("running", worker, attempt)
+        _refuse(rollout_id, worker, attempt, r, covers, held)
 
     def add_step(self, rollout_id: str, worker: str, attempt: int, step: Step,
                  covers: Callable[[str], bool] = lambda _p: True) -> Step:
@@ -393,10 +399,7 @@ class RolloutStore:
             project = c.execute(_STEP_HELD, {"rid": rollout_id, "w": worker, "att": attempt,
                                              "seq": step.seq}).scalar()
             if project is None or not covers(project):
-                r = c.execute(select(rollouts.c.project).where(rollouts.c.id == rollout_id)).first()
-                if r is None or not covers(r[0]):
-                    raise NotFound(f"no rollout {rollout_id!r}", field="rollout_id")
-                self._owner(c, rollout_id, worker, attempt)  # raises RolloutLost, saying why
+                self._owner(c, rollout_id, worker, attempt, covers)  # raises NotFound or RolloutLost, saying why
                 c.execute(_STEP_HELD, {"rid": rollout_id, "w": worker, "att": attempt, "seq": step.seq})
             got = c.execute(self._step_insert, row).mappings().first()
             if got is None:  # a step was at this seq already
