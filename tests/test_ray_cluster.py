@@ -324,12 +324,15 @@ async def test_controller_killed_ray_restarts_it_and_it_rebuilds_its_view(rc: Ra
 async def test_a_node_joining_later_takes_load(rc: RayDsec) -> None:
     rc.local.add_node("r4")
     async with rc.client(rc.url) as c:
+        # placement prefers edges whose health is ok (a new edge on a busy machine can be
+        # suspect for a few rounds, e.g. its first polls slow): wait for what placement waits for
         async def serving() -> bool:
-            return any(n.edge == "r4" and n.healthy for n in await c.nodes())
-        await _until(serving, "an edge on the new node", 90)
+            return any(n.edge == "r4" and n.healthy and n.health == "ok" for n in await c.nodes())
+        await _until(serving, "an edge on the new node, healthy and ok", 90)
         made = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(image="base/busybox", job="join"))
                                       for _ in range(8)))
-        assert "r4" in {_edge(sb.sandbox_id) for sb in made}
+        nodes = [(n.edge, n.healthy, n.health, n.sandboxes, n.evidence) for n in await c.nodes()]
+        assert "r4" in {_edge(sb.sandbox_id) for sb in made}, nodes
         await c.stop_many(job="join")
 
 
