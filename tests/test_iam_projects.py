@@ -231,3 +231,66 @@ def test_a_publish_claim_is_retried_by_its_project_and_refused_to_others(
     with pytest.raises(InvalidRequest) as e:
         a.claim("ws/claimed:v1", "other", "public", "t3")
     assert e.value.field == "ref"
+
+
+def test_a_gang_holds_all_its_shares_or_none_and_two_replicas_racing_never_overshoot(
+        stores: tuple[ProjectStore, ProjectStore]) -> None:
+    """Gang admission (a batch made all or nothing): n shares held in one transaction as
+    reserved holds, the first shortfall refused naming the project, the resource and what
+    the gang needs; ten gangs of 4 racing from two replicas for a quota of 18 sandboxes:
+    exactly 4 win, and the counters hold 16, every ancestor too."""
+    a, b = stores
+    a.create(ProjectSpec(name="rl", quota=_q(sandboxes=18)), "admin")
+    a.create(ProjectSpec(name="rl/grpo", quota=_q(cpu_cores=100)), "admin")
+    won: list[str] = []
+    refused: list[QuotaExceeded] = []
+    lock = threading.Lock()
+
+    def go(store: ProjectStore, k: int) -> None:
+        try:
+            store.quotas.reserve("rl/grpo", "step", ONE, 4, f"b-{k}")
+            with lock:
+                won.append(f"b-{k}")
+        except QuotaExceeded as e:
+            with lock:
+                refused.append(e)
+
+    threads = [threading.Thread(target=go, args=(a if k % 2 else b, k)) for k in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 4 and len(refused) == 6, (won, refused)
+    assert all(e.field in ("quota.sandboxes", "quota") for e in refused)
+    assert any("these 4 sandboxes need 4 sandboxes" in e.message and "'rl'" in e.message for e in refused), \
+        [e.message for e in refused]
+    for s in (a, b):
+        assert s.get("rl").usage.sandboxes == 16 and s.get("rl/grpo").usage.sandboxes == 16
+        assert s.get("rl").usage.starting == 0  # reserved: none of them starting yet
+
+    # an item starts (one starting slot), is made (bound), and the gang's end frees the rest
+    first = won[0]
+    assert a.quotas.start(f"{first}/0") and not a.quotas.start(f"{first}/0")  # once
+    assert b.get("rl").usage.starting == 1
+    a.quotas.bind(f"{first}/0", "e1-00000000aaaa")
+    assert b.get("rl").usage.starting == 0 and b.get("rl").usage.sandboxes == 16
+    assert b.quotas.release_reserved(first) == 3 and b.quotas.release_reserved(first) == 0
+    assert a.get("rl").usage.sandboxes == 13 and a.get("rl/grpo").usage.cpu_cores == 13.0
+    assert not a.quotas.start(f"{first}/1")  # released: its item cannot start on it
+
+    # the sweep releases what a batch that no longer runs reserved, and keeps a running one's
+    holds = a.quotas.holds()
+    done = a.quotas.reconcile(holds, [_info("e1-00000000aaaa", project="rl/grpo")], {"e1"}, {"e1"}, time.time(),
+                              {"e1-00000000aaaa": "rl/grpo"}, running_batches={won[1]})
+    assert done["released"] == 8, done  # the two gangs not running; won[1] keeps its 4
+    assert b.get("rl").usage.sandboxes == 5  # won[1]'s 4 and the bound one
+
+
+def test_a_gang_is_refused_by_a_cap_of_creates_starting_at_once_of_zero(
+        stores: tuple[ProjectStore, ProjectStore]) -> None:
+    s, _ = stores
+    s.create(ProjectSpec(name="frozen", quota=_q(starting=0)), "admin")
+    with pytest.raises(QuotaExceeded) as e:
+        s.quotas.reserve("frozen", None, ONE, 3, "b-z")
+    assert e.value.field == "quota.starting"
+    assert s.get("frozen").usage.sandboxes == 0

@@ -208,7 +208,8 @@ def test_cli(platform: Platform) -> None:
         return r.stdout
 
     made = json.loads(dsec_cli("create", name, "--sandboxes", "2", "--memory-mb", "1024", "--label", "k=v"))
-    assert made["quota"] == {"sandboxes": 2, "cpu_cores": None, "memory_mb": 1024} and made["labels"] == {"k": "v"}
+    assert made["quota"] == {"sandboxes": 2, "cpu_cores": None, "memory_mb": 1024, "creates_per_s": None}
+    assert made["labels"] == {"k": "v"}
     assert json.loads(dsec_cli("get", name))["state"] == "active"
     assert name in [json.loads(line)["name"] for line in dsec_cli("list", "--label", "k=v").splitlines()]
     assert json.loads(dsec_cli("status", name))["quota_free"]["sandboxes"] == 2

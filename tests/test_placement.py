@@ -108,3 +108,37 @@ def test_never_a_cordoned_edge_and_a_suspect_one_only_when_no_ok_edge_has_room()
     view["b"] = node("b", cpu_reserved=4).model_copy(update={"health": "suspect"})
     with pytest.raises(dsec.AdmissionRejected):  # the cordoned edge is empty, and still never chosen
         p.choose(ARGS)
+
+
+def test_a_gang_plan_holds_room_for_all_or_refuses_naming_how_many_fit() -> None:
+    view = {"a": node("a"), "b": node("b", cpu_reserved=2), "down": node("down", healthy=False)}
+    p = Placement(lambda: view, k=2, rng=random.Random(5))
+    with pytest.raises(dsec.AdmissionRejected) as e:
+        p.plan(ARGS, 7)  # one-core sandboxes: 4 fit on a, 2 on b, the unhealthy one does not count
+    assert "room for 6 of these 7" in e.value.message and e.value.field == "n"
+    assert not p.planned  # a refusal holds nothing
+    plan = p.plan(ARGS, 5)
+    assert plan.left == {"a": 3, "b": 2} or plan.left == {"a": 4, "b": 1}, plan.left
+    # the room is held against every other placement: one core is left in all
+    with p.reserve(p.choose(ARGS), ARGS):
+        with pytest.raises(dsec.AdmissionRejected):
+            p.choose(ARGS)
+    # the gang's items take it, one by one, most held first
+    taken = [p.take(plan) for _ in range(5)]
+    assert sorted(t for t in taken if t) == sorted(["a"] * 4 + ["b"] * 1) or \
+        sorted(t for t in taken if t) == sorted(["a"] * 3 + ["b"] * 2)
+    assert p.take(plan) is None and not p.planned
+
+
+def test_a_gang_that_ends_early_lets_its_room_go() -> None:
+    view = {"a": node("a")}
+    p = Placement(lambda: view, k=2)
+    plan = p.plan(ARGS, 4)
+    assert p.take(plan) == "a"  # (the taken core is the item's own to reserve)
+    with p.reserve("a", ARGS), pytest.raises(dsec.AdmissionRejected):
+        p.choose(ARGS)  # 3 cores still held for the gang's other items
+    p.release(plan)
+    assert plan.held == 0 and not p.planned
+    with p.reserve(p.choose(ARGS), ARGS), p.reserve(p.choose(ARGS), ARGS), p.reserve(p.choose(ARGS), ARGS):
+        with pytest.raises(dsec.AdmissionRejected):
+            p.choose(ARGS)  # the three freed, and the item made above

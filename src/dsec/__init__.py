@@ -20,6 +20,7 @@ from dsec.errors import (
     ProjectNotEmpty,
     QuotaConflict,
     QuotaExceeded,
+    RateLimited,
     RequestTimeout,
     SandboxBusy,
     SandboxError,
@@ -73,6 +74,6 @@ __all__ = [
     "AsyncJob", "Job", "JobAction", "JobExists", "JobInfo", "JobNotActive", "JobQuota", "JobStatus", "QuotaExceeded",
     "AsyncBatch", "Batch", "BatchCounts", "BatchInfo", "BatchItem", "BatchRequest",
     "ProjectExists", "ProjectInfo", "ProjectNotEmpty", "ProjectQuota", "QuotaConflict", "Usage",
-    "MetadataUnavailable", "RequestTimeout",
+    "MetadataUnavailable", "RateLimited", "RequestTimeout",
     "AsyncRollouts", "Inference", "RolloutCounts", "RolloutInfo", "RolloutSpec", "Rollouts", "Step",
 ]

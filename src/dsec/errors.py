@@ -113,6 +113,19 @@ class QuotaExceeded(AdmissionRejected):
     limit: float | None = None  # the cap that refused it, where known (in-process callers read it)
 
 
+class RateLimited(AdmissionRejected):
+    """A creation-rate budget (a job's ``creates_per_s``) has no token now: come back after
+    ``retry_after`` seconds (the response's Retry-After header, rounded up; the body's
+    ``retry_after``, exact). Backpressure, not a verdict on the request."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, field: str | None = None, *, retry_after: float = 1.0,
+                 sandbox_id: str | None = None, operation: str | None = None) -> None:
+        super().__init__(message, field, sandbox_id=sandbox_id, operation=operation)
+        self.retry_after = retry_after
+
+
 class QuotaConflict(DsecError):
     """A quota change the project tree does not allow: delegating more than the parent
     holds, or capping a project below what it delegated (the message says what to shrink)."""
@@ -213,6 +226,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         PayloadTooLarge,
         AdmissionRejected,
         QuotaExceeded,
+        RateLimited,
         QuotaConflict,
         ProjectExists,
         ProjectNotEmpty,

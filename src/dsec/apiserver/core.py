@@ -9,6 +9,7 @@ import asyncio
 import builtins
 import contextvars
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -37,6 +38,7 @@ from dsec.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    RateLimited,
     SandboxError,
 )
 from dsec.health.events import FleetEvents
@@ -48,9 +50,10 @@ from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import Layer, LayerStore
 from dsec.meta.registry import Registry
-from dsec.placement.engine import Placement
+from dsec.placement.engine import Placement, Plan
 from dsec.watcher.watcher import FleetView
 from dsec.wire.models import (
+    AnySandboxArgs,
     ContainerArgs,
     CreateRequest,
     FnCallArgs,
@@ -169,12 +172,14 @@ class Apiserver:
                            field="sandbox_id")
         return edge
 
-    async def create(self, req: CreateRequest, bounded: bool = False) -> SandboxInfo:
+    async def create(self, req: CreateRequest, bounded: bool = False, hold: str | None = None,
+                     plan: Plan | None = None) -> SandboxInfo:
         """Place, then let the chosen edge admit; an edge's refusal re-places elsewhere, and
         so does an edge that cannot be reached (its node may be gone). When no edge is
         left, the caller gets the last edge's own reason. A create for a job that has a record
         is admitted against its state and quota first (dsec.jobs.quota). ``bounded`` (a batch's
-        item) waits for one of the chosen edge's batch slots; a plain create never does."""
+        item) waits for one of the chosen edge's batch slots; a plain create never does. A
+        gang's item (:meth:`reserve_gang`) names its reserved ``hold`` and the gang's ``plan``."""
         await self.check_visible(req.args)
         req = self._own(req)
         job = req.args.job
@@ -184,17 +189,25 @@ class Apiserver:
             if rec is not None and rec.checkpoint_every_s:  # the job's checkpoint interval, unless it says its own
                 req = req.model_copy(update={"args": req.args.model_copy(
                     update={"checkpoint_every_s": rec.checkpoint_every_s})})
+        if job is not None:
+            await self.jobs.pace(project, job)
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
-        with tracing.span("quota.admit", project=project):
-            hold = await self.quotas.run(self.quotas.admit, project, job,
-                                         Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+        if hold is None:
+            with tracing.span("quota.admit", project=project):
+                hold = await self.quotas.run(self.quotas.admit, project, job,
+                                             Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+        else:
+            with tracing.span("quota.start", project=project):
+                if not await self.quotas.run(self.quotas.start, hold):
+                    raise AdmissionRejected("this item's reserved share of its project's quota was released "
+                                            "(its batch ended)", field="quota")
         try:
             if job is None:
-                info = await self._place(req, bounded)
+                info = await self._place(req, bounded, plan)
             else:
                 async with self.jobs.admit(project, job, req.args.cpu_cores_limit,
                                            req.args.memory_limit_mb) as admission:
-                    info = await self._place(req, bounded)
+                    info = await self._place(req, bounded, plan)
                     admission.made(info)
         except BaseException:  # not made (or not known to be: then the sweep adopts it later)
             await self.quotas.run(self.quotas.release, hold=hold)
@@ -251,7 +264,34 @@ class Apiserver:
                 update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
         return req
 
-    async def _place(self, req: CreateRequest, bounded: bool = False) -> SandboxInfo:
+    async def reserve_gang(self, args: AnySandboxArgs, n: int, batch_id: str) -> Plan:
+        """All ``n`` sandboxes of ``args`` or none (a batch's ``all_or_nothing``): the job's
+        state and quota for n at once, edge room for all n held on this replica's placement,
+        and the project tree's quota for all n held as reserved holds ``<batch_id>/<i>``
+        (exact across replicas); or the first shortfall (JobNotActive, QuotaExceeded,
+        AdmissionRejected naming it), holding nothing."""
+        project = args.labels.get(PROJECT_LABEL, "default")
+        if args.job is not None:
+            await self.jobs.check_many(project, args.job, n, args.cpu_cores_limit, args.memory_limit_mb)
+        if not self.watcher.view:
+            await self.watcher.refresh()
+        with tracing.span("placement.plan", backend=args.backend, n=n):
+            try:
+                plan = self.placement.plan(args, n)
+            except AdmissionRejected:  # the view may predate sandboxes that have ended since
+                await self.watcher.refresh()
+                plan = self.placement.plan(args, n)
+        disk = getattr(args, "disk_limit_mb", None) or getattr(args, "disk_mb", None)
+        try:
+            with tracing.span("quota.reserve", project=project, n=n):
+                await self.quotas.run(self.quotas.reserve, project, args.job,
+                                      Need.of(args.cpu_cores_limit, args.memory_limit_mb, disk), n, batch_id)
+        except BaseException:
+            self.placement.release(plan)
+            raise
+        return plan
+
+    async def _place(self, req: CreateRequest, bounded: bool = False, plan: Plan | None = None) -> SandboxInfo:
         tried: set[str] = set()
         last: AdmissionRejected | EdgeUnavailable | None = None
         refreshed = False
@@ -260,7 +300,9 @@ class Apiserver:
                 await self.watcher.refresh()
             try:
                 with tracing.span("placement.choose", backend=req.args.backend, excluded=len(tried)):
-                    name = self.placement.choose(req.args, exclude=tried)
+                    # a gang's item first takes the room its gang holds; elsewhere only if that edge refuses
+                    taken = self.placement.take(plan) if plan is not None and not tried else None
+                    name = taken or self.placement.choose(req.args, exclude=tried)
                     tracing.annotate(edge=name)
             except AdmissionRejected:
                 if last is not None:
@@ -493,8 +535,9 @@ class Apiserver:
         finally:
             current_principal.reset(token)
         project_of = {i.sandbox_id: project_of_sandbox(i) for i in items}
+        running = await asyncio.to_thread(self.batches.store.running)  # after the holds (see reconcile)
         done = await asyncio.to_thread(self.quotas.reconcile, holds, items, answered, set(self.edges), started,
-                                       project_of)
+                                       project_of, running)
         if any(done.values()):
             log.info("quota sweep: %s", done)
         return done
@@ -522,8 +565,11 @@ def all_edges_answered(done: str) -> None:
 
 def error_response(e: DsecError) -> JSONResponse:
     # "code" (the HTTP status) is what E2B's SDKs read; dsec's own read "error"
-    return JSONResponse({"error": e.code, "message": e.message, "field": e.field, "code": e.status},
-                        status_code=e.status)
+    body: dict[str, object] = {"error": e.code, "message": e.message, "field": e.field, "code": e.status}
+    if isinstance(e, RateLimited):  # HTTP's header in whole seconds; the body's exact
+        body["retry_after"] = round(e.retry_after, 3)
+        return JSONResponse(body, status_code=e.status, headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+    return JSONResponse(body, status_code=e.status)
 
 
 def layer_ref(ref: str) -> str:

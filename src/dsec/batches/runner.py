@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter
 
 from dsec.batches.store import BatchRow, BatchStore
-from dsec.errors import DsecError, NotFound, QuotaExceeded
+from dsec.errors import DsecError, NotFound, QuotaExceeded, RateLimited
 from dsec.iam import PROJECT_LABEL
 from dsec.wire.batches import BATCH_LABEL, BatchAdmission, BatchCounts, BatchInfo, BatchItem, BatchRequest
 from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.apiserver.core import Apiserver
+    from dsec.placement.engine import Plan
 
 log = logging.getLogger("dsec.batches")
 FLUSH_S = 0.25
@@ -66,6 +67,9 @@ class _Batch:
     stop_made: bool = False
     waiting: bool = False  # an item waits for its project's creates in flight: dispatch no more meanwhile
     lost: bool = False  # taken over by another apiserver: its outcomes are that one's to finish
+    gang: bool = False  # all or nothing: each item starts a reserved hold "<id>/<i>" (dsec.iam.quota)
+    plan: Plan | None = None  # the edge room the gang holds on this replica (none once taken over)
+    reason: str | None = None  # why a gang failed
 
     def set(self, i: int, state: str) -> None:
         self.counts[self.states[i]] -= 1
@@ -79,7 +83,8 @@ class _Batch:
         nxt = offset + limit if offset + limit < self.n and limit > 0 else None
         return BatchInfo(id=self.id, project=self.project, job=self.job, n=self.n, state=self.state,  # type: ignore[arg-type]
                          counts=BatchCounts(**{k: v for k, v in self.counts.items() if v}),
-                         created_at=self.created_at, finished_at=self.finished_at, items=items, next_offset=nxt)
+                         created_at=self.created_at, finished_at=self.finished_at, items=items, next_offset=nxt,
+                         all_or_nothing=self.gang, reason=self.reason)
 
 
 class BatchRunner:
@@ -140,7 +145,7 @@ class BatchRunner:
         listed = await self.api.list(None, {})
         for row in claimed:
             b = _Batch(id=row.id, project=row.project, job=row.job, n=row.n, args=_ARGS.validate_json(row.args),
-                       created_at=row.created_at, states=["queued"] * row.n)
+                       created_at=row.created_at, states=["queued"] * row.n, gang=row.gang)
             b.counts["queued"] = row.n
             done = {r.idx: r for r in await asyncio.to_thread(self.store.items, row.id)}
             for r in done.values():
@@ -163,14 +168,24 @@ class BatchRunner:
     # -- the API's calls --------------------------------------------------------------------
 
     async def submit(self, req: BatchRequest, project: str) -> BatchInfo:
+        """Accept a batch; an all-or-nothing one only once its quota and edge room are held
+        (``Apiserver.reserve_gang``), else its shortfall is raised and nothing is made."""
         job = req.job or req.args.job
         args = req.args.model_copy(update={"job": job})
         b = _Batch(id="b-" + secrets.token_hex(8), project=project, job=job, n=req.n, args=args,
-                   created_at=time.time(), states=["queued"] * req.n, queue=deque(range(req.n)))
+                   created_at=time.time(), states=["queued"] * req.n, queue=deque(range(req.n)),
+                   gang=req.all_or_nothing)
         b.counts["queued"] = req.n
-        await asyncio.to_thread(self.store.create, BatchRow(
-            id=b.id, project=project, job=job, n=req.n, args=_ARGS.dump_json(args).decode(), state="running",
-            created_at=b.created_at, finished_at=None, owner=self.owner, heartbeat_at=b.created_at))
+        if b.gang:
+            b.plan = await self.api.reserve_gang(args, req.n, b.id)
+        try:
+            await asyncio.to_thread(self.store.create, BatchRow(
+                id=b.id, project=project, job=job, n=req.n, args=_ARGS.dump_json(args).decode(), state="running",
+                created_at=b.created_at, finished_at=None, owner=self.owner, heartbeat_at=b.created_at, gang=b.gang))
+        except BaseException:
+            if b.gang:
+                await self._let_go(b)
+            raise
         self._add(b)
         return b.info(0, 0)
 
@@ -191,7 +206,8 @@ class BatchRunner:
                  for i in range(offset, min(row.n, offset + limit))]
         return BatchInfo(id=row.id, project=row.project, job=row.job, n=row.n, state=row.state,  # type: ignore[arg-type]
                          counts=BatchCounts(**{k: v for k, v in counts.items() if v}), created_at=row.created_at,
-                         finished_at=row.finished_at, items=items,
+                         finished_at=row.finished_at, items=items, all_or_nothing=row.gang,
+                         reason="an item was not made; the batch is all or nothing" if row.state == "failed" else None,
                          next_offset=offset + limit if 0 < limit and offset + limit < row.n else None)
 
     async def cancel(self, batch_id: str, stop: bool) -> BatchInfo:
@@ -206,11 +222,37 @@ class BatchRunner:
             self._outcome(b, b.queue.popleft(), "cancelled", None, ("cancelled", "the batch was cancelled"))
         if b.state == "running":
             b.state = "cancelled"
+        if b.gang:
+            await self._let_go(b)
         if stop:
             b.stop_made = True
             await asyncio.gather(*(self._stop(sid) for sid in list(b.sandbox.values())), return_exceptions=True)
         self._maybe_finish(b)
         return b.info(0, 0)
+
+    async def _let_go(self, b: _Batch) -> None:
+        """A gang needs no more of what it holds for items not started: its edge room here
+        and its reserved quota (the sweep frees the quota should this fail)."""
+        if b.plan is not None:
+            self.api.placement.release(b.plan)
+        try:
+            await self.api.quotas.run(self.api.quotas.release_reserved, b.id)
+        except Exception as e:
+            log.warning("batch %s's reserved quota not released (the sweep will): %s", b.id, e)
+
+    async def _fail_gang(self, b: _Batch, i: int, error: tuple[str, str]) -> None:
+        """An item of an all-or-nothing batch was not made: the batch fails, nothing more is
+        made, and what it made (or is making) is stopped."""
+        if b.state != "running":
+            return
+        b.state = "failed"
+        b.reason = f"item {i} was not made ({error[0]}: {error[1]}); the batch is all or nothing"
+        log.warning("batch %s failed: %s", b.id, b.reason)
+        while b.queue:
+            self._outcome(b, b.queue.popleft(), "cancelled", None, ("cancelled", b.reason))
+        b.stop_made = True
+        await self._let_go(b)
+        await asyncio.gather(*(self._stop(sid) for sid in list(b.sandbox.values())), return_exceptions=True)
 
     def admission(self) -> BatchAdmission:
         return BatchAdmission(per_edge_starting=self.per_edge_starting, starting=dict(self.api.starting),
@@ -266,12 +308,16 @@ class BatchRunner:
     async def _make(self, b: _Batch, i: int) -> None:
         args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
         try:
-            info = await self._create(b, args)
+            info = await self._create(b, args, i)
         except DsecError as e:
             self._outcome(b, i, "failed", None, (e.code, e.message))
+            if b.gang:
+                await self._fail_gang(b, i, (e.code, e.message))
         except Exception as e:  # noqa: BLE001 - an item's failure is reported, never the batch's
             log.exception("batch %s item %d failed", b.id, i)
             self._outcome(b, i, "failed", None, ("internal", str(e) or type(e).__name__))
+            if b.gang:
+                await self._fail_gang(b, i, ("internal", str(e) or type(e).__name__))
         else:
             self._outcome(b, i, "running", info.sandbox_id)
             if b.stop_made:
@@ -281,7 +327,7 @@ class BatchRunner:
             self._wake.set()
             self._maybe_finish(b)
 
-    async def _create(self, b: _Batch, args: AnySandboxArgs) -> SandboxInfo:
+    async def _create(self, b: _Batch, args: AnySandboxArgs, i: int) -> SandboxInfo:
         """One item's create. A project at its cap of creates starting at once (docs/iam.md)
         is backpressure, not a refusal: the item waits (at most ``STARTING_WAIT_S``) for one
         of them to finish, and its batch dispatches nothing else meanwhile, so that a
@@ -290,14 +336,20 @@ class BatchRunner:
         deadline = time.monotonic() + STARTING_WAIT_S
         try:
             while True:
+                pause = STARTING_RETRY_S
                 try:
-                    return await self.api.create(CreateRequest(args=args), bounded=True)
+                    return await self.api.create(CreateRequest(args=args), bounded=True,
+                                                 hold=f"{b.id}/{i}" if b.gang else None, plan=b.plan)
+                except RateLimited as e:  # the job's creation rate: its next token's time
+                    if b.state != "running" or time.monotonic() > deadline:
+                        raise
+                    pause = min(max(e.retry_after, 0.01), 1.0)
                 except QuotaExceeded as e:
                     if e.field != "quota.starting" or not e.limit or b.state != "running" \
                             or time.monotonic() > deadline:
                         raise
                 b.waiting = True
-                await asyncio.sleep(STARTING_RETRY_S)
+                await asyncio.sleep(pause)
         finally:
             if b.waiting:
                 b.waiting = False
@@ -326,6 +378,8 @@ class BatchRunner:
             if b.state == "running":
                 b.state = "done"
             self._finished.append((b.id, b.state, b.finished_at))
+            if b.plan is not None and b.plan.left:  # (every item took its room: normally nothing)
+                self.api.placement.release(b.plan)
 
     async def _flush(self) -> None:
         rows, self._rows = self._rows, []

@@ -25,6 +25,7 @@ class BatchRow:
     finished_at: float | None
     owner: str | None = None
     heartbeat_at: float | None = None
+    gang: bool = False  # all or nothing: its items hold reserved quota (dsec.iam.quota)
 
 
 @dataclass
@@ -48,6 +49,11 @@ class BatchStore:
         with self.db.connect() as c:
             r = c.execute(select(batches).where(batches.c.id == batch_id)).mappings().first()
         return BatchRow(**dict(r)) if r else None
+
+    def running(self) -> set[str]:
+        """The ids of every batch still running (whichever replica runs it)."""
+        with self.db.connect() as c:
+            return set(c.execute(select(batches.c.id).where(batches.c.state == "running")).scalars())
 
     def orphans(self, stale_before: float) -> list[BatchRow]:
         """Unfinished batches whose owner released them or has not been heard of since ``stale_before``."""

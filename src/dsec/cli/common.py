@@ -30,13 +30,21 @@ TokenOpt = Annotated[str | None, typer.Option("--token", help="API token (defaul
 
 @contextlib.contextmanager
 def _errors() -> Iterator[None]:
-    """A platform error becomes one red line and exit code 2, not a traceback."""
+    """A platform error, or a value the request's model refuses here before sending it,
+    becomes one red line and exit code 2, not a traceback."""
+    from pydantic import ValidationError
+
     from dsec.errors import DsecError
 
     try:
         yield
     except DsecError as e:
         err.print(f"[red]error[/red] ({e.code}): {e.message}")
+        raise typer.Exit(2) from None
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or e.title
+        err.print(f"[red]error[/red] (invalid_request): {where}: {first.get('msg', str(e))}")
         raise typer.Exit(2) from None
 
 

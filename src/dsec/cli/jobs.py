@@ -31,12 +31,16 @@ def create(name: str,
            sandboxes: Annotated[int | None, typer.Option(help="quota: live sandboxes at most")] = None,
            cpu_cores: Annotated[float | None, typer.Option(help="quota: sum of their cpu_cores_limit")] = None,
            memory_mb: Annotated[int | None, typer.Option(help="quota: sum of their memory_limit_mb")] = None,
+           creates_per_s: Annotated[float | None, typer.Option(
+               help="creation-rate budget: creates per second for the whole job, every replica together "
+                    "(past it: 429 rate_limited with Retry-After)")] = None,
            label: LabelOpt = None, project: ProjectOpt = None, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Create job NAME; sandboxes created with job=NAME then count against its quota."""
     from dsec.wire.jobs import JobQuota
 
     with _errors(), Client(url=url, token=token) as c:
-        job = c.create_job(name, quota=JobQuota(sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mb=memory_mb),
+        job = c.create_job(name, quota=JobQuota(sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mb=memory_mb,
+                                                creates_per_s=creates_per_s),
                            labels=_labels(label), project=project)
         print(job.info.model_dump_json())
 

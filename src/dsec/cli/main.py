@@ -97,21 +97,41 @@ def create(image: str = "base/debian:12", memory_mb: int = 512, cpus: float = 1.
            backend: Annotated[str, typer.Option(help="container, microvm or vm")] = "container",
            disk_mb: Annotated[int, typer.Option(help="VM: writable disk size")] = 2048,
            template: Annotated[bool, typer.Option(help="VM: clone a snapshotted template")] = True,
+           count: Annotated[int, typer.Option(help="this many, as one batch (up to 10000)")] = 1,
+           all_or_nothing: Annotated[bool, typer.Option(
+               help="with --count: all of them or none (quota and room held first, else refused at once)")] = False,
            url: UrlOpt = None, token: TokenOpt = None) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id (--count: a batch; prints each id made, exits 1 if any was not)."""
     from dsec.wire.models import ContainerArgs, MicroVMArgs, VMArgs
 
+    if backend == "container":
+        args: ContainerArgs | MicroVMArgs | VMArgs = ContainerArgs(
+            image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus, ttl_running_stop=ttl, job=job)
+    elif backend in ("microvm", "vm"):
+        vm: dict[str, Any] = {"image": image, "memory_mb": memory_mb, "vcpus": max(1, round(cpus)),
+                              "disk_mb": disk_mb, "template": template, "ttl_running_stop": ttl, "job": job}
+        args = MicroVMArgs(**vm) if backend == "microvm" else VMArgs(**vm)
+    else:
+        raise typer.BadParameter("--backend must be container, microvm or vm")
+    if count == 1 and not all_or_nothing:
+        with _errors(), _api(url, token) as c:
+            print(c.run_container(args).sandbox_id if isinstance(args, ContainerArgs) else
+                  c.run_microvm(args).sandbox_id if isinstance(args, MicroVMArgs) else c.run_vm(args).sandbox_id)
+        return
+    interruptible()  # a batch can take minutes: Ctrl-C leaves it running (dsec ps shows it)
     with _errors(), _api(url, token) as c:
-        if backend == "container":
-            sb = c.run_container(ContainerArgs(image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus,
-                                               ttl_running_stop=ttl, job=job))
-        elif backend in ("microvm", "vm"):
-            vm: dict[str, Any] = {"image": image, "memory_mb": memory_mb, "vcpus": max(1, round(cpus)),
-                                  "disk_mb": disk_mb, "template": template, "ttl_running_stop": ttl, "job": job}
-            sb = c.run_microvm(MicroVMArgs(**vm)) if backend == "microvm" else c.run_vm(VMArgs(**vm))
-        else:
-            raise typer.BadParameter("--backend must be container, microvm or vm")
-        print(sb.sandbox_id)
+        batch = c.create_many(args, count, all_or_nothing=all_or_nothing)
+        err.print(f"batch {batch.id}: {count} sandboxes" + (", all or nothing" if all_or_nothing else ""))
+        made, failed = batch.result()
+        for sb in made:
+            print(sb.sandbox_id)
+        info = batch.get()
+        for item in failed:
+            err.print(f"item {item.index}: {item.state}" + (f" ({item.error}: {item.reason})" if item.error else ""))
+        if info.reason:
+            err.print(f"batch {info.state}: {info.reason}")
+        if failed:
+            raise typer.Exit(1)
 
 
 @app.command()

@@ -15,6 +15,14 @@ which are the truth of what runs: sandboxes that ended on their own (TTL, crash,
 node) free their share, ones made without a hold (a response lost in flight, a database
 restored from backup) are adopted, and a paused sandbox's CPU is not counted while it is
 paused. Blocking calls: the apiserver runs them in a thread.
+
+A gang (a batch created all or nothing) holds all its sandboxes' shares at once: one
+transaction charges n times the need and writes n ``reserved`` holds, ids
+``<batch id>/<index>``, or refuses naming the shortfall. A reserved hold counts against
+every resource but the creates starting at once; its item's create turns it ``starting``
+(taking one of those, :meth:`ProjectQuotas.start`) and then ``running`` as any other. What
+the batch no longer needs (its end, a cancel) is released at once, and the sweep releases
+the reserved holds of a batch that is no longer running.
 """
 
 from __future__ import annotations
@@ -79,7 +87,18 @@ def _move_stmt() -> Update:
         {u: t[u] + bindparam(f"a_{r}") for r, (u, _) in COLUMNS.items()})
 
 
-CHARGE, MOVE = _charge_stmt(), _move_stmt()
+def _start_stmt() -> Update:
+    """One more create starting in every row of ``names`` that has room for it."""
+    t = projects.c
+    return update(projects).where(t.name.in_(bindparam("names", expanding=True)),
+                                  or_(t.q_starting.is_(None), t.u_starting + 1 <= t.q_starting)
+                                  ).values(u_starting=t.u_starting + 1)
+
+
+CHARGE, MOVE, START = _charge_stmt(), _move_stmt(), _start_stmt()
+_RESERVED_TO_STARTING = (update(project_holds).where(project_holds.c.id == bindparam("hold"),
+                                                     project_holds.c.state == "reserved")
+                         .values(state="starting").returning(project_holds.c.project))
 HOLD_INSERT = insert(project_holds)
 _h = project_holds.c
 BIND = (update(project_holds).where(_h.id == bindparam("hold"), _h.state == "starting")
@@ -104,10 +123,11 @@ class Need:
         disk = info.disk_limit_mb if info.disk_limit_mb is not None else (info.vm.disk_mb if info.vm else 0)
         return cls.of(info.cpu_cores_limit, info.memory_limit_mb, disk)
 
-    def amounts(self) -> dict[str, int]:
-        """What it adds to each resource's counter (a sandbox, and one create in flight)."""
-        return {"sandboxes": 1, "cpu_cores": self.cpu_milli, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb,
-                "starting": 1}
+    def amounts(self, n: int = 1, starting: bool = True) -> dict[str, int]:
+        """What ``n`` of it add to each resource's counter (``starting``: one create in flight
+        each; a gang's reservation starts none)."""
+        return {"sandboxes": n, "cpu_cores": n * self.cpu_milli, "memory_mb": n * self.memory_mb,
+                "disk_mb": n * self.disk_mb, "starting": n if starting else 0}
 
 
 def show(resource: str, value: int | float, unit: bool = True) -> str:
@@ -166,7 +186,7 @@ class ProjectQuotas:
         id. Refused with QuotaExceeded (429) naming the project and resource, or NotFound for
         a sub-project that does not exist."""
         # a read first: under a burst at a full quota, most refusals never take the write lock
-        if (missing := self._check(project, need)) is not None:
+        if (missing := self._check(project, need.amounts())) is not None:
             self.ensure_root(missing)
         for attempt in range(DEADLOCK_RETRIES + 1):
             try:
@@ -180,13 +200,86 @@ class ProjectQuotas:
                         "charged_cpu_milli": need.cpu_milli, "created_at": time.time()})
                     return hold
             except _Refused:
-                self._check(project, need)  # raises, naming the project and resource
+                self._check(project, need.amounts())  # raises, naming the project and resource
                 raise QuotaExceeded(f"project {project!r} had no room for this sandbox (its usage changed "
                                     "meanwhile: try again)", field="quota") from None
             except OperationalError as e:  # PostgreSQL broke a lock cycle by failing this one: again
                 if "deadlock" not in str(e).lower() or attempt == DEADLOCK_RETRIES:
                     raise
         raise AssertionError("unreachable")
+
+    def reserve(self, project: str, job: str | None, need: Need, n: int, batch_id: str) -> list[str]:
+        """A gang's shares: ``n`` times ``need`` held in ``project`` and every ancestor in one
+        transaction, as ``n`` reserved holds (ids ``<batch_id>/<i>``), or nothing and
+        QuotaExceeded naming the project, the resource and what the gang needs."""
+        amounts = need.amounts(n, starting=False)
+        # (its items start one at a time: a cap of 0 creates starting at once refuses it now)
+        if (missing := self._check(project, {**amounts, "starting": 1}, f"these {n} sandboxes need")) is not None:
+            self.ensure_root(missing)
+        ids = [f"{batch_id}/{i}" for i in range(n)]
+        now = time.time()
+        for attempt in range(DEADLOCK_RETRIES + 1):
+            try:
+                with self._txn() as c:
+                    names = lineage(project)
+                    _lock(c, names)
+                    if c.execute(CHARGE, {"names": names, **{f"a_{r}": v for r, v in amounts.items()}}
+                                 ).rowcount != len(names):
+                        raise _Refused
+                    c.execute(HOLD_INSERT, [{
+                        "id": hid, "sandbox_id": None, "project": project, "job": job, "state": "reserved",
+                        "cpu_milli": need.cpu_milli, "memory_mb": need.memory_mb, "disk_mb": need.disk_mb,
+                        "charged_cpu_milli": need.cpu_milli, "created_at": now} for hid in ids])
+                    return ids
+            except _Refused:
+                self._check(project, amounts, f"these {n} sandboxes need")
+                raise QuotaExceeded(f"project {project!r} had no room for these {n} sandboxes (its usage "
+                                    "changed meanwhile: try again)", field="quota") from None
+            except OperationalError as e:
+                if "deadlock" not in str(e).lower() or attempt == DEADLOCK_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def start(self, hold: str) -> bool:
+        """A gang's item begins its create: its reserved hold takes one of the creates
+        starting at once (QuotaExceeded on ``quota.starting`` when its project is at that
+        cap: the batch waits, as for any item). False if the hold is gone (released)."""
+        project: str | None = None
+        try:
+            with self._txn() as c:
+                project = c.execute(_RESERVED_TO_STARTING, {"hold": hold}).scalar()
+                if project is None:
+                    return False
+                names = lineage(project)
+                _lock(c, names)
+                if c.execute(START, {"names": names}).rowcount != len(names):
+                    raise _Refused
+                return True
+        except _Refused:
+            assert project is not None
+            self._check(project, {"sandboxes": 0, "cpu_cores": 0, "memory_mb": 0, "disk_mb": 0, "starting": 1})
+            err = QuotaExceeded(f"project {project!r} is at its cap of sandboxes starting at once",
+                                field="quota.starting")
+            err.limit = 1  # some cap other than 0 (the read after saw room): the batch waits, as for any item
+            raise err from None
+
+    def release_reserved(self, batch_id: str) -> int:
+        """Free what a gang reserved and no item has started: its end, a cancel, a failure."""
+        h = project_holds.c
+        prefix = batch_id.replace("_", "\\_").replace("%", "\\%") + "/%"
+        with self._txn() as c:
+            rows = c.execute(delete(project_holds).where(h.id.like(prefix, escape="\\"), h.state == "reserved")
+                             .returning(h.project, h.charged_cpu_milli, h.memory_mb, h.disk_mb)).all()
+            by_project: dict[str, list[int]] = {}
+            for project, cpu, mem, disk in rows:
+                tot = by_project.setdefault(project, [0, 0, 0, 0])
+                tot[0] += 1
+                tot[1] += cpu
+                tot[2] += mem
+                tot[3] += disk
+            for project, (count, cpu, mem, disk) in by_project.items():
+                self._move(c, project, -count, -cpu, -mem, -disk, 0)
+        return len(rows)
 
     @staticmethod
     def _charge(c: Connection, project: str, need: Need) -> bool:
@@ -198,14 +291,13 @@ class ProjectQuotas:
         return c.execute(CHARGE, {"names": names, **{f"a_{r}": v for r, v in need.amounts().items()}}
                          ).rowcount == len(names)
 
-    def _check(self, project: str, need: Need) -> str | None:
-        """Whether ``project`` and its ancestors have room, as last committed: QuotaExceeded
-        naming the project and resource, or NotFound for a missing sub-project, is raised; a
-        missing top-level project is returned."""
+    def _check(self, project: str, amounts: dict[str, int], needs: str = "this sandbox needs") -> str | None:
+        """Whether ``project`` and its ancestors have room for ``amounts``, as last committed:
+        QuotaExceeded naming the project and resource, or NotFound for a missing
+        sub-project, is raised; a missing top-level project is returned."""
         names = lineage(project)
         with self.db.connect() as c:
             rows = {r["name"]: r for r in c.execute(select(projects).where(projects.c.name.in_(names))).mappings()}
-        amounts = need.amounts()
         for p in names:
             row = rows.get(p)
             if row is None:
@@ -217,7 +309,7 @@ class ProjectQuotas:
                     what = "sandboxes starting at once" if r == "starting" else r.replace("_mb", "").replace("_", " ")
                     err = QuotaExceeded(
                         f"project {p!r} is at its quota of {what}: {show(r, row[q])}, {show(r, row[u])} held in "
-                        f"its subtree, this sandbox needs {show(r, amounts[r])}", field=f"quota.{r}")
+                        f"its subtree, {needs} {show(r, amounts[r])}", field=f"quota.{r}")
                     err.limit = row[q]
                     raise err
         return None
@@ -310,12 +402,14 @@ class ProjectQuotas:
             return [tuple(r) for r in c.execute(select(h.id, h.sandbox_id, h.state, h.created_at, h.bound_at))]  # type: ignore[misc]
 
     def reconcile(self, holds: list[tuple[str, str | None, str, float, float | None]], listed: Iterable[SandboxInfo],
-                  answered: set[str], edges: set[str], started: float, project_of: dict[str, str | None]
-                  ) -> dict[str, int]:
+                  answered: set[str], edges: set[str], started: float, project_of: dict[str, str | None],
+                  running_batches: set[str] | None = None) -> dict[str, int]:
         """Bring ``holds`` (read before the listing) to what the edges hold: ``listed`` is
         every sandbox of the edges in ``answered`` (a listing begun at ``started``), ``edges``
         every edge of the cluster. ``project_of`` gives a listed sandbox's project (None: one
-        of the platform's own, never counted). Returns counts of what changed."""
+        of the platform's own, never counted). ``running_batches`` (read after the holds):
+        a reserved hold of a batch not in it is released (None: none is). Returns counts of
+        what changed."""
         live = {i.sandbox_id: i for i in listed if i.state in (SandboxState.running, SandboxState.paused,
                                                                SandboxState.creating)}
         done = {"released": 0, "adopted": 0, "paused": 0, "resumed": 0}
@@ -323,6 +417,9 @@ class ProjectQuotas:
         for hid, sid, state, created, bound in holds:
             if sid is None:
                 if state == "starting" and created < started - STARTING_STALE_S:
+                    done["released"] += self.release(hold=hid)
+                elif state == "reserved" and running_batches is not None \
+                        and hid.rpartition("/")[0] not in running_batches:
                     done["released"] += self.release(hold=hid)
                 continue
             held.add(sid)

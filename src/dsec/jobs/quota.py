@@ -11,7 +11,10 @@ replica's sandboxes once it is refreshed: a job whose creates go through several
 replicas at once may overshoot by what the others admitted in the last
 ``SNAPSHOT_TTL_S`` plus a create's duration. A client keeps to one replica (the SDK
 does), which keeps it exact. Nothing here outlives the process: it is a cache of what the
-edges and the job records say."""
+edges and the job records say.
+
+A job's creation rate (``creates_per_s``) is the exception: its bucket is on the job's
+row (dsec.jobs.store), so every replica takes from the same one."""
 
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from dsec.errors import JobNotActive, QuotaExceeded
+from dsec.errors import JobNotActive, QuotaExceeded, RateLimited
 from dsec.jobs.store import JobStore
-from dsec.wire.jobs import JobQuota
+from dsec.wire.jobs import JobInfo, JobQuota
 from dsec.wire.models import SandboxInfo, SandboxState, parse_sandbox_id
 
 SNAPSHOT_TTL_S = 1.0
@@ -71,6 +74,28 @@ class JobGate:
         self.lister = lister
         self._uses: dict[tuple[str, str], _Use] = {}
         self._tokens = itertools.count()
+        self._rates: dict[tuple[str, str], tuple[float | None, float]] = {}  # (rate, read at)
+
+    async def pace(self, project: str, job: str, n: int = 1) -> None:
+        """Take ``n`` creates from the job's creation-rate budget (JobQuota.creates_per_s),
+        shared by every worker and replica of the job; RateLimited (429, Retry-After) when it
+        has no room now. A job without a record or a rate is not paced. The rate is read at
+        most once a second per job (a job's quota is set when it is made)."""
+        now = time.monotonic()
+        rate, at = self._rates.get((project, job), (None, float("-inf")))
+        if now - at > SNAPSHOT_TTL_S:
+            rec = await asyncio.to_thread(self.store.get, project, job)
+            rate = rec.quota.creates_per_s if rec is not None else None
+            if len(self._rates) > 100_000:
+                self._rates.clear()
+            self._rates[(project, job)] = (rate, now)
+        if rate is None:
+            return
+        wait = await asyncio.to_thread(self.store.take_creates, project, job, rate, n)
+        if wait > 0:
+            raise RateLimited(f"job {job!r} is at its creation rate of {rate:g} per second"
+                              + (f" ({n} at once exceed a second's worth)" if n > max(rate, 1.0) else
+                                 f": try again in {wait:.2f} s"), field="quota.creates_per_s", retry_after=wait)
 
     @contextlib.asynccontextmanager
     async def admit(self, project: str, job: str, cpu_cores: float, memory_mb: int) -> AsyncIterator[Admission]:
@@ -82,9 +107,7 @@ class JobGate:
         if rec is None:
             yield adm
             return
-        if rec.state != "active":
-            raise JobNotActive(f"job {job!r} is {rec.state}: it takes no new sandboxes"
-                               + (" until it is resumed" if rec.state == "paused" else ""), field="job")
+        _active(rec, job)
         q = rec.quota
         if q.sandboxes is None and q.cpu_cores is None and q.memory_mb is None:
             yield adm
@@ -103,6 +126,23 @@ class JobGate:
             del use.inflight[token]
             if adm.info is not None:
                 use.recent[adm.info.sandbox_id] = (need, time.monotonic())
+
+    async def check_many(self, project: str, job: str, n: int, cpu_cores: float, memory_mb: int) -> None:
+        """Whether the job takes ``n`` more sandboxes at once (a gang): its state, and its
+        quota against what it holds now; JobNotActive or QuotaExceeded naming the shortfall.
+        Each item is still admitted as it is made (:meth:`admit`)."""
+        rec = await asyncio.to_thread(self.store.get, project, job)
+        if rec is None:
+            return
+        _active(rec, job)
+        q = rec.quota
+        if q.sandboxes is None and q.cpu_cores is None and q.memory_mb is None:
+            return
+        use = self._uses.setdefault((project, job), _Use())
+        async with use.lock:
+            if time.monotonic() - use.listed_at > SNAPSHOT_TTL_S:
+                await self._refresh(use, project, job)
+            _check(job, q, use.used(), Held(cpu_cores * n, memory_mb * n), n)
 
     async def _refresh(self, use: _Use, project: str, job: str) -> None:
         started = time.monotonic()
@@ -135,11 +175,18 @@ class JobGate:
             await asyncio.sleep(0.05)
 
 
-def _check(job: str, q: JobQuota, used: tuple[int, float, int], need: Held) -> None:
+def _active(rec: JobInfo, job: str) -> None:
+    if rec.state != "active":
+        raise JobNotActive(f"job {job!r} is {rec.state}: it takes no new sandboxes"
+                           + (" until it is resumed" if rec.state == "paused" else ""), field="job")
+
+
+def _check(job: str, q: JobQuota, used: tuple[int, float, int], need: Held, count: int = 1) -> None:
+    """``need``: what ``count`` more sandboxes hold together."""
     n, cpu, mem = used
-    if q.sandboxes is not None and n + 1 > q.sandboxes:
-        raise QuotaExceeded(f"job {job!r} is at its quota of {q.sandboxes} sandboxes ({n} live or starting)",
-                            field="quota.sandboxes")
+    if q.sandboxes is not None and n + count > q.sandboxes:
+        raise QuotaExceeded(f"job {job!r} is at its quota of {q.sandboxes} sandboxes ({n} live or starting"
+                            + (f"; these {count} need {count}" if count > 1 else "") + ")", field="quota.sandboxes")
     if q.cpu_cores is not None and cpu + need.cpu_cores > q.cpu_cores + 1e-9:
         raise QuotaExceeded(f"job {job!r}: {need.cpu_cores:g} more CPU cores would exceed its quota of "
                             f"{q.cpu_cores:g} ({cpu:g} held)", field="quota.cpu_cores")

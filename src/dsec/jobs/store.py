@@ -62,6 +62,29 @@ class JobStore:
         return self.get(project, name)
 
 
+    def take_creates(self, project: str, name: str, rate: float, n: int = 1) -> float:
+        """Take ``n`` creates' tokens from the job's creation-rate bucket (``rate`` a second,
+        holding a second's worth, at least one): 0.0 when taken, else the seconds until
+        there will be enough (nothing taken). One bucket on the job's row, whichever replica
+        asks: exact up to the clock skew between the replicas' hosts."""
+        size = max(rate, 1.0)
+        now = time.time()
+        key = (jobs.c.project == project, jobs.c.name == name)
+        with self.db.begin() as c:
+            q = select(jobs.c.rate_tokens, jobs.c.rate_at).where(*key)
+            if c.dialect.name == "postgresql":  # two replicas' takes queue on the row, not race
+                q = q.with_for_update()
+            row = c.execute(q).first()
+            if row is None:  # deleted meanwhile: nothing to pace
+                return 0.0
+            tokens = size if row.rate_tokens is None or row.rate_at is None else \
+                min(size, row.rate_tokens + max(0.0, now - row.rate_at) * rate)
+            if tokens < n:
+                return (n - tokens) / rate
+            c.execute(update(jobs).where(*key).values(rate_tokens=tokens - n, rate_at=now))
+            return 0.0
+
+
 def _info(row: Any) -> JobInfo:
     r = dict(row)
     return JobInfo(name=r["name"], project=r["project"], labels=json.loads(r["labels"] or "{}"),

@@ -4,7 +4,7 @@ with no row are still to be made. Alembic's revision 0005 creates them."""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Integer, String, Table, Text
+from sqlalchemy import Boolean, Column, Float, Integer, String, Table, Text, false
 
 from dsec.meta.schema import metadata
 
@@ -20,6 +20,7 @@ batches = Table(
     Column("finished_at", Float, nullable=True),
     Column("owner", String, nullable=True),  # the apiserver process running it
     Column("heartbeat_at", Float, nullable=True),  # its owner's last sign of life (None: released)
+    Column("gang", Boolean, nullable=False, default=False, server_default=false()),  # all or nothing (0011)
 )
 
 batch_items = Table(

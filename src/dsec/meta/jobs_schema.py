@@ -19,4 +19,7 @@ jobs = Table(
     Column("paused_at", Float, nullable=True),
     Column("stopped_at", Float, nullable=True),
     Column("checkpoint_every_s", Integer, nullable=True),  # its container sandboxes' default (0009)
+    # its creation-rate budget's bucket (0011): tokens left as of rate_at (wall clock)
+    Column("rate_tokens", Float, nullable=True),
+    Column("rate_at", Float, nullable=True),
 )

@@ -5,6 +5,7 @@ placements, so most refusals never reach an edge."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,15 @@ class Room:
     @property
     def memory_cap_mb(self) -> int:
         return int(self.memory_mb * self.memory_overcommit)
+
+    def fits(self, demand: Demand) -> int:
+        """How many more sandboxes asking ``demand`` it admits."""
+        k = self.max_sandboxes - self.sandboxes
+        if demand.cpu_admitted > 0:
+            k = min(k, math.floor((self.cpu_cap - self.cpu_reserved) / demand.cpu_admitted + 1e-9))
+        if demand.memory_admitted_mb > 0:
+            k = min(k, (self.memory_cap_mb - self.memory_reserved_mb) // demand.memory_admitted_mb)
+        return max(0, k)
 
     def load(self) -> float:
         """How full it is: the larger of its CPU and memory shares."""

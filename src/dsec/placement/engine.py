@@ -2,11 +2,12 @@
 suspect: dsec.health), then power-of-k choices
 (sample k, take the least loaded). Each engine overlays its own in-flight placements
 on the last snapshot, so a burst does not pile onto the node that looked emptiest a
-second ago. No durable state."""
+second ago, and the room gangs hold for their items (:class:`Plan`). No durable state."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,20 @@ class _InFlight:
     count: int = 0
 
 
+@dataclass
+class Plan:
+    """Edge room a gang (a batch made all or nothing) holds on this engine: how many of its
+    items each edge still keeps room for, until they take it or the gang ends."""
+
+    left: dict[str, int]
+    cpu: float
+    memory_mb: int
+
+    @property
+    def held(self) -> int:
+        return sum(self.left.values())
+
+
 class Placement:
     def __init__(self, view: Callable[[], dict[str, NodeStats]], k: int = 2, rng: random.Random | None = None) -> None:
         self._view = view
@@ -46,6 +61,8 @@ class Placement:
         self._unseen_at: dict[str, float] = {}
         self._seen: dict[str, NodeStats] = {}
         self._snapshot_id = 0
+        # room gangs hold for items not yet placed: counted by every placement until taken
+        self.planned: dict[str, _InFlight] = {}
 
     def _snapshot(self) -> dict[str, NodeStats]:
         view = self._view()
@@ -71,7 +88,7 @@ class Placement:
     def _room(self, st: NodeStats, unseen: bool = False) -> Room:
         """``st``'s room with this engine's in-flight and recent placements reserved on it;
         ``unseen``: with those no snapshot has shown yet (for ranking, not refusing)."""
-        parts = [self.in_flight, self._unseen if unseen else self._recent]  # (the unseen hold the recent)
+        parts = [self.in_flight, self.planned, self._unseen if unseen else self._recent]  # (the unseen hold the recent)
         cpu = sum(d[st.edge].cpu for d in parts if st.edge in d)
         mem = sum(d[st.edge].memory_mb for d in parts if st.edge in d)
         count = sum(d[st.edge].count for d in parts if st.edge in d)
@@ -97,6 +114,62 @@ class Placement:
         tracing.annotate(candidates=len(cands), sampled=len(sample))
         return min(sample, key=lambda st: (self._room(st, unseen=True).load(),
                                            self._room(st, unseen=True).sandboxes)).edge
+
+    def plan(self, args: Demand, n: int) -> Plan:
+        """Room for all ``n`` sandboxes of ``args`` on the edges this engine sees, spread in
+        proportion to each edge's room and held (against every other placement here) until
+        the items take it (:meth:`take`) or the gang lets it go (:meth:`release`); or
+        AdmissionRejected saying how many of the ``n`` there is room for, holding nothing.
+        Suspect edges count (a gang would rather wait on one than not start); cordoned,
+        unhealthy ones do not. The edges still have the final word on each item."""
+        cands = [st for st in self._snapshot().values()
+                 if st.healthy and not st.cordoned and st.health != "cordoned"
+                 and args.backend in [b.value for b in st.backends]]
+        fits = {st.edge: self._room(st).fits(args) for st in cands}
+        total = sum(fits.values())
+        tracing.annotate(candidates=len(cands), room=total)
+        if total < n:
+            raise AdmissionRejected(
+                f"the fleet has room for {total} of these {n} sandboxes now ({sum(1 for f in fits.values() if f)} of "
+                f"{len(cands)} edges have room; each asks {args.cpu_admitted:g} cores and {args.memory_admitted_mb} "
+                "MiB): nothing was created", field="n")
+        share = {e: n * f / total for e, f in fits.items() if f}
+        left = {e: math.floor(v) for e, v in share.items()}
+        # the largest remainders take the rest; no edge gets more than it fits (n <= total)
+        for e in sorted(share, key=lambda e: share[e] - left[e], reverse=True)[:n - sum(left.values())]:
+            left[e] += 1
+        plan = Plan({e: k for e, k in left.items() if k}, args.cpu_admitted, args.memory_admitted_mb)
+        for e, k in plan.left.items():
+            p = self.planned.setdefault(e, _InFlight())
+            p.cpu += k * plan.cpu
+            p.memory_mb += k * plan.memory_mb
+            p.count += k
+        return plan
+
+    def take(self, plan: Plan) -> str | None:
+        """The edge for a gang's next item (where its plan holds the most room; that room
+        becomes the item's own reservation), None once the plan is spent."""
+        if not plan.left:
+            return None
+        edge = max(plan.left, key=plan.left.__getitem__)
+        self._unplan(plan, edge, 1)
+        return edge
+
+    def release(self, plan: Plan) -> None:
+        """The gang needs no more of its room (it ended, failed or was cancelled)."""
+        for edge, k in list(plan.left.items()):
+            self._unplan(plan, edge, k)
+
+    def _unplan(self, plan: Plan, edge: str, k: int) -> None:
+        plan.left[edge] -= k
+        if plan.left[edge] <= 0:
+            del plan.left[edge]
+        p = self.planned[edge]
+        p.cpu -= k * plan.cpu
+        p.memory_mb -= k * plan.memory_mb
+        p.count -= k
+        if p.count <= 0:
+            del self.planned[edge]
 
     @contextlib.contextmanager
     def reserve(self, edge: str, args: Demand) -> Iterator[None]:

@@ -75,7 +75,8 @@ class AsyncBatch:
     async def result(self, *, timeout: float = 3600.0
                      ) -> tuple[builtins.list[AsyncSandbox], builtins.list[BatchItem]]:
         """Once it ends: the sandboxes made (handles, in item order) and the items that were not
-        (failed with their ``error`` and ``reason``, or cancelled). Never all-or-nothing.
+        (failed with their ``error`` and ``reason``, or cancelled). A batch not made all or
+        nothing may have both; an all-or-nothing one that ``failed`` stopped what it made.
         A sandbox made and stopped since is still listed (its item's outcome was made)."""
         from dsec.sdk.client import AsyncSandbox
         await self.wait(timeout=timeout)

@@ -23,7 +23,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from dsec import tracing
-from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable, InvalidRequest
+from dsec.errors import ERRORS_BY_CODE, DeadlineExceeded, DsecError, EdgeUnavailable, InvalidRequest, RateLimited
 from dsec.sdk.batches import AsyncBatch
 from dsec.sdk.console import AsyncConsole
 from dsec.sdk.iam import AsyncProjects
@@ -200,6 +200,8 @@ def _raise_for(resp: Response, method: str = "", path: str = "") -> None:
         err.status = resp.status_code
         raise err from None
     err = cls(body.get("message", resp.text), field=body.get("field"), sandbox_id=sid, operation=op)
+    if isinstance(err, RateLimited) and isinstance(body.get("retry_after"), (int, float)):
+        err.retry_after = float(body["retry_after"])
     if cls is DsecError:  # a code this SDK does not know: the status still says whose failure it is
         err.status = resp.status_code
     raise err
@@ -662,14 +664,19 @@ class AsyncClient:
         info = SandboxInfo.model_validate(await self._json("POST", "/v1/sandboxes", json=body, timeout=timeout))
         return AsyncSandbox(self, info)
 
-    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, job: str | None = None
-                          ) -> AsyncBatch:
+    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, job: str | None = None,
+                          *, all_or_nothing: bool = False) -> AsyncBatch:
         """``n`` sandboxes (up to 10,000) of ``args``, made by the platform in the background a
         bounded number at a time per edge: returns at once with the batch's handle
-        (``progress()``, ``result()`` -> (sandboxes, failures), ``cancel()``)."""
+        (``progress()``, ``result()`` -> (sandboxes, failures), ``cancel()``).
+
+        ``all_or_nothing`` (a gang, for a rollout step that needs all n): the project's quota
+        and edge room for all n are held before the call returns, or it raises at once naming
+        the shortfall (QuotaExceeded, AdmissionRejected, JobNotActive) and nothing is made;
+        should an item still fail, the batch ends ``failed`` and what it made is stopped."""
         # checked by the platform (an n out of range is its InvalidRequest naming ``n``)
         body = {"args": CreateRequest(args=args).model_dump(mode="json")["args"], "n": n,
-                **({"job": job} if job is not None else {})}
+                **({"job": job} if job is not None else {}), **({"all_or_nothing": True} if all_or_nothing else {})}
         return AsyncBatch(self, BatchInfo.model_validate(await self._json("POST", "/v1/batches", json=body)))
 
     @property

@@ -57,10 +57,12 @@ class AsyncJob:
         a = (args or ContainerArgs()).model_copy(update={"job": self.name})
         return await self._client._create(a, timeout)
 
-    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int) -> AsyncBatch:
+    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, *,
+                          all_or_nothing: bool = False) -> AsyncBatch:
         """``n`` sandboxes of this job as a batch (``client.create_many``); the quota is checked per
-        item: those past it fail with ``quota_exceeded``, the others are made."""
-        return await self._client.create_many(args, n, job=self.name)
+        item: those past it fail with ``quota_exceeded``, the others are made. ``all_or_nothing``:
+        a gang, all n held before it is accepted or none (``client.create_many``)."""
+        return await self._client.create_many(args, n, job=self.name, all_or_nothing=all_or_nothing)
 
     async def _act(self, what: str, timeout: float) -> JobAction:
         r = JobAction.model_validate(await self._client._json("POST", f"{self._base}/{what}", params=self._params,

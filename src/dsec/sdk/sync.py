@@ -21,7 +21,7 @@ from dsec.sdk.nodes import AsyncNodes
 from dsec.sdk.rollouts import AsyncRollouts
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem
 from dsec.wire.jobs import JobInfo
-from dsec.wire.models import SandboxInfo
+from dsec.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, VMArgs
 from dsec.wire.rollouts import RolloutInfo
 
 T = TypeVar("T")
@@ -216,7 +216,11 @@ class Job(_Face):
     status = _blocking(AsyncJob.status)
     sandboxes = _blocking(AsyncJob.sandboxes)
     run = _to_sandbox(AsyncJob.run)
-    create_many: _Blocking[[Any, int], Batch] = _Blocking(AsyncJob.create_many, "call")
+    def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, *,
+                    all_or_nothing: bool = False) -> Batch:
+        """The blocking :meth:`dsec.sdk.jobs.AsyncJob.create_many`."""
+        return Batch(self._portal, self._portal.call(self._inner.create_many(args, n, all_or_nothing=all_or_nothing)))
+
     pause = _blocking(AsyncJob.pause)
     resume = _blocking(AsyncJob.resume)
     stop = _blocking(AsyncJob.stop)
@@ -390,5 +394,10 @@ class Client(_Face):
     create_job = _to_job(AsyncClient.create_job)
     job = _to_job(AsyncClient.job)
     jobs = _blocking(AsyncClient.jobs)
-    create_many: _Blocking[[Any, int, str | None], Batch] = _Blocking(AsyncClient.create_many, "call")
+    def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, job: str | None = None,
+                    *, all_or_nothing: bool = False) -> Batch:
+        """The blocking :meth:`dsec.sdk.client.AsyncClient.create_many`."""
+        return Batch(self._portal, self._portal.call(self._inner.create_many(args, n, job,
+                                                                             all_or_nothing=all_or_nothing)))
+
     batch: _Blocking[[str], Batch] = _Blocking(AsyncClient.batch, "call")

@@ -12,7 +12,8 @@ from dsec.wire.models import AnySandboxArgs, Strict
 
 MAX_BATCH = 10_000
 ItemState = Literal["queued", "starting", "running", "failed", "cancelled"]
-BatchState = Literal["running", "done", "cancelled"]
+# failed: an all-or-nothing batch one of whose items could not be made (the rest were not)
+BatchState = Literal["running", "done", "cancelled", "failed"]
 ITEM_STATES: tuple[ItemState, ...] = ("queued", "starting", "running", "failed", "cancelled")
 BATCH_LABEL = "dsec.batch"  # on every sandbox a batch made: <batch id>/<item index>
 
@@ -21,6 +22,10 @@ class BatchRequest(Strict):
     args: AnySandboxArgs
     n: Annotated[int, Field(ge=1, le=MAX_BATCH, description="how many sandboxes, 1-10000")]
     job: str | None = Field(default=None, max_length=128, description="the job they belong to (sets args.job)")
+    all_or_nothing: bool = Field(default=False, description=(
+        "a gang: quota and edge room for all n are held before it is accepted, or it is refused at once "
+        "(429 naming the shortfall) and nothing is made; should an item still fail, the batch fails and "
+        "what it made is stopped"))
 
 
 class BatchCounts(BaseModel):
@@ -48,6 +53,8 @@ class BatchInfo(BaseModel):
     counts: BatchCounts
     created_at: float
     finished_at: float | None = None
+    all_or_nothing: bool = False
+    reason: str | None = Field(default=None, description="why an all-or-nothing batch failed")
     items: list[BatchItem] = Field(default_factory=list, description="items offset..offset+limit (paged)")
     next_offset: int | None = Field(default=None, description="where the next page starts; None: no more")
     failure_reasons: dict[str, int] = Field(default_factory=dict, description="in lists: why failed items "
