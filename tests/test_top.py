@@ -260,3 +260,44 @@ async def test_dsec_exec_of_a_long_command_quits_on_ctrl_c(platform: Platform, b
     code, took, err = await asyncio.to_thread(run)
     assert code == 130 and took < 1.5, (code, took, err[-2000:])
     assert b"Traceback" not in err, err[-2000:]
+
+
+async def test_every_waiting_cli_command_quits_on_ctrl_c_against_a_hung_apiserver(
+        platform: Platform, tmp_path: os.PathLike[str]) -> None:
+    """The CLI commands that wait on the apiserver for long (a batch, a move, a drain, a
+    restore, an FnCall), started with SIGINT ignored as a script's background job is, end
+    within a second of Ctrl-C while the apiserver hangs: exit 130, no traceback."""
+    src = os.path.join(tmp_path, "hello.py")
+    with open(src, "w") as f:
+        f.write("print('hi')\n")
+    commands = [["create", "--image", "base/busybox", "--count", "2", "--all-or-nothing"],
+                ["move", "n1-000000000000"], ["restore", "n1-000000000000"], ["node", "drain", "n1"],
+                ["fncall", "run", "python", src]]
+    proxy = Proxy(platform.port)
+    proxy.hung.set()  # connections taken, never answered
+
+    def run(argv: list[str]) -> tuple[list[str], int | None, float, bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", *argv], env=_env(platform, DSEC_URL=proxy.url),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            time.sleep(6)  # imported, its request sent and stuck
+            assert proc.poll() is None, (argv, proc.stderr.read() if proc.stderr else b"")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            took = time.monotonic() - t0
+            assert proc.stderr is not None
+            return argv, proc.poll(), took, proc.stderr.read() if proc.poll() is not None else b""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    try:
+        results = await asyncio.gather(*(asyncio.to_thread(run, argv) for argv in commands))
+    finally:
+        proxy.close()
+    for argv, code, took, err in results:
+        assert code == 130 and took < 1.5, (argv, code, took, err[-2000:])
+        assert b"Traceback" not in err, (argv, err[-2000:])

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dsec.cli.common import TokenOpt, UrlOpt, _errors, console
+from dsec.cli.common import TokenOpt, UrlOpt, _errors, console, interruptible
 from dsec.sdk import Client
 from dsec.wire.fleet import CheckpointInfo
 
@@ -53,6 +53,7 @@ def list_(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None, as_json: 
 
 def move(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Move a checkpointed sandbox to another edge (same id; its processes restart)."""
+    interruptible()  # a move waits on the edges: Ctrl-C quits within a second
     with _errors(), Client(url=url, token=token) as c:
         info = c.connect(sandbox_id).move()
     console.print(f"{info.sandbox_id} runs on {info.edge} ({info.restored_from})")
@@ -60,6 +61,7 @@ def move(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
 
 def restore(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Restore a lost node's sandbox from its newest checkpoint on another edge."""
+    interruptible()  # a move waits on the edges: Ctrl-C quits within a second
     with _errors(), Client(url=url, token=token) as c:
         info = c.connect(sandbox_id).restore()
     console.print(f"{info.sandbox_id} runs on {info.edge} ({info.restored_from})")
@@ -67,6 +69,7 @@ def restore(sandbox_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None
 
 def drain(node: str, url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """Move every checkpointed sandbox off NODE (cordon it first); list what was left."""
+    interruptible()  # a move waits on the edges: Ctrl-C quits within a second
     with _errors(), Client(url=url, token=token) as c:
         report = c.nodes.drain(node)
     if as_json:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from dsec.cli.common import StoreOpt, console, err
+from dsec.cli.common import StoreOpt, console, err, interruptible
 
 cluster_app = typer.Typer(help="dsec across the nodes of a Ray cluster", no_args_is_help=True)
 RayOpt = Annotated[str, typer.Option("--ray-address", help="the Ray cluster (auto: the one this node is in)")]
@@ -36,6 +36,7 @@ def up(ray_address: RayOpt = "auto",
        token_file: Annotated[str | None, typer.Option(help="where to write the admin token (0600)")] = None) -> None:
     """Start dsec on a Ray cluster: an edge on every node with the dsec_edge resource, the
     apiserver replicas, the controller; prints the apiserver URLs."""
+    interruptible()  # it waits minutes for the cluster: Ctrl-C quits within a second
     from sqlalchemy.exc import SQLAlchemyError
 
     from dsec.cluster import ops

@@ -42,9 +42,9 @@ def _errors() -> Iterator[None]:
         err.print(f"[red]error[/red] ({e.code}): {e.message}")
         raise typer.Exit(2) from None
     except ValidationError as e:
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or e.title
-        err.print(f"[red]error[/red] (invalid_request): {where}: {first.get('msg', str(e))}")
+        errors = e.errors()
+        where = ".".join(str(p) for p in errors[0]["loc"]) if errors else e.title
+        err.print(f"[red]error[/red] (invalid_request): {where or e.title}: {errors[0]['msg'] if errors else e}")
         raise typer.Exit(2) from None
 
 

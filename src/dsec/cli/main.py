@@ -289,6 +289,7 @@ def layer_import_oci(source: Annotated[str, typer.Argument(
         ref: str, collapse_mb: Annotated[int, typer.Option(help="collapse consecutive layers under this size")] = 64,
         data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """Convert an OCI image once to EROFS layers and publish it (e.g. base/python:3.12)."""
+    interruptible()
     from rich.progress import Progress as Bar
 
     from dsec.layers.oci import import_oci
@@ -305,6 +306,7 @@ def layer_import_oci(source: Annotated[str, typer.Argument(
 def layer_build(spec: Annotated[str, typer.Argument(help="TOML spec: ref, image, layers, steps, files, scrub_paths")],
                 url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Build a layer: run the spec's steps in a fresh sandbox, publish its writes (pack_diff)."""
+    interruptible()
     from dsec.layers.build import BuildSpec, build_layer
 
     with _api(url, token) as c:
@@ -391,6 +393,7 @@ def fncall_run(language: str, source: Annotated[str, typer.Argument(help="source
                time_limit: float = 5.0, memory_mb: int = 256, image: str = FNCALL_IMAGE,
                url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Run a source file once; prints its output, exits with its exit code (3 on a limit)."""
+    interruptible()
     from dsec.wire.models import FnCallArgs
 
     code = sys.stdin.read() if source == "-" else open(source).read()
