@@ -5,6 +5,7 @@ the two commands that run an edge."""
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import inspect
 import logging
@@ -264,8 +265,33 @@ def _edge_pairs(edges: str) -> dict[str, str]:
     return pairs
 
 
+def edge_hollow(count: Annotated[int, typer.Option(min=1, max=1000, help="how many hollow edges")],
+                secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
+                data_root: Annotated[str, typer.Option(help="each edge keeps its records in DATA_ROOT/NAME")],
+                db: Annotated[str | None, typer.Option(
+                    envvar="DSEC_DB", help="a cluster's database: each edge registers in its registry")] = None,
+                prefix: Annotated[str, typer.Option(help="edge names: PREFIX0, PREFIX1, ...")] = "h",
+                first: Annotated[int, typer.Option(help="the first edge's number")] = 0,
+                host: str = "127.0.0.1",
+                port: Annotated[int, typer.Option(help="edge i listens on PORT + i (0: free ports)")] = 0,
+                cpus: Annotated[int, typer.Option(help="cores each models (a DSec node's)")] = 192,
+                memory_gb: Annotated[int, typer.Option(help="memory each models")] = 2048,
+                max_sandboxes: Annotated[int, typer.Option(help="each edge's sandbox limit")] = 4096,
+                store: StoreOpt = None, log_level: str = "warning") -> None:
+    """Run COUNT hollow edges in this process (a load instrument for the control plane,
+    docs/scale.md: the real edge over a runtime that starts no process and mounts nothing;
+    never a backend a user can choose). Prints NAME URL per edge, runs until SIGTERM."""
+    from dsec.edge.remote.hollow import serve_fleet
+
+    _prepare_process(log_level)
+    secret = _read_secret(secret_file)
+    cfg = {"hollow_cpus": cpus, "hollow_memory_mb": memory_gb * 1024, "max_sandboxes": max_sandboxes}
+    asyncio.run(serve_fleet(count, prefix, os.path.abspath(data_root), secret, host, port, db, store, cfg, first))
+
+
 def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(apiserver)
     edge_app.command("serve")(edge_serve)
+    edge_app.command("hollow")(edge_hollow)
     app.add_typer(edge_app, name="edge")

@@ -99,7 +99,9 @@ class Capacity(EdgeCore):
             edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), network=self.network_status,
             density={**self.density, "pressure": memory.pressure(), "pause_below_mb": self.cfg.pause_below_mb,
                      "admit_max_psi": self.cfg.admit_max_psi},
-            backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available else [])],
+            backends=[Backend.container, *([Backend.microvm, Backend.vm] if self.vms.available and not self.hollow
+                                           else [])],
+            hollow=self.hollow is not None,
             memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
             memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job,

@@ -29,3 +29,9 @@ class EdgeConfig(BaseModel):
     sandbox_subnet: str | None = None
     # writable layers with quotas live on a btrfs volume (None: sized from free space; 0: off)
     sandbox_volume_gb: int | None = None
+    # a hollow edge (dsec.backends.hollow; docs/scale.md): the real edge over a runtime that
+    # starts no process and mounts nothing, a load instrument for the control plane that
+    # models a node of ``hollow_cpus`` cores and ``hollow_memory_mb`` (never a user's choice)
+    hollow: bool = False
+    hollow_cpus: int = 192
+    hollow_memory_mb: int = 2 * 1024 * 1024

@@ -14,6 +14,7 @@ from dsec.agent.native import ensure_init_binary
 from dsec.backends.api import SandboxRuntime
 from dsec.backends.container.sandboxes import ContainerSandboxes
 from dsec.backends.fncall.pool import FnCallService
+from dsec.backends.hollow.runtime import HollowSandboxes
 from dsec.backends.vm.sandboxes import VMSandboxes
 from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
@@ -77,7 +78,7 @@ class EdgeCore(InteractiveOps):
         self.layers = layers
         root = self.root = os.path.join(cfg.data_dir, "edges", cfg.name)
         os.makedirs(root, exist_ok=True)
-        self.volume = SandboxVolume(root, cfg.sandbox_volume_gb)
+        self.volume = SandboxVolume(root, 0 if cfg.hollow else cfg.sandbox_volume_gb)
         self.volume.setup()
         self.sandbox_root = os.path.join(self.volume.mnt if self.volume.available else root, "sandboxes")
         os.makedirs(self.sandbox_root, exist_ok=True)
@@ -87,7 +88,8 @@ class EdgeCore(InteractiveOps):
         os.makedirs(os.path.join(self.run_dir, "s"), exist_ok=True)
         self.state = EdgeState(os.path.join(root, "state.db"))
         self.cmdlog = CommandLog(os.path.join(root, "commands.db"))  # keyed commands (edge/cmdlog.py)
-        self.init_binary = ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
+        # (a hollow edge starts no init: dsec.backends.hollow)
+        self.init_binary = "" if cfg.hollow else ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
         self.signals = Signals()  # what the fleet's health detector reads (edge/signals.py)
         self.host_load = HostLoadReader()
@@ -101,6 +103,7 @@ class EdgeCore(InteractiveOps):
         self.containers = ContainerSandboxes(self, self.volume, self.run_dir, f"dsec-{tag}", self.init_binary)
         self.vm_sandboxes = VMSandboxes(self, cfg.data_dir, self.run_dir, f"dsec-{tag}")
         self.runtime, self.vms = self.containers.runtime, self.vm_sandboxes.vms  # node-level questions
+        self.hollow = HollowSandboxes(self, f"/sys/fs/cgroup/dsec-hollow-{tag}") if cfg.hollow else None
         self.audit = AuditLog(os.path.join(root, "audit.db"))
         self.detectors = Detectors(self._flag)
         self.procwatch = ProcWatch(f"dsec-{tag}", self._on_exec)
@@ -118,8 +121,8 @@ class EdgeCore(InteractiveOps):
         self._quota_checked = 0.0
         self._audit_swept = 0.0
         self._teardowns: set[asyncio.Task[None]] = set()
-        self.cpus = os.cpu_count() or 1
-        self.memory_mb = mem_total_mb()
+        self.cpus = cfg.hollow_cpus if cfg.hollow else os.cpu_count() or 1
+        self.memory_mb = cfg.hollow_memory_mb if cfg.hollow else mem_total_mb()
         self.metrics = EdgeMetrics(self.name, lambda: [
             (sb.id, sb.rec.info.state.value, sb.rec.info.job, self._usage(sb))
             for sb in list(self.sandboxes.values()) if not sb.stopping], self._storage_stats)
@@ -163,6 +166,8 @@ class EdgeCore(InteractiveOps):
         return self.backend_of(sb).cgroup_path(sb.id)
 
     def backend_of(self, sb: Sandbox) -> SandboxRuntime:
+        if self.hollow is not None:  # every sandbox of a hollow edge, whatever it asked for
+            return self.hollow
         return self.containers if sb.rec.args.backend == "container" else self.vm_sandboxes
 
     def record(self, sb: Sandbox) -> None:

@@ -100,6 +100,12 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
+        if self.hollow is not None:  # no process, mount or link of its own (dsec.backends.hollow)
+            self.network_status = "hollow edge: no network"
+            self.density["hollow"] = "a load instrument: its sandboxes run nothing (docs/scale.md)"
+            await self._recover()
+            self._ttl_task = asyncio.create_task(self._ttl_loop())
+            return
         linux.become_subreaper()  # a container's init is orphaned by crun run -d: the edge reaps it
         self.density["swap"] = await asyncio.to_thread(memory.ensure_swap)
         self.density["inotify_instances"] = await asyncio.to_thread(ensure_inotify_instances)

@@ -586,6 +586,8 @@ class NodeStats(BaseModel):
                            "detector cordoned it)")
     health: Health = Field(default="ok", description="the detector's verdict, as the registry has it")
     host: HostLoad | None = Field(default=None, description="the node's own CPU, memory and swap (/proc)")
+    hollow: bool = Field(default=False, description="a hollow edge: a load instrument for the control plane "
+                         "whose sandboxes run nothing (docs/scale.md)")
 
 
 # ---- FnCall ------------------------------------------------------------------
