@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from sqlalchemy import Engine, Executable
 
 from dsec import tracing
 from dsec.batches import BatchRunner, BatchStore
@@ -93,7 +94,11 @@ class SandboxIndex(Protocol):
     """Where a cluster remembers which edge holds each sandbox (what a lost node held);
     one edge needs none."""
 
+    db: Engine
+
     def index_put(self, info: SandboxInfo, project: str) -> None: ...
+    def index_insert(self, info: SandboxInfo, project: str) -> Executable:
+        """The statement index_put runs, for a transaction of the caller's on ``db``."""
     def index_drop(self, sandbox_ids: list[str]) -> None: ...
 
 
@@ -184,13 +189,13 @@ class Apiserver:
         req = self._own(req)
         job = req.args.job
         project = req.args.labels.get(PROJECT_LABEL, "default")
-        if job is not None and req.args.checkpoint_every_s is None:
-            rec = await asyncio.to_thread(self.job_store.get, project, job)
-            if rec is not None and rec.checkpoint_every_s:  # the job's checkpoint interval, unless it says its own
+        # the job's record, read once for all that asks it (its state, quota, rate, checkpoints)
+        rec = await asyncio.to_thread(self.job_store.get, project, job) if job is not None else None
+        if rec is not None:
+            if req.args.checkpoint_every_s is None and rec.checkpoint_every_s:  # the job's, unless it says its own
                 req = req.model_copy(update={"args": req.args.model_copy(
                     update={"checkpoint_every_s": rec.checkpoint_every_s})})
-        if job is not None:
-            await self.jobs.pace(project, job)
+            await self.jobs.pace(rec)
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
         if hold is None:
             with tracing.span("quota.admit", project=project):
@@ -206,20 +211,24 @@ class Apiserver:
                 info = await self._place(req, bounded, plan)
             else:
                 async with self.jobs.admit(project, job, req.args.cpu_cores_limit,
-                                           req.args.memory_limit_mb) as admission:
+                                           req.args.memory_limit_mb, rec) as admission:
                     info = await self._place(req, bounded, plan)
                     admission.made(info)
         except BaseException:  # not made (or not known to be: then the sweep adopts it later)
             await self.quotas.run(self.quotas.release, hold=hold)
             raise
-        with tracing.span("quota.bind", sandbox_id=info.sandbox_id):
-            await self.quotas.run(self.quotas.bind, hold, info.sandbox_id)
-        if self.index is not None:
+        project_of_new = info.labels.get(PROJECT_LABEL, "default")
+        # on one database (a cluster's), the index row is written in the bind's own transaction
+        joint = self.index is not None and self.index.db is self.quotas.db
+        with tracing.span("quota.bind", sandbox_id=info.sandbox_id, indexed=joint):
+            await self.quotas.run(self.quotas.bind, hold, info.sandbox_id,
+                                  self.index.index_insert(info, project_of_new) if self.index and joint else None)
+        if self.index is not None and not joint:
             # after the bind, not beside it: two PostgreSQL commits at once each waited for the
             # other's WAL flush (bench/cluster.py --steps: 12.2 -> 12.9 ms outside the edge)
             try:
                 with tracing.span("index.put", sandbox_id=info.sandbox_id):
-                    await asyncio.to_thread(self.index.index_put, info, info.labels.get(PROJECT_LABEL, "default"))
+                    await asyncio.to_thread(self.index.index_put, info, project_of_new)
             except Exception as e:  # the sandbox exists: it only goes unreported should its node be lost
                 log.warning("sandbox %s not indexed: %s", info.sandbox_id, e)
         return info

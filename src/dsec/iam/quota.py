@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, Update, and_, bindparam, delete, insert, or_, select, update
+from sqlalchemy import Connection, Engine, Executable, Update, and_, bindparam, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -55,6 +55,8 @@ STARTING_STALE_S = 900.0
 # a sandbox running without a hold is adopted only once it is this old: younger ones may be
 # a create still on its way back to the replica that admitted it
 ADOPT_GRACE_S = 60.0
+# after a refusal, a project's admissions read its counters before they write, this long
+REFUSED_READ_S = 1.0
 # a deadlock should not happen (rows are locked in name order, see _lock); should one, an
 # admission is tried again this many times
 DEADLOCK_RETRIES = 5
@@ -151,6 +153,7 @@ class ProjectQuotas:
         # SQLite has one writer: serializing here keeps threads off its busy-wait
         self._serial = threading.Lock() if db.dialect.name == "sqlite" else None
         self._warned: set[str] = set()
+        self._refused: dict[str, float] = {}  # project -> when an admission last found it full
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args)`` of this class from the event loop: in place on a SQLite file (a
@@ -185,10 +188,13 @@ class ProjectQuotas:
         """Hold ``need`` (and one starting slot) in ``project`` and every ancestor; the hold's
         id. Refused with QuotaExceeded (429) naming the project and resource, or NotFound for
         a sub-project that does not exist."""
-        # a read first: under a burst at a full quota, most refusals never take the write lock
-        if (missing := self._check(project, need.amounts())) is not None:
+        # a read first while the project was refused lately: under a burst at a full quota, most
+        # refusals then never take the write lock; otherwise the write alone (a round trip less)
+        if time.monotonic() - self._refused.get(project, -REFUSED_READ_S) < REFUSED_READ_S \
+                and (missing := self._check(project, need.amounts())) is not None:
             self.ensure_root(missing)
-        for attempt in range(DEADLOCK_RETRIES + 1):
+        rooted = False
+        for attempt in range(DEADLOCK_RETRIES + 2):
             try:
                 with self._txn() as c:
                     if not self._charge(c, project, need):
@@ -200,7 +206,20 @@ class ProjectQuotas:
                         "charged_cpu_milli": need.cpu_milli, "created_at": time.time()})
                     return hold
             except _Refused:
-                self._check(project, need.amounts())  # raises, naming the project and resource
+                # raises, naming the project and resource; or a top-level project never made (the
+                # "default" one, a token's project from before the tree): made, then once more
+                try:
+                    missing = self._check(project, need.amounts())
+                except QuotaExceeded:
+                    if len(self._refused) > 100_000:
+                        self._refused.clear()
+                    self._refused[project] = time.monotonic()
+                    raise
+                if missing is not None and not rooted:
+                    self.ensure_root(missing)
+                    rooted = True
+                    continue
+                self._refused[project] = time.monotonic()
                 raise QuotaExceeded(f"project {project!r} had no room for this sandbox (its usage changed "
                                     "meanwhile: try again)", field="quota") from None
             except OperationalError as e:  # PostgreSQL broke a lock cycle by failing this one: again
@@ -323,17 +342,23 @@ class ProjectQuotas:
         c.execute(MOVE, {"names": names, "a_sandboxes": sandboxes, "a_cpu_cores": cpu_milli, "a_memory_mb": memory_mb,
                          "a_disk_mb": disk_mb, "a_starting": starting})
 
-    def bind(self, hold: str, sandbox_id: str) -> None:
-        """The edge made the hold's sandbox: no longer starting."""
+    def bind(self, hold: str, sandbox_id: str, also: Executable | None = None) -> None:
+        """The edge made the hold's sandbox: no longer starting. ``also``: a statement to
+        commit with it (the cluster's index row of the sandbox: one commit, not two)."""
         try:
             with self._txn() as c:
                 # conditional: a release racing this one (the sweep's) must not be counted twice
                 project = c.execute(BIND, {"hold": hold, "sandbox_id": sandbox_id, "now": time.time()}).scalar()
+                if also is not None:
+                    c.execute(also)
                 if project is None:  # released (or bound) already
                     return
                 self._move(c, project, 0, 0, 0, 0, -1)
         except IntegrityError:  # the sweep adopted the sandbox first: that hold counts it, not this one
             self.release(hold=hold)
+            if also is not None:  # (rolled back with the bind)
+                with self._txn() as c:
+                    c.execute(also)
 
     def release(self, *, hold: str | None = None, sandbox_id: str | None = None) -> bool:
         """Free a hold (by its id, or its sandbox's); False if there was none."""

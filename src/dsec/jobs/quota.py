@@ -74,36 +74,28 @@ class JobGate:
         self.lister = lister
         self._uses: dict[tuple[str, str], _Use] = {}
         self._tokens = itertools.count()
-        self._rates: dict[tuple[str, str], tuple[float | None, float]] = {}  # (rate, read at)
 
-    async def pace(self, project: str, job: str, n: int = 1) -> None:
+    async def pace(self, rec: JobInfo, n: int = 1) -> None:
         """Take ``n`` creates from the job's creation-rate budget (JobQuota.creates_per_s),
         shared by every worker and replica of the job; RateLimited (429, Retry-After) when it
-        has no room now. A job without a record or a rate is not paced. The rate is read at
-        most once a second per job (a job's quota is set when it is made)."""
-        now = time.monotonic()
-        rate, at = self._rates.get((project, job), (None, float("-inf")))
-        if now - at > SNAPSHOT_TTL_S:
-            rec = await asyncio.to_thread(self.store.get, project, job)
-            rate = rec.quota.creates_per_s if rec is not None else None
-            if len(self._rates) > 100_000:
-                self._rates.clear()
-            self._rates[(project, job)] = (rate, now)
+        has no room now. ``rec``: the job's record as this create read it (a job without a
+        rate is not paced)."""
+        rate = rec.quota.creates_per_s
         if rate is None:
             return
-        wait = await asyncio.to_thread(self.store.take_creates, project, job, rate, n)
+        wait = await asyncio.to_thread(self.store.take_creates, rec.project, rec.name, rate, n)
         if wait > 0:
-            raise RateLimited(f"job {job!r} is at its creation rate of {rate:g} per second"
+            raise RateLimited(f"job {rec.name!r} is at its creation rate of {rate:g} per second"
                               + (f" ({n} at once exceed a second's worth)" if n > max(rate, 1.0) else
                                  f": try again in {wait:.2f} s"), field="quota.creates_per_s", retry_after=wait)
 
     @contextlib.asynccontextmanager
-    async def admit(self, project: str, job: str, cpu_cores: float, memory_mb: int) -> AsyncIterator[Admission]:
-        """Admit one create of ``job`` (its record's state and quota), holding its share until
-        the body ends; refused with JobNotActive (409) or QuotaExceeded (429). A job with no
-        record is free-form, as a bare label: admitted."""
+    async def admit(self, project: str, job: str, cpu_cores: float, memory_mb: int,
+                    rec: JobInfo | None) -> AsyncIterator[Admission]:
+        """Admit one create of ``job`` (``rec``, its record as this create read it: its state
+        and quota), holding its share until the body ends; refused with JobNotActive (409) or
+        QuotaExceeded (429). A job with no record is free-form, as a bare label: admitted."""
         adm = Admission()
-        rec = await asyncio.to_thread(self.store.get, project, job)
         if rec is None:
             yield adm
             return

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from dsec.errors import MetadataUnavailable
 
@@ -19,13 +22,16 @@ MIGRATIONS = os.path.join(os.path.dirname(__file__), "migrations")
 CONNECT_TIMEOUT_S = 5
 STATEMENT_TIMEOUT_MS = 10_000
 MIGRATION_LOCK = 0x64736563  # "dsec"
+POOL_SIZE = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
+PING_IDLE_S = 5.0
 
 
 def unavailable(e: BaseException) -> MetadataUnavailable | None:
     """``e`` as the typed 503 a caller gets while the database is away (a server restarting
     or unreachable, a connection cut, a statement past its timeout); None for any other
-    error, which stays the bug it is. The next request tries again: the engine checks a
-    pooled connection before use (pool_pre_ping) and connects anew within CONNECT_TIMEOUT_S."""
+    error, which stays the bug it is. The next request tries again: a connection that was
+    cut invalidates the pool (each pooled one is made anew), one idle for a while is checked
+    before use (``_ping_idle``), and a connect is bounded by CONNECT_TIMEOUT_S."""
     if isinstance(e, OperationalError | InterfaceError | DisconnectionError) or \
             isinstance(e, DBAPIError) and e.connection_invalidated:
         first = str(getattr(e, "orig", None) or e).strip().splitlines()[:1] or [type(e).__name__]
@@ -65,12 +71,38 @@ def open_db(url: str, migrate: bool = True) -> Engine:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
     else:
-        engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, pool_timeout=CONNECT_TIMEOUT_S,
+        # as many pooled connections as the default executor has threads (the blocking calls
+        # run there): with fewer, the overflow was a new connection (a PostgreSQL backend
+        # forked, authenticated) and a close for every call past the 4th at once, ~1 ms of
+        # each side's CPU per create (bench/scale.py)
+        engine = create_engine(url, pool_size=POOL_SIZE, max_overflow=8, pool_timeout=CONNECT_TIMEOUT_S,
                                connect_args={"connect_timeout": CONNECT_TIMEOUT_S,
                                              "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
+        _ping_idle(engine)
     if migrate:
         upgrade(engine)
     return engine
+
+
+def _ping_idle(engine: Engine) -> None:
+    """Check a pooled connection before use only when it sat idle for PING_IDLE_S or more:
+    those are the ones a database restart or a proxy's idle timeout cut while nobody looked.
+    pool_pre_ping checked every checkout, a round trip per call (three per create). A busy
+    connection that the server drops fails its call with a 503 and invalidates the pool."""
+    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "checkin")
+    def _used(dbapi_conn: object, record: ConnectionPoolEntry) -> None:
+        record.info["used_at"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn: Any, record: ConnectionPoolEntry, proxy: object) -> None:
+        if time.monotonic() - record.info.get("used_at", 0.0) < PING_IDLE_S:
+            return
+        try:
+            with dbapi_conn.cursor() as cur:
+                cur.execute("SELECT 1")
+        except Exception as e:  # the pool makes a new connection (and tries up to 3 times)
+            raise DisconnectionError(f"a pooled connection idle for {PING_IDLE_S:g} s or more is gone: {e}") from e
 
 
 def upgrade(engine: Engine) -> None:

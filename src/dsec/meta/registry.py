@@ -12,7 +12,9 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, delete, false, insert, or_, select, update
+from sqlalchemy import Engine, Insert, delete, false, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
 from dsec.meta.schema import edges, sandboxes, settings
@@ -99,13 +101,17 @@ class Registry:
                 c.execute(update(edges).where(edges.c.name == name).values(stats=st.model_dump_json(), stats_at=now))
 
     # ---- the sandbox index ---------------------------------------------------------
+    def index_insert(self, info: SandboxInfo, project: str) -> Insert:
+        """The statement that indexes a sandbox (nothing for an id indexed already: an edge
+        reuses no id, so that is a retry), for a caller to run in a transaction of its own
+        on this database (the quota bind's: one commit per create instead of two)."""
+        ins = (pg_insert if self.db.dialect.name == "postgresql" else sqlite_insert)(sandboxes)
+        return ins.values(id=info.sandbox_id, edge=info.edge, project=project, created_at=info.created_at,
+                          info=info.model_dump_json()).on_conflict_do_nothing(index_elements=["id"])
+
     def index_put(self, info: SandboxInfo, project: str) -> None:
         with self.db.begin() as c:
-            try:
-                c.execute(insert(sandboxes).values(id=info.sandbox_id, edge=info.edge, project=project,
-                                                   created_at=info.created_at, info=info.model_dump_json()))
-            except IntegrityError:  # the same id again: an edge reuses no id, so this is a retry
-                pass
+            c.execute(self.index_insert(info, project))
 
     def index_drop(self, sandbox_ids: list[str]) -> None:
         if sandbox_ids:

@@ -1,4 +1,4 @@
-"""The SDK's batch handle: up to 10,000 sandboxes of one args made by the platform in the
+"""The SDK's batch handle: up to 32,768 sandboxes of one args made by the platform in the
 background (``client.create_many``), with progress as it goes, per-item outcomes, cancel.
 Like a job handle it holds only the id: ``client.batch(id)`` gets it back in a new process."""
 

@@ -666,7 +666,7 @@ class AsyncClient:
 
     async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, job: str | None = None,
                           *, all_or_nothing: bool = False) -> AsyncBatch:
-        """``n`` sandboxes (up to 10,000) of ``args``, made by the platform in the background a
+        """``n`` sandboxes (up to 32,768) of ``args``, made by the platform in the background a
         bounded number at a time per edge: returns at once with the batch's handle
         (``progress()``, ``result()`` -> (sandboxes, failures), ``cancel()``).
 

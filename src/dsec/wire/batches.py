@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from dsec.wire.models import AnySandboxArgs, Strict
 
-MAX_BATCH = 10_000
+MAX_BATCH = 32_768  # one job's 32K sandboxes at once (DSec's biggest ask) in one call
 ItemState = Literal["queued", "starting", "running", "failed", "cancelled"]
 # failed: an all-or-nothing batch one of whose items could not be made (the rest were not)
 BatchState = Literal["running", "done", "cancelled", "failed"]
@@ -20,7 +20,7 @@ BATCH_LABEL = "dsec.batch"  # on every sandbox a batch made: <batch id>/<item in
 
 class BatchRequest(Strict):
     args: AnySandboxArgs
-    n: Annotated[int, Field(ge=1, le=MAX_BATCH, description="how many sandboxes, 1-10000")]
+    n: Annotated[int, Field(ge=1, le=MAX_BATCH, description="how many sandboxes, 1-32768")]
     job: str | None = Field(default=None, max_length=128, description="the job they belong to (sets args.job)")
     all_or_nothing: bool = Field(default=False, description=(
         "a gang: quota and edge room for all n are held before it is accepted, or it is refused at once "
