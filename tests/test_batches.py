@@ -201,3 +201,30 @@ def test_one_apiserver_takes_an_orphaned_batch_over(tmp_path: Path) -> None:
                    "reason": "y"}], [("b-1", "done", 40.0)])  # a second outcome for an item is ignored
     assert [(i.idx, i.sandbox_id) for i in store.items("b-1")] == [(0, "e-1")]
     assert store.get("b-1").state == "done"  # type: ignore[union-attr]
+
+
+async def test_throttled_batches_hold_no_slot_from_another_jobs_batch(client: dsec.AsyncClient) -> None:
+    """Red team: jobs paced at one create per 100 s, each with a batch of 2, once held every
+    one of a replica's 8 batch slots while their second items waited for a token, so
+    another project's batches (and gangs, holding their reserved quota) sat queued for up
+    to 15 minutes. A throttled batch now waits holding no slot: the other batch is made."""
+    tag = uuid.uuid4().hex[:6]
+    throttled = []
+    for k in range(8):
+        await client.create_job(f"slow{k}-{tag}", quota=dsec.JobQuota(creates_per_s=0.01))
+        throttled.append(await client.create_many(dsec.ContainerArgs(**SMALL), 2, job=f"slow{k}-{tag}"))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(1.5)  # each first item took its job's one token; each second waits 100 s
+        other = await client.create_many(dsec.ContainerArgs(**SMALL), 4, job=f"fast-{tag}")  # type: ignore[arg-type]
+        made, failed = await other.result(timeout=30)
+        assert len(made) == 4 and not failed
+        for b in throttled:
+            info = await b.get()
+            assert info.state == "running" and info.counts.running == 1 and info.counts.queued == 1, info.counts
+        await _stop(made)
+    finally:
+        for b in throttled:
+            await b.cancel(stop=True)
+    with pytest.raises(dsec.InvalidRequest) as e:  # a rate too slow to mean anything
+        await client.create_job(f"never-{tag}", quota=dsec.JobQuota.model_construct(creates_per_s=5e-324))
+    assert "creates_per_s" in (e.value.field or "") + e.value.message

@@ -576,8 +576,9 @@ def error_response(e: DsecError) -> JSONResponse:
     # "code" (the HTTP status) is what E2B's SDKs read; dsec's own read "error"
     body: dict[str, object] = {"error": e.code, "message": e.message, "field": e.field, "code": e.status}
     if isinstance(e, RateLimited):  # HTTP's header in whole seconds; the body's exact
-        body["retry_after"] = round(e.retry_after, 3)
-        return JSONResponse(body, status_code=e.status, headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+        wait = min(max(e.retry_after, 0.0), 3600.0)  # (a bound, whatever computed it)
+        body["retry_after"] = round(wait, 3)
+        return JSONResponse(body, status_code=e.status, headers={"Retry-After": str(max(1, math.ceil(wait)))})
     return JSONResponse(body, status_code=e.status)
 
 

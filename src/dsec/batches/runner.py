@@ -32,7 +32,7 @@ from dsec.batches.store import BatchRow, BatchStore
 from dsec.errors import DsecError, NotFound, QuotaExceeded, RateLimited
 from dsec.iam import PROJECT_LABEL
 from dsec.wire.batches import BATCH_LABEL, BatchAdmission, BatchCounts, BatchInfo, BatchItem, BatchRequest
-from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxInfo, SandboxState
+from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxState
 
 if TYPE_CHECKING:
     from dsec.apiserver.core import Apiserver
@@ -65,7 +65,10 @@ class _Batch:
     queue: deque[int] = field(default_factory=deque)
     counts: Counter[str] = field(default_factory=Counter)
     stop_made: bool = False
-    waiting: bool = False  # an item waits for its project's creates in flight: dispatch no more meanwhile
+    # backpressure (its job's creation rate, its project's cap of creates starting at once):
+    # no item is dispatched before this (monotonic), and none holds a slot meanwhile
+    not_before: float = 0.0
+    waiting_since: float | None = None
     lost: bool = False  # taken over by another apiserver: its outcomes are that one's to finish
     gang: bool = False  # all or nothing: each item starts a reserved hold "<id>/<i>" (dsec.iam.quota)
     plan: Plan | None = None  # the edge room the gang holds on this replica (none once taken over)
@@ -284,7 +287,7 @@ class BatchRunner:
                     lane.popleft()
                     continue
                 lane.rotate(-1)
-                if not b.waiting:  # (a waiting batch keeps its place, and its one slot)
+                if b.not_before <= time.monotonic():  # (a batch held back keeps its place, no slot)
                     return b, b.queue.popleft()
             if not lane:
                 del self.lanes[key]
@@ -308,7 +311,14 @@ class BatchRunner:
     async def _make(self, b: _Batch, i: int) -> None:
         args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
         try:
-            info = await self._create(b, args, i)
+            info = await self.api.create(CreateRequest(args=args), bounded=True,
+                                         hold=f"{b.id}/{i}" if b.gang else None, plan=b.plan)
+            b.waiting_since = None
+        except (RateLimited, QuotaExceeded) as e:
+            if not self._held_back(b, i, e):
+                self._outcome(b, i, "failed", None, (e.code, e.message))
+                if b.gang:
+                    await self._fail_gang(b, i, (e.code, e.message))
         except DsecError as e:
             self._outcome(b, i, "failed", None, (e.code, e.message))
             if b.gang:
@@ -327,33 +337,30 @@ class BatchRunner:
             self._wake.set()
             self._maybe_finish(b)
 
-    async def _create(self, b: _Batch, args: AnySandboxArgs, i: int) -> SandboxInfo:
-        """One item's create. A project at its cap of creates starting at once (docs/iam.md)
-        is backpressure, not a refusal: the item waits (at most ``STARTING_WAIT_S``) for one
-        of them to finish, and its batch dispatches nothing else meanwhile, so that a
-        throttled project holds one of the replica's slots, not all of them. A cap of 0
-        refuses."""
-        deadline = time.monotonic() + STARTING_WAIT_S
-        try:
-            while True:
-                pause = STARTING_RETRY_S
-                try:
-                    return await self.api.create(CreateRequest(args=args), bounded=True,
-                                                 hold=f"{b.id}/{i}" if b.gang else None, plan=b.plan)
-                except RateLimited as e:  # the job's creation rate: its next token's time
-                    if b.state != "running" or time.monotonic() > deadline:
-                        raise
-                    pause = min(max(e.retry_after, 0.01), 1.0)
-                except QuotaExceeded as e:
-                    if e.field != "quota.starting" or not e.limit or b.state != "running" \
-                            or time.monotonic() > deadline:
-                        raise
-                b.waiting = True
-                await asyncio.sleep(pause)
-        finally:
-            if b.waiting:
-                b.waiting = False
-                self._wake.set()
+    def _held_back(self, b: _Batch, i: int, e: RateLimited | QuotaExceeded) -> bool:
+        """Backpressure is not a refusal: an item refused by its job's creation rate (until
+        its next token) or by its project's cap of creates starting at once (a cap of 0
+        refuses) goes back to the head of its batch's queue, and the batch dispatches nothing
+        before then: it holds none of the replica's slots meanwhile, so one tenant's throttled
+        batches never hold up another's. At most ``STARTING_WAIT_S`` of it per batch."""
+        if isinstance(e, RateLimited):
+            delay = min(max(e.retry_after, 0.01), 60.0)
+        elif e.field == "quota.starting" and e.limit:
+            delay = STARTING_RETRY_S
+        else:
+            return False
+        now = time.monotonic()
+        if b.state != "running" or now - (b.waiting_since or now) > STARTING_WAIT_S:
+            return False
+        b.waiting_since = b.waiting_since or now
+        b.set(i, "queued")
+        b.queue.appendleft(i)
+        lane = self.lanes.setdefault((b.project, b.job or ""), deque())
+        if b.id not in lane:
+            lane.append(b.id)
+        b.not_before = max(b.not_before, now + delay)
+        asyncio.get_running_loop().call_later(delay, self._wake.set)
+        return True
 
     async def _stop(self, sandbox_id: str) -> None:
         try:

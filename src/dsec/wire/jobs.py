@@ -34,9 +34,10 @@ class JobQuota(Strict):
     sandboxes: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
     cpu_cores: Annotated[float, Field(ge=0)] | None = Field(default=None, description="sum of cpu_cores_limit")
     memory_mb: Annotated[int, Field(ge=0)] | None = Field(default=None, description="sum of memory_limit_mb")
-    creates_per_s: Annotated[float, Field(gt=0, le=1_000_000)] | None = Field(
-        default=None, description="creations per second, for every worker and replica of the job together "
-        "(a second's worth may come at once); past it a create is a 429 rate_limited with Retry-After")
+    creates_per_s: Annotated[float, Field(ge=0.01, le=1_000_000)] | None = Field(
+        default=None, description="creations per second (0.01: one per 100 s, at least), for every worker and "
+        "replica of the job together (a second's worth may come at once); past it a create is a 429 "
+        "rate_limited with Retry-After")
 
 
 class JobSpec(Strict):
