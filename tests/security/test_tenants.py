@@ -615,6 +615,25 @@ async def test_a_project_cannot_publish_under_another_projects_layer_name(platfo
             await squatter.stop()
 
 
+async def test_fncall_languages_tell_nothing_of_another_projects_private_layer(platform: Platform,
+                                                                               toks: dict[str, str]) -> None:
+    """Red team: GET /v1/fncall/languages skipped the visibility check, so another project's
+    private layer answered a 500 naming its kind where an unknown one answered 404; an image
+    with no FnCall runner (base/busybox) was a 500 too. Now: 404 alike, and a 400 naming image."""
+    async with dsec.AsyncClient(url=platform.url, token=toks["tb-builder"]) as b:
+        env = await b.run_container(dsec.ContainerArgs(image="base/busybox"))
+        await env.pack_diff("ws/tb-fnlang:1", visibility="private")
+        await env.stop()
+    h = {"Authorization": f"Bearer {toks['ta-runner']}"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        hidden = await c.get(f"{platform.url}/v1/fncall/languages", params={"image": "ws/tb-fnlang:1"}, headers=h)
+        missing = await c.get(f"{platform.url}/v1/fncall/languages", params={"image": "ws/nope-x:1"}, headers=h)
+        assert hidden.status_code == missing.status_code == 404, (hidden.text, missing.text)
+        assert hidden.json()["message"].replace("tb-fnlang", "X") == missing.json()["message"].replace("nope-x", "X")
+        plain = await c.get(f"{platform.url}/v1/fncall/languages", params={"image": "base/busybox"}, headers=h)
+        assert plain.status_code == 400 and plain.json()["field"] == "image", plain.text
+
+
 # ---- the hardening gaps ----------------------------------------------------------------------
 
 async def test_a_nul_byte_in_a_path_is_refused(platform: Platform, toks: dict[str, str]) -> None:

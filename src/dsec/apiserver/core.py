@@ -357,7 +357,7 @@ class Apiserver:
         except ValueError:
             known = False
         if not known:
-            raise NotFound(f"unknown FnCall image {image!r}", field="image")
+            raise NotFound(f"unknown layer {image!r}", field="image")
         if not self.watcher.view:
             for edge in self.edges.values():
                 return edge

@@ -30,5 +30,6 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.get("/v1/fncall/languages")
     async def fncall_languages(image: str = FNCALL_IMAGE) -> list[str]:
+        await api.check_refs(image, [])  # another project's hidden layer is unknown here too
         return await api.fncall_edge(image).fncall_languages(image)
     return router

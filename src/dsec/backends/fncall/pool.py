@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -26,7 +27,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dsec.errors import InvalidRequest, SandboxError
+from dsec.agent.initclient import SpawnFailed
+from dsec.errors import DsecError, InvalidRequest, SandboxError
 from dsec.wire.console import FnCallPoolStats, FnCallStats
 from dsec.wire.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun, SandboxInfo, TestResult
 
@@ -55,6 +57,17 @@ class FnCallEdge(Protocol):
     async def stop(self, sandbox_id: str) -> SandboxInfo: ...
     async def spawn_worker(self, sandbox_id: str, argv: list[str], files: dict[str, bytes]
                            ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]: ...
+
+
+def _start_failure(image: str, e: BaseException) -> DsecError:
+    """Why a pool container could not start, as its caller should hear it: an image that
+    cannot be one (not a base layer, no runner in it) is the request's fault, a 400 naming
+    ``image``; anything else is the platform's."""
+    if isinstance(e, SpawnFailed) and e.errno == errno.ENOENT:
+        return InvalidRequest(f"{image!r} is not an FnCall image: {e.message}", field="image")
+    if isinstance(e, DsecError) and 400 <= e.status < 500:
+        return type(e)(f"FnCall pool for {image}: {e.message}", field="image")
+    return SandboxError(f"FnCall pool for {image}: {e}")
 
 
 @dataclass
@@ -199,7 +212,7 @@ class _ImagePool:
             log.warning("fncall: cannot start a container for %s: %s", self.image, e)
             for _, fut in list(self.waiters):
                 if not fut.done():
-                    fut.set_exception(SandboxError(f"FnCall pool for {self.image}: {e}"))
+                    fut.set_exception(_start_failure(self.image, e))
             return
         finally:
             self.starting -= 1
