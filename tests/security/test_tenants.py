@@ -210,6 +210,42 @@ async def test_one_project_cannot_poison_anothers_template_build(platform: Platf
             await sb.stop()
 
 
+async def test_a_private_templates_layer_is_its_projects_and_a_public_ones_everyones(
+        platform: Platform, admin: dsec.AsyncClient, toks: dict[str, str]) -> None:
+    """Red team: a template build published its layer (tk/e2bt-...) with no owner, so every
+    project listed it and mounted it (reading what the private build wrote). Now it is the
+    template's project's and private; made public, the template's layers are everyone's
+    (another project spawns it), and made private again, they are hidden again."""
+    files_hash = hashlib.sha256(b"COPY setup.sh /opt/setup.sh|private-tpl").hexdigest()
+    assert await asyncio.to_thread(_build, platform.url, toks["tb-builder"], "tpl-tb-private", files_hash,
+                                   "echo tb-secret\n") == "ready"
+    built = [x.ref for x in await admin.layers() if x.ref.startswith("tk/e2bt-") and
+             x.source and "template build" in x.source]
+    async with dsec.AsyncClient(url=platform.url, token=toks["ta-runner"]) as a, \
+            dsec.AsyncClient(url=platform.url, token=toks["tb-runner"]) as b, \
+            httpx.AsyncClient(headers={"X-API-Key": toks["ta-runner"]}) as ha:
+        mine = {x.ref for x in await b.layers()}
+        theirs = {x.ref for x in await a.layers()}
+        tb_layers = [r for r in built if r in mine]
+        assert tb_layers and not set(tb_layers) & theirs, (tb_layers, sorted(theirs))
+        for ref in tb_layers:
+            with pytest.raises(dsec.NotFound):
+                await a.run_container(dsec.ContainerArgs(image="base/debian:12", layers=[ref]))
+        r = await ha.post(f"{platform.url}/sandboxes", json={"templateID": "tpl-tb-private", "timeout": 60})
+        assert r.status_code in (400, 404), r.text  # another's private template is no template here
+        async with httpx.AsyncClient(headers={"X-API-Key": toks["tb-builder"]}) as hb:
+            tid = (await hb.get(f"{platform.url}/templates")).json()
+            tid = next(t["templateID"] for t in tid if "tpl-tb-private" in t.get("aliases", []) + [t.get("name")])
+            assert (await hb.patch(f"{platform.url}/templates/{tid}", json={"public": True})).status_code == 200
+            r = await ha.post(f"{platform.url}/sandboxes", json={"templateID": "tpl-tb-private", "timeout": 60})
+            assert r.status_code == 201, r.text  # a public template: another project spawns it
+            sb = await a.connect(r.json()["sandboxID"])
+            assert (await sb.exec(["sh", "/opt/setup.sh"])).stdout == "tb-secret\n"
+            await sb.stop()
+            assert (await hb.patch(f"{platform.url}/templates/{tid}", json={"public": False})).status_code == 200
+        assert not {x.ref for x in await a.layers()} & set(tb_layers)
+
+
 async def test_an_upload_url_is_for_its_own_project(platform: Platform, toks: dict[str, str]) -> None:
     files_hash = "ab" * 32
     async with httpx.AsyncClient(headers={"X-API-Key": toks["tb-builder"]}) as h:

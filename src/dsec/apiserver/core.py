@@ -472,6 +472,20 @@ class Apiserver:
             return
         await self.check_refs(args.image, args.layers)
 
+    async def template_layers(self, refs: builtins.list[str], project: str, public: bool) -> None:
+        """A template's built layers (``tk/``) follow the template: its project's, private
+        unless the template is public (dsec.templates.builder). Layers of another owner (a
+        base layer, another project's) are left as they are."""
+        def apply() -> None:
+            acl = LayerAcl(self.tokens.db)
+            rows = acl.rows(refs)
+            want = "public" if public else "private"
+            for ref in refs:
+                row = rows.get(ref)
+                if ref.startswith("tk/") and (row is None or (row.project == project and row.visibility != want)):
+                    acl.set(ref, project, want, "template-build")
+        await asyncio.to_thread(apply)
+
     async def check_refs(self, image: str, layers: builtins.list[str]) -> None:
         """check_visible for an image and layers named directly (a FnCall's)."""
         principal = current_principal.get()

@@ -211,6 +211,10 @@ class TemplatesApi:
     async def set_public(self, template_id: str, public: bool) -> None:
         t = await self._template(template_id, owned=True)
         await self._call(self.catalog.set_public, t.id, public)
+        # its built layers follow it: another project spawns a public template's, and mounts
+        # no private one's
+        for result in await self._call(self.catalog.results, t.id):
+            await self.builder.platform.template_layers(result.layers, t.project, public)
 
     async def tags(self, template_id: str) -> list[dict[str, Any]]:
         t = await self._template(template_id)

@@ -60,6 +60,8 @@ class BuildPlatform(Protocol):
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
     async def stopped(self, sandbox_id: str) -> None: ...
     async def check_refs(self, image: str, layers: list[str]) -> None: ...
+    async def template_layers(self, refs: list[str], project: str, public: bool) -> None:
+        """A template's built layers follow it: its project's, private unless it is public."""
 
 
 class StepFailed(Exception):
@@ -139,6 +141,7 @@ class Builder:
                 raise StepFailed("the build's template was deleted", "base")
             result = await asyncio.wait_for(self._build(spec, out, builder, build_id, b.cpu_count, b.memory_mb,
                                                         t.project), self.max_build_s)
+            await self.platform.template_layers(result.layers, t.project, t.public)
             out.step = "finalize"
             out(f"Build finished: {' + '.join([result.image, *result.layers])}")
             await out.flush()
@@ -285,6 +288,9 @@ class Builder:
         out.step = "finalize"
         out("Publishing the build's files as a layer")
         ref = f"tk/e2bt-{keys[-1][:16]}-{build_id[:8]}:1"
+        # its project's and private before it exists (a public template's shares it once built):
+        # another project must not mount what this build wrote
+        await self.platform.template_layers([ref], project, public=False)
         layer = await edge.pack_diff(sid, ref, scrub_paths=[SCRATCH], default_scrub=False,
                                      source=f"template build {build_id}")
         result = BuiltTemplate(image=state.image, layers=[*state.layers, layer.ref], config=config)

@@ -330,6 +330,13 @@ class TemplateCatalog:
             return {r.key: BuiltTemplate.model_validate_json(r.result) for r in c.execute(
                 select(template_cache).where(template_cache.c.key.in_(keys)))}
 
+    def results(self, template_id: str) -> list[BuiltTemplate]:
+        """What each of the template's finished builds made."""
+        with self.db.connect() as c:
+            return [BuiltTemplate.model_validate_json(r) for r in c.execute(
+                select(template_builds.c.result).where(template_builds.c.template_id == template_id,
+                                                       template_builds.c.result.is_not(None))).scalars()]
+
     def cache_put(self, key: str, result: BuiltTemplate) -> None:
         with self.db.begin() as c:
             c.execute(delete(template_cache).where(template_cache.c.key == key))
