@@ -228,3 +228,23 @@ async def test_throttled_batches_hold_no_slot_from_another_jobs_batch(client: ds
     with pytest.raises(dsec.InvalidRequest) as e:  # a rate too slow to mean anything
         await client.create_job(f"never-{tag}", quota=dsec.JobQuota.model_construct(creates_per_s=5e-324))
     assert "creates_per_s" in (e.value.field or "") + e.value.message
+
+
+def test_finished_batches_are_forgotten_and_a_project_holds_a_bounded_number_of_items(tmp_path: Path) -> None:
+    """Red team: finished batches and their items' rows were never deleted, so a project with
+    no quota grew the metadata database by ~2 MB a request. Finished ones go after
+    DSEC_BATCH_KEEP_S (24 h), and a project's running batches hold at most 4 x 32768 items."""
+    from dsec.batches.runner import MAX_PENDING_ITEMS
+    from dsec.batches.store import BatchRow, BatchStore
+    from dsec.meta import open_db, sqlite_url
+    store = BatchStore(open_db(sqlite_url(str(tmp_path))))
+    for i, (state, finished) in enumerate([("done", 100.0), ("failed", 100.0), ("done", 5000.0), ("running", None)]):
+        store.create(BatchRow(id=f"b-{i}", project="p", job=None, n=10 * (i + 1), args="{}", state=state,
+                              created_at=1.0, finished_at=finished))
+        store.record([{"batch_id": f"b-{i}", "idx": 0, "state": "failed", "sandbox_id": None, "error": "x",
+                       "reason": "y"}], [])
+    assert store.pending_items("p") == 40 and store.pending_items("q") == 0
+    assert store.prune(finished_before=1000.0) == 2
+    assert store.get("b-0") is None and store.get("b-1") is None and store.items("b-0") == []
+    assert store.get("b-2") is not None and store.get("b-3") is not None and len(store.items("b-3")) == 1
+    assert MAX_PENDING_ITEMS == 4 * 32768

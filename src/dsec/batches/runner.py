@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
@@ -31,7 +32,15 @@ from pydantic import TypeAdapter
 from dsec.batches.store import BatchRow, BatchStore
 from dsec.errors import DsecError, NotFound, QuotaExceeded, RateLimited
 from dsec.iam import PROJECT_LABEL
-from dsec.wire.batches import BATCH_LABEL, BatchAdmission, BatchCounts, BatchInfo, BatchItem, BatchRequest
+from dsec.wire.batches import (
+    BATCH_LABEL,
+    MAX_BATCH,
+    BatchAdmission,
+    BatchCounts,
+    BatchInfo,
+    BatchItem,
+    BatchRequest,
+)
 from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxState
 
 if TYPE_CHECKING:
@@ -45,6 +54,10 @@ STALE_S = 5.0  # an owner not heard of for this long has crashed: its batches ar
 STARTING_RETRY_S = 0.1  # an item waiting for its project's creates in flight to go below the cap
 STARTING_WAIT_S = 900.0  # ... at most this long (a stale hold goes after as long: dsec.iam.quota)
 KEEP_FINISHED = 64  # finished batches kept in memory (older ones are answered from the database)
+# ... and in the database this long (their items' rows too: what a tenant's batches can grow it by)
+KEEP_FINISHED_S = float(os.environ.get("DSEC_BATCH_KEEP_S", 24 * 3600))
+PRUNE_EVERY_S = 60.0
+MAX_PENDING_ITEMS = 4 * MAX_BATCH  # items of one project's running batches, all replicas
 _ARGS: TypeAdapter[Any] = TypeAdapter(AnySandboxArgs)
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
 
@@ -132,9 +145,14 @@ class BatchRunner:
         return [b.id for b in self.batches.values() if b.finished_at is None]
 
     async def _reclaim_forever(self) -> None:
+        pruned_at = 0.0
         while True:
             try:
                 await self._reclaim()
+                if time.monotonic() - pruned_at > PRUNE_EVERY_S:  # (every replica: the deletes agree)
+                    pruned_at = time.monotonic()
+                    if n := await asyncio.to_thread(self.store.prune, time.time() - KEEP_FINISHED_S):
+                        log.info("forgot %d batches finished over %.0f h ago", n, KEEP_FINISHED_S / 3600)
             except Exception as e:  # the database may be back next time
                 log.warning("orphaned batches not looked for: %s", e)
             await asyncio.sleep(HEARTBEAT_S)
@@ -179,6 +197,11 @@ class BatchRunner:
                    created_at=time.time(), states=["queued"] * req.n, queue=deque(range(req.n)),
                    gang=req.all_or_nothing)
         b.counts["queued"] = req.n
+        pending = await asyncio.to_thread(self.store.pending_items, project)
+        if pending + req.n > MAX_PENDING_ITEMS:
+            raise QuotaExceeded(f"project {project!r} has {pending} items in running batches; at most "
+                                f"{MAX_PENDING_ITEMS} at once: wait for some to finish, or cancel some",
+                                field="n")
         if b.gang:
             b.plan = await self.api.reserve_gang(args, req.n, b.id)
         try:

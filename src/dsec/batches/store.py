@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Engine, delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -49,6 +49,24 @@ class BatchStore:
         with self.db.connect() as c:
             r = c.execute(select(batches).where(batches.c.id == batch_id)).mappings().first()
         return BatchRow(**dict(r)) if r else None
+
+    def pending_items(self, project: str) -> int:
+        """How many items the project's running batches hold (made or not), every replica's."""
+        with self.db.connect() as c:
+            return int(c.execute(select(func.coalesce(func.sum(batches.c.n), 0)).where(
+                batches.c.project == project, batches.c.state == "running")).scalar() or 0)
+
+    def prune(self, finished_before: float, limit: int = 1000) -> int:
+        """Forget up to ``limit`` batches that finished before ``finished_before``, with
+        their items; how many."""
+        with self.db.begin() as c:
+            ids = list(c.execute(select(batches.c.id).where(batches.c.state != "running",
+                                                            batches.c.finished_at < finished_before)
+                                 .limit(limit)).scalars())
+            if ids:
+                c.execute(delete(batch_items).where(batch_items.c.batch_id.in_(ids)))
+                c.execute(delete(batches).where(batches.c.id.in_(ids)))
+        return len(ids)
 
     def running(self) -> set[str]:
         """The ids of every batch still running (whichever replica runs it)."""
