@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import os
 import random
 import statistics
 import time
@@ -33,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dsec.apiserver.core import MAX_CREATE_ATTEMPTS
 from dsec.errors import AdmissionRejected
@@ -95,6 +96,9 @@ class Params:
     sweep_creates: int
     policies: tuple[str, ...]
     seed: int
+    db_ms: float = 0.0
+    controller_ms: float = 0.0
+    measured: dict[str, Any] | None = None
 
     @property
     def life_mu(self) -> float:
@@ -647,7 +651,22 @@ def parse() -> Params:
     a("--sweep-creates", type=int, default=16_000, help="creations per step of the replica sweeps")
     a("--policies", default="p2,random,least", help=f"comma-separated, of {','.join(POLICIES)}")
     a("--seed", type=int, default=1)
+    a("--db-ms", type=float, default=0.0, help="the database's CPU per create (its own cores; not modelled as a "
+      "queue: reported as the cores it needs)")
+    a("--controller-ms", type=float, default=0.0, help="the controller's CPU per create (likewise)")
+    a("--measured", help="bench/scale.py --json output: its 1-replica row sets the replica's CPU per create "
+      "(as --req-ms, less --fwd-ms and --reply-ms), --db-ms and --controller-ms, and the run is compared with it")
     ns = ap.parse_args()
+    measured = None
+    if ns.measured:
+        import json
+        with open(ns.measured) as f:
+            measured = json.load(f)
+        row = next(r for r in measured["sustained"] if r["replicas"] == 1)
+        cpu = row["cpu_ms_per_create"]
+        ns.req_ms = max(0.1, cpu["replicas"] - ns.fwd_ms - ns.reply_ms)
+        ns.db_ms, ns.controller_ms = cpu["postgresql"], cpu["controller"]
+        ns.edges = measured["args"]["edges"]
     pols = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
     for x in pols:
         if x not in POLICIES:
@@ -662,7 +681,7 @@ def parse() -> Params:
                   ns.steady, ns.life_median_min, ns.life_p99_h, ns.burst, ns.rate, ns.warmup_s, ns.replicas,
                   ns.req_ms, ns.fwd_ms, ns.reply_ms, choose_ms, ns.edge_create_ms, ns.edge_create_sigma,
                   ns.edge_concurrency, ns.edge_refuse_ms, ns.net_ms, ns.view_interval_s, ns.view_lag_s,
-                  ns.slo_wait_ms, ns.sweep_creates, pols, ns.seed)
+                  ns.slo_wait_ms, ns.sweep_creates, pols, ns.seed, ns.db_ms, ns.controller_ms, measured)
 
 
 def main() -> None:
@@ -725,6 +744,22 @@ def main() -> None:
     per = 1e3 / cpu_per_create_ms(p, base)
     print(f"one replica saturates at ~{per:.0f} creates/s; {p.replicas} at ~{p.replicas * per:.0f}/s "
           f"(less the {p.background_rate:.0f}/s background)")
+    control = cpu_per_create_ms(p, base) + p.db_ms + p.controller_ms
+    print(f"control plane per create: replica {cpu_per_create_ms(p, base):.2f} + database {p.db_ms:.2f} + controller "
+          f"{p.controller_ms:.2f} = {control:.2f} ms CPU: {p.rate:g} creations/s need {p.rate * control / 1e3:.1f} "
+          f"cores ({p.rate * p.db_ms / 1e3:.1f} of them the database's)")
+    if p.measured:
+        rows = {r["replicas"]: r for r in p.measured["sustained"]}
+        one = rows[1]
+        whole = sum(one["cpu_ms_per_create"].values())
+        cores = p.measured.get("cores") or os.cpu_count() or 1
+        print(f"measured (bench/scale.py, {p.edges} hollow edges, one machine of {cores} cores shared by every "
+              f"component): {one['creations_per_s']}/s with one replica; every component together spent "
+              f"{whole:.1f} ms CPU per create, so this machine's ceiling is {cores * 1e3 / whole:.0f}/s; the "
+              f"model's replica alone would saturate at {per:.0f}/s. With replicas 1 -> "
+              + ", ".join(f"{n}: {r['creations_per_s']}/s" for n, r in sorted(rows.items()))
+              + ": on one machine more replicas only add their own overhead; the model's linear scaling "
+              "assumes each replica its own cores, and a database with cores to spare")
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -149,10 +150,13 @@ class Bench:
         for p in [*(p for p, _ in self.replicas), self.controller, self.fleet]:
             if p is not None:
                 try:
-                    p.wait(120)
+                    p.wait(600)  # the fleet stops every hollow sandbox it holds first
                 except subprocess.TimeoutExpired:
                     p.kill()
         self.pg.remove()
+        for i in range(self.a.edges):  # a fleet killed leaves its edges' per-boot dirs
+            d = os.path.join(self.root, "edges", f"h{i}")
+            shutil.rmtree(f"/run/dsec/{hashlib.sha1(d.encode()).hexdigest()[:8]}-h{i}", ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def cpu(self, replicas: int) -> dict[str, float]:
@@ -394,8 +398,10 @@ async def main() -> None:
     if a.controller:
         await controller(*a.controller)
         return
+    # a SIGTERM (timeout, kill) still stops what the bench started (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     b = Bench(a)
-    r: dict[str, Any] = {"args": vars(a)}
+    r: dict[str, Any] = {"args": vars(a), "cores": os.cpu_count(), "host": platform.node()}
     try:
         b.start()
         r["fleet_up_s"] = b.fleet_up_s

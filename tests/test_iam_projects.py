@@ -294,3 +294,20 @@ def test_a_gang_is_refused_by_a_cap_of_creates_starting_at_once_of_zero(
         s.quotas.reserve("frozen", None, ONE, 3, "b-z")
     assert e.value.field == "quota.starting"
     assert s.get("frozen").usage.sandboxes == 0
+
+
+def test_binds_committed_together_count_as_each_alone(stores: tuple[ProjectStore, ProjectStore]) -> None:
+    """Group commit of binds (PostgreSQL's path under a burst): several binds of several
+    projects in one transaction leave the counters as one bind each would."""
+    s, other = stores
+    s.create(ProjectSpec(name="g", quota=_q(starting=10)), "admin")
+    s.create(ProjectSpec(name="g/a"), "admin")
+    s.create(ProjectSpec(name="h"), "admin")
+    holds = [(s.quotas.admit(p, None, ONE), f"e1-0000000000{i:02d}") for i, p in enumerate(["g/a", "g/a", "h", "g"])]
+    assert s.get("g").usage.starting == 3 and s.get("h").usage.starting == 1
+    other.quotas.bind_many([(h, sid, None) for h, sid in holds])
+    assert s.get("g").usage.starting == 0 and s.get("g/a").usage.starting == 0 and s.get("h").usage.starting == 0
+    assert s.get("g").usage.sandboxes == 3 and s.get("h").usage.sandboxes == 1
+    other.quotas.bind_many([(h, sid, None) for h, sid in holds])  # again: nothing counted twice
+    assert s.get("g").usage.starting == 0 and s.get("g").usage.sandboxes == 3
+    assert s.quotas.release(sandbox_id=holds[0][1]) and s.get("g/a").usage.sandboxes == 1

@@ -221,8 +221,8 @@ class Apiserver:
         # on one database (a cluster's), the index row is written in the bind's own transaction
         joint = self.index is not None and self.index.db is self.quotas.db
         with tracing.span("quota.bind", sandbox_id=info.sandbox_id, indexed=joint):
-            await self.quotas.run(self.quotas.bind, hold, info.sandbox_id,
-                                  self.index.index_insert(info, project_of_new) if self.index and joint else None)
+            await self.quotas.bind_soon(hold, info.sandbox_id,
+                                        self.index.index_insert(info, project_of_new) if self.index and joint else None)
         if self.index is not None and not joint:
             # after the bind, not beside it: two PostgreSQL commits at once each waited for the
             # other's WAL flush (bench/cluster.py --steps: 12.2 -> 12.9 ms outside the edge)

@@ -55,6 +55,7 @@ class Sandbox:
     creator: asyncio.Task[SandboxInfo] | None = None  # the create under way, which a stop cancels
     memory_held_mb: int = 0  # charged to its cgroup at the last look (admission counts it)
     memfail_seen: int = 0
+    limits_at: float = 0.0  # (monotonic) when its limit events were last read
     memfail_reported: float = 0.0
     keep_checkpoints: bool = False  # its end here is not its end: it moved, or its restore here failed
     from_vm: dict[str, str] | None = None  # a VM restored from a checkpoint: its state, meta and disk files
