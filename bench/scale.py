@@ -399,7 +399,10 @@ async def main() -> None:
         await controller(*a.controller)
         return
     # a SIGTERM (timeout, kill) still stops what the bench started (the finally below)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    def _terminated(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one (timeout's, say) must not cut the cleanup
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, _terminated)
     b = Bench(a)
     r: dict[str, Any] = {"args": vars(a), "cores": os.cpu_count(), "host": platform.node()}
     try:

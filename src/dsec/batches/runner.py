@@ -58,6 +58,7 @@ KEEP_FINISHED = 64  # finished batches kept in memory (older ones are answered f
 KEEP_FINISHED_S = float(os.environ.get("DSEC_BATCH_KEEP_S", 24 * 3600))
 PRUNE_EVERY_S = 60.0
 MAX_PENDING_ITEMS = 4 * MAX_BATCH  # items of one project's running batches, all replicas
+MAX_STARTING = int(os.environ.get("DSEC_BATCH_STARTING_PER_REPLICA", "64"))
 _ARGS: TypeAdapter[Any] = TypeAdapter(AnySandboxArgs)
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
 
@@ -122,7 +123,11 @@ class BatchRunner:
 
     @property
     def slots(self) -> int:
-        return self.per_edge_starting * max(1, len(self.api.edges))
+        """Items starting at once on this replica: 8 per edge, at most MAX_STARTING. Per edge
+        alone, a replica in front of 160 edges started 1280 creates at once: its own loop and
+        database connections were the queue, and the edges' answers to the fleet view's polls
+        (one event loop of a hollow fleet, bench/scale.py) came too late."""
+        return min(self.per_edge_starting * max(1, len(self.api.edges)), MAX_STARTING)
 
     # -- lifecycle --------------------------------------------------------------------------
 
