@@ -259,8 +259,10 @@ async def big_batch(b: Bench, token: str, n: int, chaos: bool) -> dict[str, Any]
     mine = [s for s in listed if s.labels.get("dsec.batch", "").startswith(batch.id + "/")]
     idx = [int(s.labels["dsec.batch"].rsplit("/", 1)[1]) for s in mine]
     made_at = sorted(s.created_at - accepted for s in mine)
+    failed = (out.get("counts") or {}).get("failed", 0) + (out.get("counts") or {}).get("cancelled", 0)
+    # lost: accepted, yet neither made (a sandbox on an edge) nor given an outcome saying why not
     out.update(made=len(mine), distinct_items=len(set(idx)), doubled=len(idx) - len(set(idx)),
-               lost=n - len(set(idx)))
+               not_made=failed, lost=n - len(set(idx)) - failed)
     if made_at:
         out["item_p50_s"] = round(statistics.median(made_at), 2)
         out["item_p99_s"] = round(made_at[min(len(made_at) - 1, int(len(made_at) * 0.99))], 2)

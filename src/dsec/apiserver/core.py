@@ -11,6 +11,7 @@ import contextvars
 import logging
 import math
 import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -50,6 +51,7 @@ from dsec.iam.rates import FnCallRates
 from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import Layer, LayerStore
+from dsec.meta.lease import take_lease
 from dsec.meta.registry import Registry
 from dsec.placement.engine import Placement, Plan
 from dsec.watcher.watcher import FleetView
@@ -538,11 +540,22 @@ class Apiserver:
 
     async def quota_sweep_forever(self, every_s: float) -> None:
         """Now and then, bring the project quotas' holds to what the edges hold
-        (dsec.iam.quota): sandboxes that ended on their own free their share."""
+        (dsec.iam.quota): sandboxes that ended on their own free their share. One replica
+        of a cluster sweeps at a time (a lease in the database, taken over when its holder
+        stops renewing it), and never more than 1/SWEEP_SHARE of its time: the sweep lists
+        every sandbox of every edge, and every replica doing it every 5 s was most of their
+        CPU at 30K sandboxes (bench/scale.py)."""
+        me, wait = secrets.token_hex(8), every_s
         while True:
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(wait)
+            wait = every_s
             try:
+                if not await asyncio.to_thread(take_lease, self.tokens.db, "quota-sweep", me,
+                                               max(30.0, 6 * every_s)):
+                    continue
+                t0 = time.monotonic()
                 await self.quota_sweep()
+                wait = max(every_s, (time.monotonic() - t0) * SWEEP_SHARE)
             except Exception as e:  # an edge or the database is down: next time
                 log.warning("quota sweep: %s", e)
 
@@ -573,6 +586,7 @@ class Apiserver:
         return [i for i in items if project_of_sandbox(i) == project], unreachable.get()
 
 
+SWEEP_SHARE = 10  # a quota sweep waits at least this many times its own length before the next
 UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"
 # the edges that did not answer this request's list (a context variable: one per request)
 unreachable: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("unreachable", default=())

@@ -72,12 +72,13 @@ async def start_fleet(count: int, prefix: str, data_root: str, secret: str, host
 async def stop_fleet(fleet: list[HollowEdge]) -> None:
     """Stop serving; a hollow sandbox cannot outlive its edge, so each is stopped (its
     record ends ``stopped``) and the edges leave nothing behind."""
-    for h in fleet:
+    async def one(h: HollowEdge) -> None:
         with contextlib.suppress(Exception):
             await h.runner.cleanup()
         await asyncio.gather(*(h.edge.stop(sid) for sid in list(h.edge.sandboxes)), return_exceptions=True)
         with contextlib.suppress(Exception):
             await h.edge.close()
+    await asyncio.gather(*(one(h) for h in fleet))
 
 
 async def serve_fleet(count: int, prefix: str, data_root: str, secret: str, host: str, port: int,

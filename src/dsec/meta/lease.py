@@ -1,0 +1,36 @@
+"""Leases in the metadata database: one holder at a time of a named duty (the quota
+sweep) among the processes sharing the database, taken over once its holder stops
+renewing it. A row of the settings table per lease; blocking calls (run them in a thread)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from sqlalchemy import Engine, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from dsec.meta.schema import settings
+
+
+def take_lease(db: Engine, name: str, owner: str, ttl_s: float) -> bool:
+    """Hold (or renew) lease ``name`` for ``ttl_s`` as ``owner``: True if this owner holds it
+    now, False while another's is unexpired."""
+    key, now = f"lease:{name}", time.time()
+    value = json.dumps({"owner": owner, "until": now + ttl_s})
+    try:
+        with db.begin() as c:
+            q = select(settings.c.value).where(settings.c.key == key)
+            if c.dialect.name == "postgresql":
+                q = q.with_for_update()
+            held = c.execute(q).scalar()
+            if held is None:
+                c.execute(insert(settings).values(key=key, value=value))
+                return True
+            cur = json.loads(held)
+            if cur.get("owner") != owner and cur.get("until", 0) > now:
+                return False
+            c.execute(update(settings).where(settings.c.key == key).values(value=value))
+            return True
+    except IntegrityError:  # another took it at the same moment
+        return False
