@@ -311,3 +311,19 @@ def test_binds_committed_together_count_as_each_alone(stores: tuple[ProjectStore
     other.quotas.bind_many([(h, sid, None) for h, sid in holds])  # again: nothing counted twice
     assert s.get("g").usage.starting == 0 and s.get("g").usage.sandboxes == 3
     assert s.quotas.release(sandbox_id=holds[0][1]) and s.get("g/a").usage.sandboxes == 1
+
+
+def test_one_replica_holds_the_quota_sweep_at_a_time(stores: tuple[ProjectStore, ProjectStore]) -> None:
+    """The quota sweep's lease: one holder among the replicas, renewed by it, taken over once
+    it runs out, handed on at once by a clean stop."""
+    from dsec.meta.lease import release_lease, take_lease
+    a, b = (s.quotas.db for s in stores)
+    assert take_lease(a, "sweep", "A", 30) and take_lease(a, "sweep", "A", 30)  # held, renewed
+    assert not take_lease(b, "sweep", "B", 30)
+    assert take_lease(a, "sweep", "A", 0.01)
+    time.sleep(0.05)
+    assert take_lease(b, "sweep", "B", 30) and not take_lease(a, "sweep", "A", 30)  # ran out: B's
+    release_lease(a, "sweep", "A")  # not A's to give: nothing changes
+    assert not take_lease(a, "sweep", "A", 30)
+    release_lease(b, "sweep", "B")
+    assert take_lease(a, "sweep", "A", 30)

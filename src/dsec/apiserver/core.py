@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import contextvars
 import logging
 import math
@@ -51,7 +52,7 @@ from dsec.iam.rates import FnCallRates
 from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import Layer, LayerStore
-from dsec.meta.lease import take_lease
+from dsec.meta.lease import release_lease, take_lease
 from dsec.meta.registry import Registry
 from dsec.placement.engine import Placement, Plan
 from dsec.watcher.watcher import FleetView
@@ -546,18 +547,22 @@ class Apiserver:
         every sandbox of every edge, and every replica doing it every 5 s was most of their
         CPU at 30K sandboxes (bench/scale.py)."""
         me, wait = secrets.token_hex(8), every_s
-        while True:
-            await asyncio.sleep(wait)
-            wait = every_s
-            try:
-                if not await asyncio.to_thread(take_lease, self.tokens.db, "quota-sweep", me,
-                                               max(30.0, 6 * every_s)):
-                    continue
-                t0 = time.monotonic()
-                await self.quota_sweep()
-                wait = max(every_s, (time.monotonic() - t0) * SWEEP_SHARE)
-            except Exception as e:  # an edge or the database is down: next time
-                log.warning("quota sweep: %s", e)
+        try:
+            while True:
+                await asyncio.sleep(wait)
+                wait = every_s
+                try:
+                    if not await asyncio.to_thread(take_lease, self.tokens.db, "quota-sweep", me,
+                                                   max(30.0, 6 * every_s)):
+                        continue
+                    t0 = time.monotonic()
+                    await self.quota_sweep()
+                    wait = max(every_s, (time.monotonic() - t0) * SWEEP_SHARE)
+                except Exception as e:  # an edge or the database is down: next time
+                    log.warning("quota sweep: %s", e)
+        finally:  # a clean stop hands the duty on at once (a crash: once the lease runs out)
+            with contextlib.suppress(Exception):
+                release_lease(self.tokens.db, "quota-sweep", me)
 
     async def quota_sweep(self) -> dict[str, int]:
         if not self.edges:  # a cluster whose registry was not read yet: nothing is known gone

@@ -34,3 +34,14 @@ def take_lease(db: Engine, name: str, owner: str, ttl_s: float) -> bool:
             return True
     except IntegrityError:  # another took it at the same moment
         return False
+
+
+def release_lease(db: Engine, name: str, owner: str) -> None:
+    """Give lease ``name`` up (a clean shutdown), if ``owner`` holds it: the next taker need
+    not wait for it to expire."""
+    key = f"lease:{name}"
+    with db.begin() as c:
+        held = c.execute(select(settings.c.value).where(settings.c.key == key)).scalar()
+        if held is not None and json.loads(held).get("owner") == owner:
+            c.execute(update(settings).where(settings.c.key == key).values(
+                value=json.dumps({"owner": owner, "until": 0})))
