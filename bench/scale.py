@@ -248,6 +248,10 @@ async def big_batch(b: Bench, token: str, n: int, chaos: bool) -> dict[str, Any]
             done_at = info.finished_at
             out["state"] = info.state
             out["counts"] = info.counts.model_dump()
+            if info.counts.failed:
+                async with dsec.AsyncClient(url=live[-1], token=token) as c:
+                    recent = await c._json("GET", "/v1/batches", params={"limit": 5})
+                out["failure_reasons"] = next((x["failure_reasons"] for x in recent if x["id"] == batch.id), {})
             break
         await asyncio.sleep(0.5)
     out["events"] = events

@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
+from sqlalchemy.exc import SQLAlchemyError
 
 from dsec.batches.store import BatchRow, BatchStore
-from dsec.errors import DsecError, NotFound, QuotaExceeded, RateLimited
+from dsec.errors import DsecError, MetadataUnavailable, NotFound, QuotaExceeded, RateLimited
 from dsec.iam import PROJECT_LABEL
+from dsec.meta.db import unavailable
 from dsec.wire.batches import (
     BATCH_LABEL,
     MAX_BATCH,
@@ -339,10 +341,16 @@ class BatchRunner:
     async def _make(self, b: _Batch, i: int) -> None:
         args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
         try:
-            info = await self.api.create(CreateRequest(args=args), bounded=True,
-                                         hold=f"{b.id}/{i}" if b.gang else None, plan=b.plan)
+            try:
+                info = await self.api.create(CreateRequest(args=args), bounded=True,
+                                             hold=f"{b.id}/{i}" if b.gang else None, plan=b.plan)
+            except SQLAlchemyError as e:  # the database away: the typed 503 a request would get
+                away = unavailable(e)
+                if away is None:
+                    raise
+                raise away from e
             b.waiting_since = None
-        except (RateLimited, QuotaExceeded) as e:
+        except (RateLimited, QuotaExceeded, MetadataUnavailable) as e:
             if not self._held_back(b, i, e):
                 self._outcome(b, i, "failed", None, (e.code, e.message))
                 if b.gang:
@@ -365,13 +373,17 @@ class BatchRunner:
             self._wake.set()
             self._maybe_finish(b)
 
-    def _held_back(self, b: _Batch, i: int, e: RateLimited | QuotaExceeded) -> bool:
+    def _held_back(self, b: _Batch, i: int, e: RateLimited | QuotaExceeded | MetadataUnavailable) -> bool:
         """Backpressure is not a refusal: an item refused by its job's creation rate (until
-        its next token) or by its project's cap of creates starting at once (a cap of 0
-        refuses) goes back to the head of its batch's queue, and the batch dispatches nothing
-        before then: it holds none of the replica's slots meanwhile, so one tenant's throttled
-        batches never hold up another's. At most ``STARTING_WAIT_S`` of it per batch."""
-        if isinstance(e, RateLimited):
+        its next token), by its project's cap of creates starting at once (a cap of 0
+        refuses) or by a database that did not answer (a restart: a second later) goes back to
+        the head of its batch's queue, and the batch dispatches nothing before then: it holds
+        none of the replica's slots meanwhile, so one tenant's throttled batches never hold
+        up another's, and a database's blip does not fail a thousand items. At most
+        ``STARTING_WAIT_S`` of it per batch."""
+        if isinstance(e, MetadataUnavailable):
+            delay = 1.0
+        elif isinstance(e, RateLimited):
             delay = min(max(e.retry_after, 0.01), 60.0)
         elif e.field == "quota.starting" and e.limit:
             delay = STARTING_RETRY_S
