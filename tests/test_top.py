@@ -237,27 +237,35 @@ async def test_ctrl_c_quits_within_a_second_whatever_the_apiserver_does(platform
         assert seen.rfind(b"\x1b[?1049l") > seen.rfind(b"\x1b[?1049h") >= 0, (what, seen[-500:])  # screen given back
 
 
+def _ctrl_c(argv: list[str], env: dict[str, str], ready: Callable[[subprocess.Popen[bytes]], None]
+            ) -> tuple[int | None, float, bytes]:
+    """``dsec ARGV`` started with SIGINT ignored (as a script's background job is), Ctrl-C
+    once ``ready`` returns: its exit code (None: still running 10 s later), how long it
+    took to go, what it wrote to stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        ready(proc)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        took = time.monotonic() - t0
+        assert proc.stderr is not None
+        return proc.poll(), took, proc.stderr.read() if proc.poll() is not None else b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 async def test_dsec_exec_of_a_long_command_quits_on_ctrl_c(platform: Platform, busybox: dsec.AsyncSandbox) -> None:
     """The other CLI command that streams: `dsec exec` of a long command, started with SIGINT
     ignored like dsec top above, quits on Ctrl-C at once with 130 and no traceback."""
-    def run() -> tuple[int | None, float, bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "exec", busybox.sandbox_id, "--", "sh", "-c",
-                                 "echo started; sleep 100"], env=_env(platform), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-        try:
-            assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            took = time.monotonic() - t0
-            assert proc.stderr is not None
-            return proc.poll(), took, proc.stderr.read() if proc.poll() is not None else b""
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    code, took, err = await asyncio.to_thread(run)
+    def started(proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
+    code, took, err = await asyncio.to_thread(
+        _ctrl_c, ["exec", busybox.sandbox_id, "--", "sh", "-c", "echo started; sleep 100"], _env(platform), started)
     assert code == 130 and took < 1.5, (code, took, err[-2000:])
     assert b"Traceback" not in err, err[-2000:]
 
@@ -276,24 +284,12 @@ async def test_every_waiting_cli_command_quits_on_ctrl_c_against_a_hung_apiserve
     proxy = Proxy(platform.port)
     proxy.hung.set()  # connections taken, never answered
 
+    def stuck(proc: subprocess.Popen[bytes]) -> None:
+        time.sleep(6)  # imported, its request sent and stuck
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
+
     def run(argv: list[str]) -> tuple[list[str], int | None, float, bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", *argv], env=_env(platform, DSEC_URL=proxy.url),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-        try:
-            time.sleep(6)  # imported, its request sent and stuck
-            assert proc.poll() is None, (argv, proc.stderr.read() if proc.stderr else b"")
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            took = time.monotonic() - t0
-            assert proc.stderr is not None
-            return argv, proc.poll(), took, proc.stderr.read() if proc.poll() is not None else b""
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        return (argv, *_ctrl_c(argv, _env(platform, DSEC_URL=proxy.url), stuck))
     try:
         results = await asyncio.gather(*(asyncio.to_thread(run, argv) for argv in commands))
     finally:
