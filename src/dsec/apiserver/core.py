@@ -498,16 +498,18 @@ class Apiserver:
         await self.check_refs(args.image, args.layers)
 
     async def template_layers(self, refs: builtins.list[str], project: str, public: bool) -> None:
-        """A template's built layers (``tk/``) follow the template: its project's, private
-        unless the template is public (dsec.templates.builder). Layers of another owner (a
-        base layer, another project's) are left as they are."""
+        """A template's built layers (``tk/e2bt-...``) follow the template: its project's,
+        private unless the template is public (dsec.templates.builder). The other layers of its
+        stack (a base layer, the platform's ``tk/e2b-user``, another owner's) are left as they are."""
         def apply() -> None:
             acl = LayerAcl(self.tokens.db)
             rows = acl.rows(refs)
             want = "public" if public else "private"
             for ref in refs:
                 row = rows.get(ref)
-                if ref.startswith("tk/") and (row is None or (row.project == project and row.visibility != want)):
+                # (a build's own layers only: a template's stack also holds the platform's, tk/e2b-user)
+                if ref.startswith(BUILT_PREFIX) and (
+                        row is None or (row.project == project and row.visibility != want)):
                     acl.set(ref, project, want, "template-build")
         await asyncio.to_thread(apply)
 
@@ -613,6 +615,7 @@ class Apiserver:
         return [i for i in items if project_of_sandbox(i) == project], unreachable.get()
 
 
+BUILT_PREFIX = "tk/e2bt-"  # the layers template builds publish (dsec.templates.builder)
 SWEEP_SHARE = 10  # a quota sweep waits at least this many times its own length before the next
 UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"
 # the edges that did not answer this request's list (a context variable: one per request)

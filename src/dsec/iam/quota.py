@@ -219,8 +219,9 @@ class ProjectQuotas:
                         self._refused.clear()
                     self._refused[project] = time.monotonic()
                     raise
-                if missing is not None and not rooted:
-                    self.ensure_root(missing)
+                if not rooted:  # a top-level project made now, or by another admission meanwhile: once more
+                    if missing is not None:
+                        self.ensure_root(missing)
                     rooted = True
                     continue
                 self._refused[project] = time.monotonic()

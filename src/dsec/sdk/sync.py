@@ -36,7 +36,12 @@ class _Portal:
         self.thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:  # the caller interrupted (Ctrl-C): the call is cancelled, not left to fail unheard
+            fut.cancel()
+            raise
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
         pending: list[asyncio.Task[Any]] = []  # the step under way, if the caller left mid-step
