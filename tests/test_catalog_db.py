@@ -38,7 +38,7 @@ from tests.conftest import _free_port
 CATALOG_TABLES = {"layers", "built", "blob_data", "access_lists"}
 TEMPLATE_TABLES = {"templates", "template_builds", "template_build_logs", "template_tags", "template_cache"}
 JOB_TABLES = {"jobs", "batches", "batch_items", "rollouts", "rollout_steps"}
-HEAD = "0011"  # the newest revision under dsec/meta/migrations/versions
+HEAD = "0012"  # the newest revision under dsec/meta/migrations/versions
 
 # the catalog file as the code before SQLAlchemy made it (git show f82f9c5:src/dsec/layers/store.py)
 OLD_DDL = [

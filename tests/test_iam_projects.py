@@ -305,10 +305,10 @@ def test_binds_committed_together_count_as_each_alone(stores: tuple[ProjectStore
     s.create(ProjectSpec(name="h"), "admin")
     holds = [(s.quotas.admit(p, None, ONE), f"e1-0000000000{i:02d}") for i, p in enumerate(["g/a", "g/a", "h", "g"])]
     assert s.get("g").usage.starting == 3 and s.get("h").usage.starting == 1
-    other.quotas.bind_many([(h, sid, None) for h, sid in holds])
+    other.quotas.bind_many([(h, sid, None, None) for h, sid in holds])
     assert s.get("g").usage.starting == 0 and s.get("g/a").usage.starting == 0 and s.get("h").usage.starting == 0
     assert s.get("g").usage.sandboxes == 3 and s.get("h").usage.sandboxes == 1
-    other.quotas.bind_many([(h, sid, None) for h, sid in holds])  # again: nothing counted twice
+    other.quotas.bind_many([(h, sid, None, None) for h, sid in holds])  # again: nothing counted twice
     assert s.get("g").usage.starting == 0 and s.get("g").usage.sandboxes == 3
     assert s.quotas.release(sandbox_id=holds[0][1]) and s.get("g/a").usage.sandboxes == 1
 

@@ -117,6 +117,7 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
         refresher = asyncio.create_task(tokens.refresh_forever())
         sweeper = asyncio.create_task(api.quota_sweep_forever(QUOTA_SWEEP_S))
         sampler = asyncio.create_task(api.series.run_forever())
+        blocks = asyncio.create_task(api.blocks.run())
         log.info("dsec ready: edges %s", ", ".join(sorted(edges)) or "none yet")
         try:
             yield
@@ -126,6 +127,8 @@ def build_platform(edges: Mapping[str, EdgeAPI], tokens: TokenStore, layer_store
             refresher.cancel()
             sweeper.cancel()
             sampler.cancel()
+            blocks.cancel()  # (gives back what is unused)
+            await asyncio.gather(blocks, return_exceptions=True)
             await view.close()
             await stop()
 

@@ -46,6 +46,8 @@ from dsec.errors import (
 )
 from dsec.health.events import FleetEvents
 from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, acting_project, current_principal, project_of_sandbox
+from dsec.iam.blocks import STALE_S as BLOCK_STALE_S
+from dsec.iam.blocks import QuotaBlocks, free_stale
 from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Need, ProjectQuotas
 from dsec.iam.rates import FnCallRates
@@ -135,6 +137,7 @@ class Apiserver:
         self.placement = placement
         self.max_file_bytes = max_file_bytes
         self.quotas = ProjectQuotas(tokens.db)
+        self.blocks = QuotaBlocks(self.quotas)  # this replica's quota blocks (PostgreSQL)
         self._background: set[asyncio.Task[None]] = set()
         self.projects = ProjectStore(tokens.db, self.quotas)
         self.fncall_rates = FnCallRates(self.projects)
@@ -203,8 +206,8 @@ class Apiserver:
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
         if hold is None:
             with tracing.span("quota.admit", project=project):
-                hold = await self.quotas.run(self.quotas.admit, project, job,
-                                             Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+                hold = await self.blocks.admit(project, job,
+                                               Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
         else:
             with tracing.span("quota.start", project=project):
                 if not await self.quotas.run(self.quotas.start, hold):
@@ -219,7 +222,7 @@ class Apiserver:
                     info = await self._place(req, bounded, plan)
                     admission.made(info)
         except BaseException:  # not made (or not known to be: then the sweep adopts it later)
-            await self.quotas.run(self.quotas.release, hold=hold)
+            await self.blocks.release(hold)
             raise
         project_of_new = info.labels.get(PROJECT_LABEL, "default")
         # on one database (a cluster's), the index row is written in the bind's own transaction
@@ -227,7 +230,8 @@ class Apiserver:
         also = self.index.index_insert(info, project_of_new) if self.index and joint else None
         with tracing.span("quota.bind", sandbox_id=info.sandbox_id, indexed=joint):
             try:
-                await self.quotas.bind_soon(hold, info.sandbox_id, also)
+                self.blocks.bound(hold, await self.quotas.bind_soon(hold, info.sandbox_id, also,
+                                                                    self.blocks.source(hold)))
             except Exception as e:  # the sandbox is made: the caller gets it, the bookkeeping catches up
                 log.warning("sandbox %s made, its quota bind not recorded yet (retried): %s", info.sandbox_id, e)
                 self._later(self._bind_until_done(hold, info.sandbox_id, also))
@@ -252,11 +256,13 @@ class Apiserver:
         for _ in range(60):
             await asyncio.sleep(1.0)
             try:
-                await self.quotas.bind_soon(hold, sandbox_id, also)
+                self.blocks.bound(hold, await self.quotas.bind_soon(hold, sandbox_id, also, self.blocks.source(hold)))
                 return
             except Exception as e:
                 log.debug("sandbox %s: bind not recorded yet: %s", sandbox_id, e)
         log.warning("sandbox %s: bind not recorded for a minute; the quota sweep will count it", sandbox_id)
+        if self.blocks.source(hold) is not None:  # its block's share goes back (given back when idle)
+            await self.blocks.release(hold)
 
     async def stopped(self, sandbox_id: str, info: SandboxInfo | None = None) -> None:
         """A sandbox was stopped through this apiserver: the index forgets it, its job's and
@@ -603,6 +609,8 @@ class Apiserver:
         running = await asyncio.to_thread(self.batches.store.running)  # after the holds (see reconcile)
         done = await asyncio.to_thread(self.quotas.reconcile, holds, items, answered, set(self.edges), started,
                                        project_of, running)
+        # blocks their replicas stopped renewing (gone): their creates in flight are adopted above
+        done["blocks_freed"] = await asyncio.to_thread(free_stale, self.quotas, time.time() - BLOCK_STALE_S)
         if any(done.values()):
             log.info("quota sweep: %s", done)
         return done

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from sqlalchemy import Connection, Engine, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.errors import NotFound, ProjectExists, ProjectNotEmpty, QuotaConflict
+from dsec.iam import blocks
 from dsec.iam.quota import COLUMNS, ProjectQuotas, in_subtree, show
 from dsec.iam.tokens import record_event
 from dsec.meta.schema import project_holds, projects, tokens
@@ -134,10 +136,11 @@ class ProjectStore:
     def get(self, name: str, tree: bool = False) -> ProjectInfo:
         with self.db.connect() as c:
             rows = list(c.execute(select(projects).where(in_subtree(projects.c.name, name))).mappings())
+            unused = blocks.unused(c)
         if not any(r["name"] == name for r in rows):
             raise NotFound(f"no project {name!r}", field="name")
         t = _Tree(rows)
-        infos = {n: self._info(t, n) for n in t.rows}
+        infos = {n: self._info(t, n, unused) for n in t.rows}
         if not tree:
             return infos[name]
         jobs = self.quotas.job_usage(name)
@@ -153,11 +156,17 @@ class ProjectStore:
         return infos[name]
 
     @staticmethod
-    def _info(t: _Tree, name: str) -> ProjectInfo:
+    def _info(t: _Tree, name: str, unused: dict[str, Counter[str]]) -> ProjectInfo:
+        """``unused``: the replicas' quota blocks by project (dsec.iam.blocks): in the counters,
+        not in the usage shown, which is what sandboxes hold."""
         r = t.rows[name]
+        ahead: Counter[str] = Counter()
+        for p, amounts in unused.items():
+            if p == name or p.startswith(name + "/"):
+                ahead.update(amounts)
         return ProjectInfo(
             name=name, parent=r["parent"], description=r["description"] or "", quota=_quota(r),
-            usage=_usage({k: r[col] for k, col in _USAGE_COLS.items()}),
+            usage=_usage({k: r[col] - ahead[k] for k, col in _USAGE_COLS.items()}),
             delegated=_usage({k: t.delegated(name, k) for k in RESOURCES}),
             created_at=r["created_at"], created_by=r["created_by"])
 
@@ -166,8 +175,9 @@ class ProjectStore:
         q = select(projects)
         with self.db.connect() as c:
             rows = list(c.execute(q if under is None else q.where(in_subtree(projects.c.name, under))).mappings())
+            unused = blocks.unused(c)
         t = _Tree(rows)
-        return [self._info(t, n) for n in sorted(t.rows)]
+        return [self._info(t, n, unused) for n in sorted(t.rows)]
 
     def update(self, name: str, patch: ProjectPatch, actor: str) -> ProjectInfo:
         """Set the resources ``patch.quota`` names (the others kept), if the tree allows it."""
@@ -190,6 +200,7 @@ class ProjectStore:
     def delete(self, name: str, actor: str) -> builtins.list[str]:
         """Remove a project with no sub-projects and no sandboxes; its tokens are revoked (their ids)."""
         with self._tree_txn() as c:
+            blocks.free_project(c, name)  # replicas' blocks of it: a failed delete rolls this back
             # locked (PostgreSQL): an admission charging it commits first, and its hold is seen below
             if c.execute(select(projects.c.name).where(projects.c.name == name).with_for_update()).first() is None:
                 raise NotFound(f"no project {name!r}", field="name")

@@ -23,6 +23,10 @@ every resource but the creates starting at once; its item's create turns it ``st
 (taking one of those, :meth:`ProjectQuotas.start`) and then ``running`` as any other. What
 the batch no longer needs (its end, a cancel) is released at once, and the sweep releases
 the reserved holds of a batch that is no longer running.
+
+On PostgreSQL a replica admits most creates from a block of quota charged to it ahead
+(dsec.iam.blocks): such a create has no hold until its bind, which writes the hold and moves
+its amounts from the block's row to it (the counters do not change).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
 from dsec.errors import NotFound, QuotaExceeded
-from dsec.meta.schema import project_holds, projects
+from dsec.meta.schema import project_holds, projects, quota_blocks
 from dsec.wire.iam import lineage
 from dsec.wire.models import SandboxInfo, SandboxState, parse_sandbox_id
 
@@ -110,6 +114,15 @@ BIND = (update(project_holds).where(_h.id == bindparam("hold"), _h.state == "sta
         .returning(_h.project))
 
 
+_b = quota_blocks.c
+# a bound create's amounts leave its block's row for its hold (the counters keep them)
+BLOCK_DEBIT = (update(quota_blocks).where(_b.id == bindparam("block"))
+               .values(sandboxes=_b.sandboxes - bindparam("d_sandboxes"), cpu_milli=_b.cpu_milli - bindparam("d_cpu"),
+                       memory_mb=_b.memory_mb - bindparam("d_memory"), disk_mb=_b.disk_mb - bindparam("d_disk"),
+                       renewed_at=bindparam("now"))
+               .returning(_b.id))
+
+
 @dataclass(frozen=True)
 class Need:
     """What one sandbox holds of its project's quota."""
@@ -134,6 +147,17 @@ class Need:
                 "disk_mb": n * self.disk_mb, "starting": n if starting else 0}
 
 
+@dataclass(frozen=True)
+class FromBlock:
+    """A create admitted from a quota block (dsec.iam.blocks): what its bind writes."""
+
+    block: str
+    project: str
+    job: str | None
+    need: Need
+    admitted_at: float
+
+
 def show(resource: str, value: int | float, unit: bool = True) -> str:
     """A counter's value as people read it (CPU is kept in millicores); ``unit``: also name
     counted resources ("8000 sandboxes", not "8000")."""
@@ -156,7 +180,7 @@ class ProjectQuotas:
         self._serial = threading.Lock() if db.dialect.name == "sqlite" else None
         self._warned: set[str] = set()
         self._refused: dict[str, float] = {}  # project -> when an admission last found it full
-        self._binds: list[tuple[str, str, Executable | None, asyncio.Future[None]]] = []
+        self._binds: list[tuple[Bind, asyncio.Future[bool]]] = []
         self._binding: asyncio.Task[None] | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -347,72 +371,103 @@ class ProjectQuotas:
         c.execute(MOVE, {"names": names, "a_sandboxes": sandboxes, "a_cpu_cores": cpu_milli, "a_memory_mb": memory_mb,
                          "a_disk_mb": disk_mb, "a_starting": starting})
 
-    def bind(self, hold: str, sandbox_id: str, also: Executable | None = None) -> None:
+    def bind(self, hold: str, sandbox_id: str, also: Executable | None = None, src: FromBlock | None = None
+             ) -> bool:
         """The edge made the hold's sandbox: no longer starting. ``also``: a statement to
-        commit with it (the cluster's index row of the sandbox: one commit, not two)."""
+        commit with it (the cluster's index row of the sandbox: one commit, not two).
+        ``src``: the create was admitted from that block; its hold is written now. False if
+        that block's row was gone (the create was counted on its own)."""
         try:
-            with self._txn() as c:
-                # conditional: a release racing this one (the sweep's) must not be counted twice
-                project = c.execute(BIND, {"hold": hold, "sandbox_id": sandbox_id, "now": time.time()}).scalar()
-                if also is not None:
-                    c.execute(also)
-                if project is None:  # released (or bound) already
-                    return
-                self._move(c, project, 0, 0, 0, 0, -1)
+            return not self.bind_many([(hold, sandbox_id, also, src)])
         except IntegrityError:  # the sweep adopted the sandbox first: that hold counts it, not this one
-            self.release(hold=hold)
+            if src is None:
+                self.release(hold=hold)
+            else:
+                with self._txn() as c:  # its share leaves the block and the counters
+                    if self._debit(c, src.block, [src.need]):
+                        n = src.need
+                        self._move(c, src.project, -1, -n.cpu_milli, -n.memory_mb, -n.disk_mb, 0)
             if also is not None:  # (rolled back with the bind)
                 with self._txn() as c:
                     c.execute(also)
+            return True
 
-    async def bind_soon(self, hold: str, sandbox_id: str, also: Executable | None = None) -> None:
+    async def bind_soon(self, hold: str, sandbox_id: str, also: Executable | None = None,
+                        src: FromBlock | None = None) -> bool:
         """:meth:`bind` from the event loop. On PostgreSQL, binds that arrive while one is
         being committed are committed together, in one transaction (group commit): under a
         burst a create's bind is then a few statements of a shared commit, not a commit of
         its own (bench/scale.py). On SQLite, one bind in place, as before."""
         if self._serial is not None:
-            self.bind(hold, sandbox_id, also)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._binds.append((hold, sandbox_id, also, fut))
+            return self.bind(hold, sandbox_id, also, src)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._binds.append(((hold, sandbox_id, also, src), fut))
         if self._binding is None or self._binding.done():
             self._binding = asyncio.create_task(self._flush_binds())
-        await asyncio.shield(fut)
+        return await asyncio.shield(fut)
 
     async def _flush_binds(self) -> None:
         while self._binds:
             batch, self._binds = self._binds[:MAX_GROUP], self._binds[MAX_GROUP:]
             try:
-                await asyncio.to_thread(self.bind_many, [(h, s, a) for h, s, a, _ in batch])
+                gone = await asyncio.to_thread(self.bind_many, [b for b, _ in batch])
             except Exception as e:  # each on its own, so that one's failure is its own
-                for h, s, a, fut in batch:
+                for b, fut in batch:
                     try:
-                        await asyncio.to_thread(self.bind, h, s, a)
+                        ok = await asyncio.to_thread(self.bind, *b)
                     except Exception as one:
                         fut.set_exception(one)
                     else:
-                        fut.set_result(None)
+                        fut.set_result(ok)
                 log.debug("grouped binds retried one by one: %s", e)
                 continue
-            for *_, fut in batch:
-                fut.set_result(None)
+            for b, fut in batch:
+                fut.set_result(b[3] is None or b[3].block not in gone)
 
-    def bind_many(self, items: list[tuple[str, str, Executable | None]]) -> None:
+    def bind_many(self, items: list[Bind]) -> set[str]:
         """Several binds (and their ``also`` statements) in one transaction; the ancestors'
-        rows locked once, in name order, for all of them."""
+        rows locked once, in name order, for all of them. The blocks found gone."""
         with self._txn() as c:
             freed: Counter[str] = Counter()
-            for hold, sandbox_id, also in items:
-                project = c.execute(BIND, {"hold": hold, "sandbox_id": sandbox_id, "now": time.time()}).scalar()
+            blocks: dict[str, tuple[str, list[Need]]] = {}
+            now = time.time()
+            for hold, sandbox_id, also, src in items:
+                project = None
+                if src is None:  # conditional: a release racing this one (the sweep's) must not count twice
+                    project = c.execute(BIND, {"hold": hold, "sandbox_id": sandbox_id, "now": now}).scalar()
+                else:
+                    n = src.need
+                    c.execute(HOLD_INSERT, {
+                        "id": hold, "sandbox_id": sandbox_id, "project": src.project, "job": src.job,
+                        "state": "running", "cpu_milli": n.cpu_milli, "memory_mb": n.memory_mb,
+                        "disk_mb": n.disk_mb, "charged_cpu_milli": n.cpu_milli, "created_at": src.admitted_at,
+                        "bound_at": now})
+                    blocks.setdefault(src.block, (src.project, []))[1].append(n)
                 if also is not None:
                     c.execute(also)
                 if project is not None:
                     freed[project] += 1
+            gone: set[str] = set()
+            for block, (project, needs) in sorted(blocks.items()):
+                if not self._debit(c, block, needs):  # its block was freed meanwhile: counted now
+                    gone.add(block)
+                    self._move(c, project, len(needs), sum(n.cpu_milli for n in needs),
+                               sum(n.memory_mb for n in needs), sum(n.disk_mb for n in needs), 0)
             if freed:
                 _lock(c, sorted({n for p in freed for n in lineage(p)}))
                 for project, k in sorted(freed.items()):
                     c.execute(MOVE, {"names": lineage(project), "a_sandboxes": 0, "a_cpu_cores": 0,
                                      "a_memory_mb": 0, "a_disk_mb": 0, "a_starting": -k})
+        return gone
+
+    @staticmethod
+    def _debit(c: Connection, block: str, needs: list[Need]) -> bool:
+        """Move ``needs`` out of ``block``'s row (to their holds); False if the row is gone
+        (the sweep freed it, its project was deleted): its amounts are no longer counted."""
+        return c.execute(BLOCK_DEBIT, {
+            "block": block, "d_sandboxes": len(needs), "d_cpu": sum(n.cpu_milli for n in needs),
+            "d_memory": sum(n.memory_mb for n in needs), "d_disk": sum(n.disk_mb for n in needs),
+            "now": time.time()}).first() is not None
 
     def release(self, *, hold: str | None = None, sandbox_id: str | None = None) -> bool:
         """Free a hold (by its id, or its sandbox's); False if there was none."""
@@ -559,6 +614,9 @@ def in_subtree(col: ColumnElement[str], project: str) -> ColumnElement[bool]:
     """``col`` names ``project`` or one of its sub-projects. Names have no "%", but "_" is
     LIKE's any-one-character: escaped."""
     return or_(col == project, col.like(project.replace("_", "\\_") + "/%", escape="\\"))
+
+
+Bind = tuple[str, str, Executable | None, FromBlock | None]  # hold, sandbox id, also, block
 
 
 class _Refused(Exception):

@@ -76,6 +76,22 @@ project_holds = Table(
     Index("project_holds_by_project", "project"),
 )
 
+# a share of a project lineage's quota charged ahead to one apiserver replica (revision
+# 0012, dsec.iam.blocks): the u_* counters of the project and its ancestors include these
+# amounts, which the replica's creates take in memory and their binds move to holds
+quota_blocks = Table(
+    "quota_blocks", metadata,
+    Column("id", String, primary_key=True),  # <replica>/<project>
+    Column("replica", String, nullable=False),
+    Column("project", String, nullable=False),
+    Column("sandboxes", BigInteger, nullable=False),
+    Column("cpu_milli", BigInteger, nullable=False),
+    Column("memory_mb", BigInteger, nullable=False),
+    Column("disk_mb", BigInteger, nullable=False),
+    Column("starting", BigInteger, nullable=False),
+    Column("renewed_at", Float, nullable=False),  # the holder's wall clock at its last write
+)
+
 # who owns a layer and which projects may see it (revision 0008); a layer without a row
 # (base images, OCI imports, layers older than this table) is public
 layer_acl = Table(
