@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import Engine, Executable
+from sqlalchemy import Engine
 
 from dsec import tracing
 from dsec.batches import BatchRunner, BatchStore
@@ -49,7 +49,7 @@ from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, acting_project, current_p
 from dsec.iam.blocks import STALE_S as BLOCK_STALE_S
 from dsec.iam.blocks import QuotaBlocks, free_stale
 from dsec.iam.projects import ProjectStore
-from dsec.iam.quota import Need, ProjectQuotas
+from dsec.iam.quota import Also, Need, ProjectQuotas
 from dsec.iam.rates import FnCallRates
 from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
@@ -102,8 +102,9 @@ class SandboxIndex(Protocol):
     db: Engine
 
     def index_put(self, info: SandboxInfo, project: str) -> None: ...
-    def index_insert(self, info: SandboxInfo, project: str) -> Executable:
-        """The statement index_put runs, for a transaction of the caller's on ``db``."""
+    def index_insert(self, info: SandboxInfo, project: str) -> Also:
+        """The statement index_put runs and its parameters, for a transaction of the
+        caller's on ``db``."""
     def index_drop(self, sandbox_ids: list[str]) -> None: ...
 
 
@@ -250,7 +251,7 @@ class Apiserver:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _bind_until_done(self, hold: str, sandbox_id: str, also: Executable | None) -> None:
+    async def _bind_until_done(self, hold: str, sandbox_id: str, also: Also | None) -> None:
         """A bind the database missed (a restart under a burst, bench/scale.py): tried again
         for a minute; past that the quota sweep finds the sandbox and counts it."""
         for _ in range(60):

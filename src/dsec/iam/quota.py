@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -371,7 +371,7 @@ class ProjectQuotas:
         c.execute(MOVE, {"names": names, "a_sandboxes": sandboxes, "a_cpu_cores": cpu_milli, "a_memory_mb": memory_mb,
                          "a_disk_mb": disk_mb, "a_starting": starting})
 
-    def bind(self, hold: str, sandbox_id: str, also: Executable | None = None, src: FromBlock | None = None
+    def bind(self, hold: str, sandbox_id: str, also: Also | None = None, src: FromBlock | None = None
              ) -> bool:
         """The edge made the hold's sandbox: no longer starting. ``also``: a statement to
         commit with it (the cluster's index row of the sandbox: one commit, not two).
@@ -389,10 +389,10 @@ class ProjectQuotas:
                         self._move(c, src.project, -1, -n.cpu_milli, -n.memory_mb, -n.disk_mb, 0)
             if also is not None:  # (rolled back with the bind)
                 with self._txn() as c:
-                    c.execute(also)
+                    c.execute(*also)
             return True
 
-    async def bind_soon(self, hold: str, sandbox_id: str, also: Executable | None = None,
+    async def bind_soon(self, hold: str, sandbox_id: str, also: Also | None = None,
                         src: FromBlock | None = None) -> bool:
         """:meth:`bind` from the event loop. On PostgreSQL, binds that arrive while one is
         being committed are committed together, in one transaction (group commit): under a
@@ -444,7 +444,7 @@ class ProjectQuotas:
                         "bound_at": now})
                     blocks.setdefault(src.block, (src.project, []))[1].append(n)
                 if also is not None:
-                    c.execute(also)
+                    c.execute(*also)
                 if project is not None:
                     freed[project] += 1
             gone: set[str] = set()
@@ -616,7 +616,8 @@ def in_subtree(col: ColumnElement[str], project: str) -> ColumnElement[bool]:
     return or_(col == project, col.like(project.replace("_", "\\_") + "/%", escape="\\"))
 
 
-Bind = tuple[str, str, Executable | None, FromBlock | None]  # hold, sandbox id, also, block
+Also = tuple[Executable, Mapping[str, object]]  # a statement to commit with a bind, and its parameters
+Bind = tuple[str, str, Also | None, FromBlock | None]  # hold, sandbox id, also, block
 
 
 class _Refused(Exception):

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from sqlalchemy import Connection, Engine, Row, and_, delete, insert, select, update
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.errors import InvalidRequest
@@ -35,6 +35,8 @@ VISIBILITIES: tuple[str, ...] = get_args(Visibility)
 CLAIM_STALE_S = 3600.0
 # refs per IN (...) list: SQLite builds before 3.32 take at most 999 bound parameters
 _CHUNK = 500
+# built once: building and keying the statement per create cost more than running it
+_BY_REFS = select(layer_acl).where(layer_acl.c.ref.in_(bindparam("refs", expanding=True)))
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class LayerAcl:
             wanted = sorted(set(refs))
             out: dict[str, AclRow] = {}
             for i in range(0, len(wanted), _CHUNK):
-                for r in c.execute(select(layer_acl).where(layer_acl.c.ref.in_(wanted[i:i + _CHUNK]))):
+                for r in c.execute(_BY_REFS, {"refs": wanted[i:i + _CHUNK]}):
                     a = _row(r)
                     out[a.ref] = a
             return out

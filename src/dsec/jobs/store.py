@@ -7,12 +7,15 @@ import json
 import time
 from typing import Any
 
-from sqlalchemy import Engine, case, insert, literal, or_, select, update
+from sqlalchemy import Engine, bindparam, case, insert, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from dsec.errors import JobExists
 from dsec.meta.jobs_schema import jobs
 from dsec.wire.jobs import JobInfo, JobQuota, JobSpec, JobState
+
+# a create reads its job's record: the statement built once (dsec.iam.visibility says why)
+_ONE = select(jobs).where(jobs.c.project == bindparam("project"), jobs.c.name == bindparam("name"))
 
 
 class JobStore:
@@ -34,7 +37,7 @@ class JobStore:
 
     def get(self, project: str, name: str) -> JobInfo | None:
         with self.db.connect() as c:
-            row = c.execute(select(jobs).where(jobs.c.project == project, jobs.c.name == name)).mappings().first()
+            row = c.execute(_ONE, {"project": project, "name": name}).mappings().first()
         return _info(row) if row else None
 
     def list(self, project: str | None, labels: dict[str, str], state: str | None = None) -> list[JobInfo]:
