@@ -274,7 +274,24 @@ async def big_batch(b: Bench, token: str, n: int, chaos: bool) -> dict[str, Any]
     if chaos and killed:  # the killed replica back, for what follows
         b.replicas[0] = b._replica(0)
         b._wait_healthy([b.replicas[0][1]])
+        out.update(await quota_settles(b))
     return out
+
+
+async def quota_settles(b: Bench, within_s: float = 300.0) -> dict[str, Any]:
+    """After the chaos: the project tree's usage comes back to what the edges hold (the
+    killed replica's quota block freed by the sweep, its creates in flight adopted)."""
+    t0 = time.monotonic()
+    usage = held = -1
+    async with dsec.AsyncClient(url=b.replicas[-1][1], token=TOKEN) as admin:
+        while time.monotonic() - t0 < within_s:
+            held = sum(n.sandboxes for n in await admin.nodes())
+            usage = (await admin.projects.get("rl")).usage.sandboxes
+            if usage == held:
+                break
+            await asyncio.sleep(2)
+    return {"quota_usage": usage, "quota_edges_hold": held, "quota_settled": usage == held,
+            "quota_settled_s": round(time.monotonic() - t0, 1)}
 
 
 async def fill(b: Bench, token: str, to: int) -> int:

@@ -3,7 +3,8 @@ its own: creates admitted from a block write no project row; creates racing from
 replicas for the last units never overshoot, and once the blocks are given back the quota
 fills exactly to its cap; a block its replica stopped renewing (a crash) is freed by the
 sweep and its create still in flight is counted at its bind; a project's delete frees its
-blocks; usage shown is what sandboxes hold, not what is charged ahead."""
+blocks; usage shown is what sandboxes hold, not what is charged ahead; a block refused over
+a lowered cap charges nothing; a bind retried after its commit's answer was lost counts once."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Need, ProjectQuotas
 from dsec.meta import open_db
 from dsec.meta.schema import project_holds, projects, quota_blocks
-from dsec.wire.iam import ProjectQuota, ProjectSpec
+from dsec.wire.iam import ProjectPatch, ProjectQuota, ProjectSpec
 from tests.test_catalog_db import db_url, pg_url  # noqa: F401  (fixtures: a PostgreSQL server, a database)
 
 pytestmark = pytest.mark.asyncio
@@ -59,7 +60,7 @@ class Replica:
             return None
         await asyncio.sleep(0.001)  # the edge's create
         sid = f"e1-{next(_ids):012x}"
-        self.blocks.bound(hold, await self.quotas.bind_soon(hold, sid, None, self.blocks.source(hold)))
+        await self.blocks.bind(hold, sid, None)
         return sid
 
     async def close(self) -> None:
@@ -192,3 +193,27 @@ async def test_a_projects_delete_frees_its_blocks(two: tuple[Replica, Replica]) 
     assert sid is not None and a.quotas.release(sandbox_id=sid)
     b.store.delete("org/tmp", "admin")
     assert _counters(b.db, "org") == (0, 0) and _rows(b.db, quota_blocks) == 0
+
+
+async def test_no_block_over_a_lowered_cap_and_a_retried_bind_counts_once(two: tuple[Replica, Replica]) -> None:
+    a, _ = two
+    a.store.create(ProjectSpec(name="low", quota=ProjectQuota(sandboxes=1000, disk_mb=100_000)), "admin")
+    a.store.create(ProjectSpec(name="low/a"), "admin")
+    sid = await a.create("low/a")  # 1024 MiB of disk held; a block charged
+    await asyncio.sleep(0.2)
+    hold = await a.blocks.admit("low/a", None, ONE)
+    src = a.blocks.source(hold)
+    assert src is not None
+    assert a.quotas.bind(hold, "e1-0000000eeeee", None, src)
+    before = _counters(a.db, "low/a")
+    assert a.quotas.bind(hold, "e1-0000000eeeee", None, src)  # again: its answer was lost, say
+    assert _counters(a.db, "low/a") == before and _rows(a.db, project_holds) == 2
+    a.blocks.bound(hold)
+    # the cap lowered below what is held: a need of no disk gets no block, and nothing is charged
+    for b in list(a.blocks._blocks.values()):
+        await a.blocks._give_back(b)
+    assert sid is not None
+    a.store.update("low", ProjectPatch(quota=ProjectQuota(disk_mb=1000)), "admin")
+    u = _counters(a.db, "low/a")
+    got = blocks_mod.charge(a.quotas, "r/low/a/x", "r", "low/a", Need.of(1.0, 512, 0), fresh=True)
+    assert got == {} and _counters(a.db, "low/a") == u and _rows(a.db, quota_blocks) == 0

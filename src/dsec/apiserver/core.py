@@ -231,8 +231,7 @@ class Apiserver:
         also = self.index.index_insert(info, project_of_new) if self.index and joint else None
         with tracing.span("quota.bind", sandbox_id=info.sandbox_id, indexed=joint):
             try:
-                self.blocks.bound(hold, await self.quotas.bind_soon(hold, info.sandbox_id, also,
-                                                                    self.blocks.source(hold)))
+                await self.blocks.bind(hold, info.sandbox_id, also)
             except Exception as e:  # the sandbox is made: the caller gets it, the bookkeeping catches up
                 log.warning("sandbox %s made, its quota bind not recorded yet (retried): %s", info.sandbox_id, e)
                 self._later(self._bind_until_done(hold, info.sandbox_id, also))
@@ -257,7 +256,7 @@ class Apiserver:
         for _ in range(60):
             await asyncio.sleep(1.0)
             try:
-                self.blocks.bound(hold, await self.quotas.bind_soon(hold, sandbox_id, also, self.blocks.source(hold)))
+                await self.blocks.bind(hold, sandbox_id, also)
                 return
             except Exception as e:
                 log.debug("sandbox %s: bind not recorded yet: %s", sandbox_id, e)

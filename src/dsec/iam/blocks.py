@@ -44,7 +44,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from dsec.errors import QuotaExceeded
-from dsec.iam.quota import CHARGE, COLUMNS, MOVE, FromBlock, Need, ProjectQuotas, _lock
+from dsec.iam.quota import CHARGE, COLUMNS, MOVE, Also, FromBlock, Need, ProjectQuotas, _lock
 from dsec.meta.schema import projects, quota_blocks
 from dsec.wire.iam import lineage
 
@@ -74,23 +74,31 @@ def charge(quotas: ProjectQuotas, block: str, replica: str, project: str, need: 
     lineage has no room for MIN_BLOCK creates' worth, None if the row is gone."""
     names = lineage(project)
     one = need.amounts()
+    try:
+        return _charge(quotas, block, replica, project, names, one, need, fresh)
+    except _NoRoom:  # (raised in the transaction: a CHARGE that matched some rows is rolled back)
+        return {}
+
+
+def _charge(quotas: ProjectQuotas, block: str, replica: str, project: str, names: list[str],
+            one: dict[str, int], need: Need, fresh: bool) -> dict[str, int] | None:
     with quotas._txn() as c:
         if not fresh and c.execute(select(_c.id).where(_c.id == block).with_for_update()).first() is None:
             return None
         _lock(c, names)
         rows = c.execute(select(projects).where(projects.c.name.in_(names))).mappings().all()
         if len(rows) != len(names):  # a project of the lineage does not exist (yet): one by one
-            return {}
+            raise _NoRoom
         k = BLOCK
         for row in rows:
             for r, (u, q) in COLUMNS.items():
-                if row[q] is not None and one[r]:
-                    k = min(k, (row[q] - row[u]) // (SHARE * one[r]))
+                if row[q] is not None and (one[r] or row[u] > row[q]):  # (over a lowered cap: none)
+                    k = min(k, (row[q] - row[u]) // (SHARE * max(one[r], 1)))
         if k < MIN_BLOCK:
-            return {}
+            raise _NoRoom
         amounts = need.amounts(k)
         if c.execute(CHARGE, {"names": names, **{f"a_{r}": v for r, v in amounts.items()}}).rowcount != len(names):
-            return {}
+            raise _NoRoom
         values = {col.key: amounts[r] for r, col in _AMOUNT_COLS.items()}
         if fresh:
             c.execute(insert(quota_blocks).values(id=block, replica=replica, project=project, renewed_at=time.time(),
@@ -207,6 +215,18 @@ class QuotaBlocks:
                 raise
             return await self.quotas.run(self.quotas.admit, project, job, need)
 
+    async def bind(self, hold: str, sandbox_id: str, also: Also | None) -> None:
+        """Bind a made create (group-committed, :meth:`ProjectQuotas.bind_soon`); its block
+        learns the outcome even if the caller is cancelled meanwhile (the bind goes on)."""
+        src = self.source(hold)
+        task = asyncio.ensure_future(self.quotas.bind_soon(hold, sandbox_id, also, src))
+        if src is not None:
+            def done(t: asyncio.Future[bool]) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    self.bound(hold, t.result())
+            task.add_done_callback(done)
+        await asyncio.shield(task)
+
     def source(self, hold: str) -> FromBlock | None:
         """What the bind of a create admitted from a block writes (None: one by one)."""
         got = self._pending.get(hold)
@@ -321,13 +341,13 @@ class QuotaBlocks:
                 log.debug("blocks not renewed: %s", e)
             else:
                 for b in alive:
-                    b.gone = b.id in gone
+                    b.gone |= b.id in gone
                     if not b.gone:
                         b.renewed = began
         held = {id(b) for b, _ in self._pending.values()}
         for project, b in list(self._blocks.items()):
-            if id(b) not in held and (b.gone or not any(v > 0 for v in b.granted.values())) \
-                    and now - b.used > IDLE_S:
+            busy = id(b) in held or b.lock.locked() or (b.refilling is not None and not b.refilling.done())
+            if not busy and (b.gone or not any(v > 0 for v in b.granted.values())) and now - b.used > IDLE_S:
                 del self._blocks[project]
 
     async def run(self) -> None:
@@ -351,3 +371,7 @@ class QuotaBlocks:
         return {b.project: {**{f"granted_{r}": b.granted[r] for r in RESOURCES},
                             **{f"free_{r}": b.free[r] for r in RESOURCES}}
                 for b in self._blocks.values() if not b.gone}
+
+
+class _NoRoom(Exception):
+    """No block now: roll the charge back."""

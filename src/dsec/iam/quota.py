@@ -380,17 +380,21 @@ class ProjectQuotas:
         try:
             return not self.bind_many([(hold, sandbox_id, also, src)])
         except IntegrityError:  # the sweep adopted the sandbox first: that hold counts it, not this one
+            there = True
             if src is None:
                 self.release(hold=hold)
             else:
-                with self._txn() as c:  # its share leaves the block and the counters
-                    if self._debit(c, src.block, [src.need]):
+                with self._txn() as c:
+                    if c.execute(select(project_holds.c.id).where(project_holds.c.id == hold)).first():
+                        return True  # bound already (a retry of a commit whose answer was lost)
+                    there = self._debit(c, src.block, [src.need])
+                    if there:  # its share leaves the block and the counters
                         n = src.need
                         self._move(c, src.project, -1, -n.cpu_milli, -n.memory_mb, -n.disk_mb, 0)
             if also is not None:  # (rolled back with the bind)
                 with self._txn() as c:
                     c.execute(*also)
-            return True
+            return there
 
     async def bind_soon(self, hold: str, sandbox_id: str, also: Also | None = None,
                         src: FromBlock | None = None) -> bool:
