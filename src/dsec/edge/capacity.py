@@ -44,19 +44,22 @@ class Capacity(EdgeCore):
     _rank_at = 0.0
     _rank: dict[str, SandboxUsage] = {}  # replaced, never mutated
 
-    def _reserved(self) -> tuple[float, int, int]:
+    def _reserved(self, per_job: dict[str, int] | None = None) -> tuple[float, int, int]:
         """CPU and memory reserved by the sandboxes here: each one's request (by default a
         share of its limit for best-effort work, the limit for latency-sensitive work and
         VMs), or the memory it holds now if that is more. A paused one reserves no CPU and
         only what it still holds (its memory is in swap, or a VM's in a file): that is what
         lets idle sandboxes be packed far beyond the running ones. Resuming many at once is
-        what the pressure policy and swap are for."""
+        what the pressure policy and swap are for. ``per_job``: filled with the count of each
+        job's sandboxes (the stats' one pass over the sandboxes, not two)."""
         cpu, mem, n = 0.0, 0, 0
         for sb in self.sandboxes.values():
             if sb.stopping:
                 continue
             n += 1
             info = sb.rec.info
+            if per_job is not None and info.job:
+                per_job[info.job] = per_job.get(info.job, 0) + 1
             if info.state == SandboxState.paused and info.pause is not None:
                 mem += max(1, info.pause.memory_after_bytes >> 20)
                 continue
@@ -90,11 +93,8 @@ class Capacity(EdgeCore):
             raise AdmissionRejected(f"edge {self.name} {why.message}", field=why.field)
 
     async def stats(self) -> NodeStats:
-        cpu, mem, n = self._reserved()
         per_job: dict[str, int] = {}
-        for sb in self.sandboxes.values():
-            if sb.rec.info.job and not sb.stopping:
-                per_job[sb.rec.info.job] = per_job.get(sb.rec.info.job, 0) + 1
+        cpu, mem, n = self._reserved(per_job)
         return NodeStats(
             edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), network=self.network_status,
             density={**self.density, "pressure": memory.pressure(), "pause_below_mb": self.cfg.pause_below_mb,
