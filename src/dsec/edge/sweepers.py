@@ -139,7 +139,8 @@ class Sweepers(EdgeCore):
                     # LIMITS_ACTIVE_S, else every LIMITS_IDLE_S. At a node's density most sandboxes idle,
                     # and reading every one every second cost more than the rest of the edge (bench/scale.py)
                     mono = time.monotonic()
-                    if info.state == SandboxState.running and (
+                    # (a hollow edge's sandboxes have no cgroup to read: docs/scale.md)
+                    if self.hollow is None and info.state == SandboxState.running and (
                             now - info.last_active_at < LIMITS_ACTIVE_S or mono - sb.limits_at >= LIMITS_IDLE_S):
                         sb.limits_at = mono
                         self._limit_events(sb)
