@@ -44,7 +44,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from dsec.errors import QuotaExceeded
-from dsec.iam.quota import CHARGE, COLUMNS, MOVE, Also, FromBlock, Need, ProjectQuotas, _lock
+from dsec.iam.quota import CHARGE, COLUMNS, Also, FromBlock, Need, ProjectQuotas, _lock
 from dsec.meta.schema import projects, quota_blocks
 from dsec.wire.iam import lineage
 
@@ -118,7 +118,7 @@ def give_back(quotas: ProjectQuotas, block: str, project: str, amounts: dict[str
             .returning(*_AMOUNT_COLS.values())).first()
         if left is None:
             return False
-        _move(c, project, {r: -v for r, v in amounts.items()})
+        ProjectQuotas._move(c, project, *(-amounts[r] for r in RESOURCES))
         if not any(left):
             c.execute(delete(quota_blocks).where(_c.id == block))
         return True
@@ -151,7 +151,7 @@ def _free(quotas: ProjectQuotas, cond: ColumnElement[bool]) -> int:
 def _free_in(c: Connection, cond: ColumnElement[bool]) -> int:
     rows = c.execute(delete(quota_blocks).where(cond).returning(_c.project, *_AMOUNT_COLS.values())).all()
     for project, *vals in rows:
-        _move(c, project, {r: -v for r, v in zip(_AMOUNT_COLS, vals, strict=True)})
+        ProjectQuotas._move(c, project, *(-v for v in vals))  # (columns in RESOURCES' order)
     return len(rows)
 
 
@@ -162,12 +162,6 @@ def unused(c: Connection) -> dict[str, Counter[str]]:
     for project, *vals in c.execute(select(_c.project, *_AMOUNT_COLS.values())):
         out.setdefault(project, Counter()).update(dict(zip(_AMOUNT_COLS, vals, strict=True)))
     return out
-
-
-def _move(c: Connection, project: str, amounts: dict[str, int]) -> None:
-    names = lineage(project)
-    _lock(c, names)
-    c.execute(MOVE, {"names": names, **{f"a_{r}": amounts[r] for r in RESOURCES}})
 
 
 # --- the replica's side (its event loop) ---------------------------------------------------
