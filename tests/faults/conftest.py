@@ -41,6 +41,11 @@ class Probe:
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
+        # a case body that ends before the loop's first turn (its checks are quick, some
+        # block the loop) still gets one full round: the edge answered after the fault
+        deadline = time.monotonic() + 2 * PROBE_BOUND_S
+        while self.rounds < 1 and not self._task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
