@@ -1,5 +1,5 @@
-"""What the edge holds and admits: reservations, final admission, its stats for the
-watcher, usage per sandbox, storage and metrics."""
+"""What the edge admits (against the reservations it holds, edge/reservations.py), its
+stats for the watcher, usage per sandbox, storage and metrics."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from dsec.wire.models import (
     LayerFetchStats,
     MicroVMArgs,
     NodeStats,
-    SandboxState,
     SandboxUsage,
     StorageStats,
     VMArgs,
@@ -43,29 +42,6 @@ class Capacity(EdgeCore):
     _rank_lock: asyncio.Lock | None = None
     _rank_at = 0.0
     _rank: dict[str, SandboxUsage] = {}  # replaced, never mutated
-
-    def _reserved(self, per_job: dict[str, int] | None = None) -> tuple[float, int, int]:
-        """CPU and memory reserved by the sandboxes here: each one's request (by default a
-        share of its limit for best-effort work, the limit for latency-sensitive work and
-        VMs), or the memory it holds now if that is more. A paused one reserves no CPU and
-        only what it still holds (its memory is in swap, or a VM's in a file): that is what
-        lets idle sandboxes be packed far beyond the running ones. Resuming many at once is
-        what the pressure policy and swap are for. ``per_job``: filled with the count of each
-        job's sandboxes (the stats' one pass over the sandboxes, not two)."""
-        cpu, mem, n = 0.0, 0, 0
-        for sb in self.sandboxes.values():
-            if sb.stopping:
-                continue
-            n += 1
-            info = sb.rec.info
-            if per_job is not None and info.job:
-                per_job[info.job] = per_job.get(info.job, 0) + 1
-            if info.state == SandboxState.paused and info.pause is not None:
-                mem += max(1, info.pause.memory_after_bytes >> 20)
-                continue
-            cpu += sb.rec.args.cpu_admitted
-            mem += max(sb.rec.args.memory_admitted_mb, sb.memory_held_mb)
-        return cpu, int(mem), n
 
     async def set_cordon(self, cordoned: bool, reason: str = "") -> None:
         """Take no new sandboxes (``cordoned``), or take them again. Kept in memory only:
@@ -86,15 +62,14 @@ class Capacity(EdgeCore):
             raise AdmissionRejected(f"edge {self.name} is under memory pressure ({psi:.1f}% of the last 10 s "
                                     f"fully stalled on memory, limit {self.cfg.admit_max_psi:g}%; {avail:.0f} MiB "
                                     "available)")
-        cpu, mem, n = self._reserved()
+        cpu, mem, n = self.held.totals()
         room = Room(self.cpus, self.cfg.cpu_overcommit, self.memory_mb, self.cfg.memory_overcommit,
                     self.cfg.max_sandboxes, cpu, mem, n)
         if (why := refusal(room, args)) is not None:
             raise AdmissionRejected(f"edge {self.name} {why.message}", field=why.field)
 
     async def stats(self) -> NodeStats:
-        per_job: dict[str, int] = {}
-        cpu, mem, n = self._reserved(per_job)
+        cpu, mem, n = self.held.totals()
         return NodeStats(
             edge=self.name, healthy=True, cpus=self.cpus, vm=self.vms.node_info(), network=self.network_status,
             density={**self.density, "pressure": memory.pressure(), "pause_below_mb": self.cfg.pause_below_mb,
@@ -104,7 +79,7 @@ class Capacity(EdgeCore):
             hollow=self.hollow is not None,
             memory_mb=self.memory_mb, cpu_overcommit=self.cfg.cpu_overcommit,
             memory_overcommit=self.cfg.memory_overcommit, sandboxes=n, cpu_reserved=cpu,
-            memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=per_job,
+            memory_reserved_mb=mem, max_sandboxes=self.cfg.max_sandboxes, per_job=self.held.per_job(),
             signals=self.signals.read(self.volume.mnt if self.volume.available else self.cfg.data_dir),
             cordoned=self.signals.cordon is not None, host=self.host_load.read())
 

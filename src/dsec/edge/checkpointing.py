@@ -277,10 +277,12 @@ class Checkpointing(EdgeCore):
             t0 = time.perf_counter()
             if running:
                 info.state = SandboxState.paused  # requests arriving meanwhile wait for the lock (_ready)
+                self.held.update(sb)
                 try:
                     await self.vm_sandboxes.pause(sb)
                 except BaseException:
                     info.state = SandboxState.running
+                    self.held.update(sb)
                     raise
             try:
                 for src, name in ((vm.snapshot, "snapshot.state"), (vm.snapshot_meta, "snapshot.json"),
@@ -296,6 +298,7 @@ class Checkpointing(EdgeCore):
                         asyncio.create_task(self._teardown(sb, SandboxState.failed, f"checkpoint: {e.message}"))
                         raise
                     info.state = SandboxState.running
+                    self.held.update(sb)
             return (time.perf_counter() - t0) * 1e3
 
     def _put_vm_file(self, sandbox_id: str, seq: int, path: str, kind: str) -> str:

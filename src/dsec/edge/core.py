@@ -26,6 +26,7 @@ from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.network import NetworkManager
 from dsec.edge.procwatch import ProcWatch
 from dsec.edge.ratelimit import Buckets
+from dsec.edge.reservations import Reservations
 from dsec.edge.sandbox import (
     Sandbox,
     mem_total_mb,
@@ -91,6 +92,7 @@ class EdgeCore(InteractiveOps):
         # (a hollow edge starts no init: dsec.backends.hollow)
         self.init_binary = "" if cfg.hollow else ensure_init_binary(os.path.join(cfg.data_dir, "bin", "dsec-init"))
         self.sandboxes: dict[str, Sandbox] = {}
+        self.held = Reservations()  # what they reserve, summed as they change (edge/reservations.py)
         self.signals = Signals()  # what the fleet's health detector reads (edge/signals.py)
         self.host_load = HostLoadReader()
         self.watchers = Watchers()  # polled directory watchers clients hold here

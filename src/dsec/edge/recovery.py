@@ -36,6 +36,7 @@ class Recovery(EdgeCore):
 
         async def one(sid: str, rec: Record) -> None:
             sb = self.sandboxes[sid] = Sandbox(rec, os.path.join(self.sandbox_root, sid))
+            self.held.update(sb)
             if rec.info.state == SandboxState.stopping:  # the edge died in its stop: finish it
                 await self._teardown(sb, SandboxState.stopped, "stopped (finished after an edge restart)")
                 return
@@ -81,5 +82,6 @@ class Recovery(EdgeCore):
             return
         rec.info.state = SandboxState.running
         rec.info.paused_at = None
+        self.held.update(sb)
         self.state.put(rec)
         log.info("re-adopted %s sandbox %s", rec.args.backend, sid)

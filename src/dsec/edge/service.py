@@ -233,6 +233,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         sb.keep_checkpoints = sandbox_id is not None  # a failed restore leaves the checkpoint for the next try
         sb.from_vm = from_vm
         self.sandboxes[sid] = sb  # reserves its share before the first await
+        self.held.update(sb)
         sb.creator = asyncio.current_task()
         try:
             # on record before anything is built: an edge killed mid-create finds it on
@@ -351,6 +352,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
                                    swap_bytes=after.get("swap", 0), pause_s=time.monotonic() - t0)
             info.state = SandboxState.paused
             info.paused_at = time.time()
+            self.held.update(sb)
             self.state.put(sb.rec)
         self.on_event(sb.id, "paused", f"{msg}; memory {info.pause.memory_before_bytes >> 20} -> "
                       f"{info.pause.memory_after_bytes >> 20} MiB in {info.pause.pause_s * 1000:.0f} ms")
@@ -380,6 +382,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             info.state = SandboxState.running
             info.paused_at = None
             info.last_active_at = time.time()
+            self.held.update(sb)
             self.state.put(sb.rec)
         self.on_event(sb.id, "resumed", msg)
 

@@ -22,11 +22,14 @@ from dsec.wire.models import (
 )
 
 LIMITS_ACTIVE_S, LIMITS_IDLE_S = 10.0, 5.0
+RECOUNT_S = 60.0  # the reservations summed from scratch, against a missed update
 log = logging.getLogger("dsec.edge")
 
 
 class Sweepers(EdgeCore):
     """One loop, every ttl_check_interval_s."""
+
+    _recounted = 0.0
 
     def _flush_activity(self) -> None:
         for sb in self.sandboxes.values():
@@ -59,6 +62,7 @@ class Sweepers(EdgeCore):
         """Events for a sandbox running into its own limits (memory, pids, CPU quota)."""
         cg, args = self._cgroup(sb), sb.rec.args
         sb.memory_held_mb = memory.cgroup_memory(cg).get("total", 0) >> 20
+        self.held.update(sb)
         # pressure inside its own limit is its own business: an event, never a node-wide refusal
         fails = memory.memory_failures(cg)
         if fails > sb.memfail_seen and time.monotonic() - sb.memfail_reported > 60 and sb.memfail_seen:
@@ -130,6 +134,9 @@ class Sweepers(EdgeCore):
                 await self._check_disk_quotas()
                 await self._audit_sweep()
                 self._schedule_checkpoints()
+                if time.monotonic() - self._recounted >= RECOUNT_S:
+                    self._recounted = time.monotonic()
+                    self.held.recount(self.sandboxes.values())
                 now = time.time()
                 for sb in list(self.sandboxes.values()):
                     args, info = sb.rec.args, sb.rec.info

@@ -66,6 +66,7 @@ class Teardown(EdgeCore):
         t0 = time.monotonic()
         sb.stopping = True
         sb.rec.info.state = SandboxState.stopping
+        self.held.drop(sb.id)
         if record:
             await self._bounded(sb, "record", asyncio.to_thread(self.state.put, sb.rec))
             await failpoint("stop.recorded")
