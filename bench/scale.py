@@ -105,7 +105,8 @@ class Bench:
         t0 = time.monotonic()
         self.fleet = subprocess.Popen(
             [*CLI, "edge", "hollow", "--count", str(self.a.edges), "--db", self.db, "--secret-file", self.key,
-             "--data-root", os.path.join(self.root, "edges"), "--max-sandboxes", str(self.a.per_edge)],
+             "--data-root", os.path.join(self.root, "edges"), "--max-sandboxes", str(self.a.per_edge),
+             "--sweep-s", str(self.a.sweep_s)],
             stdout=subprocess.PIPE, stderr=open(os.path.join(self.root, "fleet.log"), "w"), text=True, cwd=ROOT)
         assert self.fleet.stdout is not None
         for _ in range(self.a.edges):
@@ -414,6 +415,8 @@ async def main() -> None:
                    "PostgreSQL restart (d)")
     p.add_argument("--sandboxes", type=int, default=0, help="hold this many in all, then measure (c)")
     p.add_argument("--per-edge", type=int, default=4096)
+    p.add_argument("--sweep-s", type=float, default=5.0,
+                   help="each hollow edge's TTL sweep period (all share one process: docs/scale.md)")
     p.add_argument("--json")
     p.add_argument("--write")
     p.add_argument("--controller", nargs=2, help=argparse.SUPPRESS)

@@ -277,6 +277,8 @@ def edge_hollow(count: Annotated[int, typer.Option(min=1, max=1000, help="how ma
                 cpus: Annotated[int, typer.Option(help="cores each models (a DSec node's)")] = 192,
                 memory_gb: Annotated[int, typer.Option(help="memory each models")] = 2048,
                 max_sandboxes: Annotated[int, typer.Option(help="each edge's sandbox limit")] = 4096,
+                sweep_s: Annotated[float, typer.Option(
+                    min=0.1, max=60, help="seconds between each edge's TTL sweeps (a real edge's: 1)")] = 1.0,
                 store: StoreOpt = None, log_level: str = "warning") -> None:
     """Run COUNT hollow edges in this process (a load instrument for the control plane,
     docs/scale.md: the real edge over a runtime that starts no process and mounts nothing;
@@ -285,7 +287,8 @@ def edge_hollow(count: Annotated[int, typer.Option(min=1, max=1000, help="how ma
 
     _prepare_process(log_level)
     secret = _read_secret(secret_file)
-    cfg = {"hollow_cpus": cpus, "hollow_memory_mb": memory_gb * 1024, "max_sandboxes": max_sandboxes}
+    cfg = {"hollow_cpus": cpus, "hollow_memory_mb": memory_gb * 1024, "max_sandboxes": max_sandboxes,
+           "ttl_check_interval_s": sweep_s}
     asyncio.run(serve_fleet(count, prefix, os.path.abspath(data_root), secret, host, port, db, store, cfg, first))
 
 

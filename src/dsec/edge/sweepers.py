@@ -129,47 +129,53 @@ class Sweepers(EdgeCore):
         while True:
             await asyncio.sleep(self.cfg.ttl_check_interval_s)
             try:
-                self._flush_activity()
-                await self._relieve_pressure()
-                await self._check_disk_quotas()
-                await self._audit_sweep()
-                self._schedule_checkpoints()
-                if time.monotonic() - self._recounted >= RECOUNT_S:
-                    self._recounted = time.monotonic()
-                    self.held.recount(self.sandboxes.values())
-                now = time.time()
-                for sb in list(self.sandboxes.values()):
-                    args, info = sb.rec.args, sb.rec.info
-                    if sb.stopping or (sb.agent is None and info.state != SandboxState.paused):
-                        continue
-                    # its limit events (five cgroup reads): every round while it was active in the last
-                    # LIMITS_ACTIVE_S, else every LIMITS_IDLE_S. At a node's density most sandboxes idle,
-                    # and reading every one every second cost more than the rest of the edge (bench/scale.py)
-                    mono = time.monotonic()
-                    # (a hollow edge's sandboxes have no cgroup to read: docs/scale.md)
-                    if self.hollow is None and info.state == SandboxState.running and (
-                            now - info.last_active_at < LIMITS_ACTIVE_S or mono - sb.limits_at >= LIMITS_IDLE_S):
-                        sb.limits_at = mono
-                        self._limit_events(sb)
-                    if info.state == SandboxState.paused:  # idle by definition: lifetime and paused TTL only
-                        if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s \
-                                and args.on_expiry == "stop":
-                            await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
-                        elif args.ttl_paused_stop and now - (info.paused_at or now) > args.ttl_paused_stop:
-                            await self._teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
-                        continue
-                    if sb.ops:
-                        info.last_active_at = now
-                    if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
-                        if args.on_expiry == "pause":
-                            with contextlib.suppress(SandboxBusy, SandboxError):
-                                await self.pause(sb.id)
-                        else:
-                            await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
-                    elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
-                        await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
-                    elif args.ttl_running_pause and now - info.last_active_at > args.ttl_running_pause:
-                        with contextlib.suppress(SandboxBusy, SandboxError):
-                            await self.pause(sb.id)
+                await self._sweep_round()
             except Exception:
                 log.exception("TTL sweep failed")
+
+    async def _sweep_round(self) -> None:
+        self._flush_activity()
+        await self._relieve_pressure()
+        await self._check_disk_quotas()
+        await self._audit_sweep()
+        self._schedule_checkpoints()
+        if time.monotonic() - self._recounted >= RECOUNT_S:
+            self._recounted = time.monotonic()
+            self.held.recount(self.sandboxes.values())
+        # one clock read a round, names bound once: at a node's density this loop visits
+        # thousands of mostly idle sandboxes a second (~1 us each, bench/scale.py)
+        now, mono, limits = time.time(), time.monotonic(), self.hollow is None
+        paused, running = SandboxState.paused, SandboxState.running
+        for sb in list(self.sandboxes.values()):
+            args, info = sb.rec.args, sb.rec.info
+            state = info.state
+            if sb.stopping or (sb.agent is None and state != paused):
+                continue
+            # its limit events (five cgroup reads): every round while it was active in the last
+            # LIMITS_ACTIVE_S, else every LIMITS_IDLE_S. At a node's density most sandboxes idle,
+            # and reading every one every second cost more than the rest of the edge (bench/scale.py)
+            # (a hollow edge's sandboxes have no cgroup to read: docs/scale.md)
+            if limits and state == running and (
+                    now - info.last_active_at < LIMITS_ACTIVE_S or mono - sb.limits_at >= LIMITS_IDLE_S):
+                sb.limits_at = mono
+                self._limit_events(sb)
+            if state == paused:  # idle by definition: lifetime and paused TTL only
+                if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s \
+                        and args.on_expiry == "stop":
+                    await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                elif args.ttl_paused_stop and now - (info.paused_at or now) > args.ttl_paused_stop:
+                    await self._teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
+                continue
+            if sb.ops:
+                info.last_active_at = now
+            if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
+                if args.on_expiry == "pause":
+                    with contextlib.suppress(SandboxBusy, SandboxError):
+                        await self.pause(sb.id)
+                else:
+                    await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+            elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
+                await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
+            elif args.ttl_running_pause and now - info.last_active_at > args.ttl_running_pause:
+                with contextlib.suppress(SandboxBusy, SandboxError):
+                    await self.pause(sb.id)
