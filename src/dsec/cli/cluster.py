@@ -20,6 +20,9 @@ def up(ray_address: RayOpt = "auto",
        db: Annotated[str | None, typer.Option(
            help="the cluster's PostgreSQL (postgresql://USER:PASS@HOST/DB); default: a private one on this node")]
        = None,
+       db_allow: Annotated[list[str] | None, typer.Option(
+           help="a network (CIDR) the private database admits besides its node's own subnet (repeatable): "
+                "nodes routed from elsewhere")] = None,
        store: StoreOpt = None,
        apiservers: Annotated[int, typer.Option(help="apiserver replicas to run")] = 2,
        apiserver_resource: Annotated[str | None, typer.Option(
@@ -48,7 +51,8 @@ def up(ray_address: RayOpt = "auto",
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
                      apiserver_resource=apiserver_resource,
                      data_root=data_root, listen_host=listen_host, edge_port=edge_port, api_port=api_port,
-                     edge_args=edge_arg or [], say=lambda line: err.print(f"[dim]{line}[/dim]"))
+                     edge_args=edge_arg or [], db_allow=db_allow or [],
+                     say=lambda line: err.print(f"[dim]{line}[/dim]"))
     except (TimeoutError, RuntimeError, ValueError, ConnectionError, SQLAlchemyError) as e:
         err.print(f"[red]error[/red]: {str(e).splitlines()[0]}")
         raise typer.Exit(2) from None

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from dsec.cli.common import StoreOpt, _errors, err
+from dsec.wire.models import EDGE_NAME_RE
 
 SHUTDOWN_GRACE_S = 10  # requests in flight get this long at a stop, then are cancelled (sandboxes run on)
 DEFAULT_EDGE_PORT = 7801
@@ -179,6 +180,10 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
     from dsec.embedded import build_edge
 
     tracing.setup("dsec-edge")
+    if not EDGE_NAME_RE.match(name):
+        err.print(f"[red]error[/red]: --name {name!r}: an edge's name is a lower-case letter, then up to 30 "
+                  "lower-case letters or digits (its sandboxes' ids are NAME-xxxxxxxxxxxx)")
+        raise typer.Exit(2)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         err.print(f"[red]error[/red]: --listen must be HOST:PORT, not {listen!r}")

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import signal
 import threading
 import time
@@ -67,8 +68,13 @@ def _secret_file(directory: str, secret: str) -> str:
     return path
 
 
-def _host(cfg: ClusterConfig) -> str:
-    return cfg.listen_host or ray.util.get_node_ip_address()
+def _addresses(cfg: ClusterConfig) -> tuple[str, str]:
+    """(what a daemon binds, what others reach it at): the listen host given, else the
+    node's IP (Ray's: the address the other nodes know it by); bound to every address, it
+    is reached at the node's IP."""
+    node_ip = ray.util.get_node_ip_address()
+    bind = cfg.listen_host or node_ip
+    return bind, node_ip if bind in postgres.ANY_HOST else bind
 
 
 def _tracing_env(cfg: ClusterConfig) -> dict[str, str]:
@@ -93,11 +99,11 @@ class EdgeActor:
         self.cfg = ClusterConfig(**cfg)
         self.name = name
         self.node_id = ray.get_runtime_context().get_node_id()
-        host = _host(self.cfg)
+        host, reached = _addresses(self.cfg)
         port = self.cfg.edge_port or free_port(host)
         data = os.path.join(self.cfg.data_root, name)
         secret_file = _secret_file(data, self.cfg.secret)
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://{reached}:{port}"
         argv = dsec_argv("edge", "serve", "--name", name, "--listen", f"{host}:{port}", "--secret-file", secret_file,
                          "--data-dir", data, "--log-level", self.cfg.log_level,
                          *(["--store", self.cfg.store] if self.cfg.store else []),
@@ -122,11 +128,11 @@ class ApiserverActor:
     def __init__(self, cfg: dict[str, Any], index: int) -> None:
         self.cfg = ClusterConfig(**cfg)
         self.index = index
-        host = _host(self.cfg)
+        host, reached = _addresses(self.cfg)
         port = self.cfg.api_port + index if self.cfg.api_port else free_port(host)
         data = os.path.join(self.cfg.data_root, f"apiserver-{index}")
         secret_file = _secret_file(data, self.cfg.secret)
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://{reached}:{port}"
         argv = dsec_argv("apiserver", "--secret-file", secret_file, "--host", host,
                          "--port", str(port), "--data-dir", data, "--log-level", self.cfg.log_level,
                          *(["--store", self.cfg.store] if self.cfg.store else []))
@@ -151,8 +157,10 @@ class PostgresActor:
     """A private PostgreSQL on the node ``dsec cluster up`` ran on, for a cluster given no
     database: its server process owned like every other daemon."""
 
-    def __init__(self, data_dir: str, host: str, port: int) -> None:
+    def __init__(self, data_dir: str, host: str, port: int, allow: list[str]) -> None:
         password = postgres.init(data_dir)
+        self.data_dir, self.host = data_dir, host
+        postgres.admit(data_dir, postgres.networks(host, allow))
         # ready only once it takes queries, which after an unclean stop is after its crash
         # recovery: waited for (an actor that gave up would have the server killed mid-way)
         self.daemon = Daemon(postgres.argv(data_dir, host, port), data_dir.rstrip("/") + ".log",
@@ -160,20 +168,35 @@ class PostgresActor:
                              stop_signal=signal.SIGINT,  # PostgreSQL's fast shutdown
                              start_timeout_s=postgres.START_TIMEOUT_S)
         postgres.create_database(data_dir, port)
-        self.url = postgres.url(host, port, password)
+        reached = ray.util.get_node_ip_address() if host in postgres.ANY_HOST else host
+        self.url = postgres.url(reached, port, password)
 
     def db_url(self) -> str:
         return self.url
+
+    def admit(self, allow: list[str]) -> list[str]:
+        """The networks admitted now (a later `cluster up` may name others): pg_hba.conf
+        rewritten and the server told to reload it."""
+        nets = postgres.networks(self.host, allow)
+        if postgres.admit(self.data_dir, nets) and self.daemon.proc.poll() is None:
+            self.daemon.proc.send_signal(signal.SIGHUP)
+        return nets
 
     def shutdown(self) -> int | None:
         return self.daemon.stop()
 
 
 def edge_name(node: dict[str, Any], taken: set[str]) -> str:
-    """The node's ``dsec-edge-name`` label, else its host name (made unique with its id
-    when several nodes share a host)."""
-    name = str((node.get("Labels") or {}).get(EDGE_NAME_LABEL) or node.get("NodeManagerHostname") or "edge")
-    return name if name not in taken else f"{name}-{node['NodeID'][:6]}"
+    """The node's ``dsec-edge-name`` label, else its host name's first label, as an edge
+    name (EDGE_NAME_RE: a sandbox id is EDGE-xxxxxxxxxxxx, so lower-case letters and digits
+    only: "ip-10-0-0-7.ec2.internal" is "ip10007"); made unique with the node's id when
+    several nodes share a host."""
+    raw = str((node.get("Labels") or {}).get(EDGE_NAME_LABEL) or node.get("NodeManagerHostname") or "edge")
+    name = re.sub(r"[^a-z0-9]", "", raw.lower().split(".")[0])
+    if not name[:1].isalpha():
+        name = "n" + name
+    name = name[:31]
+    return name if name not in taken else name[:25] + str(node["NodeID"])[:6].lower()
 
 
 class Controller:

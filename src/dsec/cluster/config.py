@@ -17,6 +17,9 @@ class ClusterConfig(BaseModel):
     store: str | None = Field(default=None, description="the shared layer store, mounted on every node")
     data_root: str = Field(default="/var/lib/dsec/cluster", description="each edge's data dir is DATA_ROOT/NAME")
     listen_host: str | None = Field(default=None, description="address daemons bind (default: the node's IP)")
+    db_allow: list[str] = Field(
+        default_factory=list, description="networks (CIDR) the private database admits besides the subnet of "
+                                          "its own node's address: nodes routed from elsewhere")
     edge_port: int = Field(default=7801, description="each edge daemon's port (0: a free one)")
     api_port: int = Field(default=7777, description="replica i listens on API_PORT + i (0: free ports)")
     apiservers: int = Field(default=2, ge=1, le=64)

@@ -46,14 +46,14 @@ def connect(ray_address: str) -> None:
                  configure_logging=False)
 
 
-def _private_db(data_root: str, host: str | None, say: Callable[[str], None]) -> str:
+def _private_db(data_root: str, host: str | None, allow: list[str], say: Callable[[str], None]) -> str:
     node = ray.get_runtime_context().get_node_id()
     host = host or ray.util.get_node_ip_address()
     actor: Any = ray.remote(PostgresActor).options(  # type: ignore[attr-defined]
         name=POSTGRES, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
         max_task_retries=0, num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(os.path.join(data_root, "postgres"), host, PRIVATE_DB_PORT)
-    ref = actor.db_url.remote()
+    ).remote(os.path.join(data_root, "postgres"), host, PRIVATE_DB_PORT, allow)
+    ref = actor.admit.remote(allow)  # (an actor found from an earlier `up`: the networks named now)
     log_path = os.path.join(data_root, "postgres.log")
     deadline = time.monotonic() + UP_TIMEOUT_S
     while not ray.wait([ref], timeout=5)[0]:
@@ -61,7 +61,9 @@ def _private_db(data_root: str, host: str | None, say: Callable[[str], None]) ->
             raise TimeoutError(f"the cluster's PostgreSQL ({host}:{PRIVATE_DB_PORT}) does not take queries yet: "
                                f"{postgres.state(log_path)}; run `dsec cluster up` again once it does")
         say(f"waiting for the cluster's PostgreSQL: {postgres.state(log_path)}")
-    return str(ray.get(ref))
+    nets = ray.get(ref)
+    say(f"the cluster's PostgreSQL admits {', '.join(nets) or 'this node only'}")
+    return str(ray.get(actor.db_url.remote()))
 
 
 def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_TIMEOUT_S,
@@ -70,7 +72,7 @@ def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_T
     ``say``: progress for a person waiting (a database recovering, say)."""
     connect(ray_address)
     data_root = settings.get("data_root") or ClusterConfig.model_fields["data_root"].default
-    db = db or _private_db(data_root, settings.get("listen_host"), say)
+    db = db or _private_db(data_root, settings.get("listen_host"), list(settings.get("db_allow") or []), say)
     registry = Registry(open_db(db))
     secret = registry.setting_once("cluster_secret", secrets.token_urlsafe(32))
     token = registry.setting_once("admin_token", "dsec_" + secrets.token_urlsafe(32))
@@ -97,8 +99,12 @@ def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_T
 
 
 def _last_line(error: str) -> str:
-    """A failed start's error ends with the daemon's log: its last line says why."""
-    lines = [ln for ln in error.strip().splitlines() if ln.strip()]
+    """A failed start's error ends with the daemon's log: its last ``error:`` (which the
+    terminal library wrapped over lines) or else its last line says why."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    said = [i for i, ln in enumerate(lines) if ln.lower().startswith("error:")]
+    if said:
+        return " ".join(lines[said[-1]:said[-1] + 4])[:300]
     return lines[-1][:300] if lines else error[:300]
 
 

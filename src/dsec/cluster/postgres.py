@@ -1,19 +1,23 @@
 """A private PostgreSQL (Debian's postgresql-15) for a cluster that brings no database of
 its own, and for the tests: a fresh data dir owned by the ``postgres`` user (the server
-refuses to run as root), password authentication for the network, listening on the
-address given. ``dsec cluster up`` without ``--db`` runs it under a Ray actor on the node
-it runs on."""
+refuses to run as root), listening on the address given, admitting (pg_hba.conf, with a
+password: scram-sha-256) dsec's user from the networks of that address and those named.
+``dsec cluster up`` without ``--db`` runs it under a Ray actor on the node it runs on."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import ipaddress
+import json
 import os
 import pwd
 import secrets
 import shutil
+import socket
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 
 USER = "postgres"
 DB_USER = "dsec"
@@ -66,6 +70,80 @@ def init(data_dir: str) -> str:
     return password
 
 
+HBA_BEGIN = "# dsec: the cluster's networks (rewritten at every start of the cluster)"
+HBA_END = "# dsec: end"
+ANY_HOST = ("0.0.0.0", "::", "*", "")
+
+
+def _local_networks() -> list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]:
+    """This host's addresses with their prefixes, loopback and link-local left out. (``ip``,
+    not pyroute2: this runs in Ray's actors, whose event loop cannot open a netlink socket.)"""
+    links = json.loads(subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True,
+                                      timeout=30).stdout or "[]")
+    out = []
+    for link in links:
+        for a in link.get("addr_info", []):
+            iface = ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}")
+            if not (iface.ip.is_loopback or iface.ip.is_link_local):
+                out.append(iface)
+    return out
+
+
+def networks(host: str, extra: Iterable[str] = ()) -> list[str]:
+    """The networks whose nodes may connect: the subnet of the interface that carries
+    ``host`` (every non-loopback subnet of this node when it listens on all addresses),
+    and ``extra`` (CIDRs: nodes routed from elsewhere). ValueError naming a bad CIDR."""
+    nets: list[str] = []
+    if host in ANY_HOST:
+        ips = None
+    else:
+        try:
+            ips = {ipaddress.ip_address(info[4][0]) for info in socket.getaddrinfo(host, None)}
+        except (socket.gaierror, ValueError) as e:
+            raise ValueError(f"listen address {host!r} does not resolve: {e}") from None
+    for iface in _local_networks():
+        if ips is None or iface.ip in ips:
+            nets.append(str(iface.network))
+    if ips is not None:  # an address no interface here carries (behind NAT, say): itself at least
+        nets += [f"{ip}/{ip.max_prefixlen}" for ip in ips if not ip.is_loopback
+                 and not any(ip in ipaddress.ip_network(n) for n in nets)]
+    for cidr in extra:
+        try:
+            nets.append(str(ipaddress.ip_network(cidr.strip(), strict=False)))
+        except ValueError:
+            raise ValueError(f"--db-allow {cidr!r} is not a network (10.0.0.0/16, fd00::/64)") from None
+    return list(dict.fromkeys(nets))
+
+
+def admit(data_dir: str, nets: Sequence[str]) -> bool:
+    """Write dsec's block of pg_hba.conf to admit dsec's user to its database from ``nets``
+    with a password (scram-sha-256), replacing the block written before; the rest of the
+    file (initdb's local and loopback lines) is kept. Returns whether the file changed (a
+    running server then needs a reload: SIGHUP)."""
+    path = os.path.join(data_dir, "pg_hba.conf")
+    with open(path) as f:
+        lines = f.read().splitlines()
+    if HBA_BEGIN in lines and HBA_END in lines[lines.index(HBA_BEGIN):]:
+        start = lines.index(HBA_BEGIN)
+        end = lines.index(HBA_END, start)
+        kept = lines[:start] + lines[end + 1:]
+    else:
+        kept = lines
+    block = [HBA_BEGIN, *(f"host    dsec    {DB_USER}    {n}    scram-sha-256" for n in nets), HBA_END]
+    text = "\n".join(kept + block) + "\n"
+    with open(path) as f:
+        if f.read() == text:
+            return False
+    pw = pwd.getpwnam(USER)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.chown(tmp, pw.pw_uid, pw.pw_gid)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return True
+
+
 def argv(data_dir: str, host: str, port: int) -> list[str]:
     """The server's command line (run it as the ``postgres`` user)."""
     return [os.path.join(bin_dir(), "postgres"), "-D", data_dir, "-h", host, "-p", str(port),
@@ -100,6 +178,19 @@ def state(log_path: str) -> str:
     return "starting"
 
 
+def advertised(host: str) -> str:
+    """The address others reach a server bound to ``host`` at: ``host`` itself, or, bound
+    to every address, the one this node reaches the outside by."""
+    if host not in ANY_HOST:
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the kernel picks the route's source
+            return str(s.getsockname()[0])
+        except OSError:
+            return socket.gethostname()
+
+
 def url(host: str, port: int, password: str) -> str:
     return f"postgresql://{DB_USER}:{password}@{host}:{port}/dsec"
 
@@ -107,12 +198,13 @@ def url(host: str, port: int, password: str) -> str:
 class Postgres:
     """One private server: ``start()`` returns its URL, ``stop()`` ends it (fast shutdown)."""
 
-    def __init__(self, data_dir: str, host: str = "127.0.0.1", port: int = 5433) -> None:
-        self.data_dir, self.host, self.port = data_dir, host, port
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", port: int = 5433, allow: Sequence[str] = ()) -> None:
+        self.data_dir, self.host, self.port, self.allow = data_dir, host, port, allow
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> str:
         password = init(self.data_dir)
+        admit(self.data_dir, networks(self.host, self.allow))
         pw = pwd.getpwnam(USER)
         log_path = self.data_dir.rstrip("/") + ".log"
         with open(log_path, "ab") as logf:
@@ -127,7 +219,7 @@ class Postgres:
                 raise RuntimeError(f"PostgreSQL did not start; see {log_path}")
             time.sleep(0.1)
         create_database(self.data_dir, self.port)
-        return url(self.host, self.port, password)
+        return url(advertised(self.host), self.port, password)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from dsec.storage.node import FetchMode
+from dsec.wire.models import EDGE_NAME_RE
 
 
 class EdgeConfig(BaseModel):
-    name: str = "edge0"
+    # its sandboxes' ids are NAME-xxxxxxxxxxxx, which every client parses to route them
+    name: str = Field(default="edge0", pattern=EDGE_NAME_RE.pattern)
     data_dir: str
     cpu_overcommit: float = 8.0
     memory_overcommit: float = 1.5

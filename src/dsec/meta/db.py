@@ -39,6 +39,35 @@ def unavailable(e: BaseException) -> MetadataUnavailable | None:
     return None
 
 
+class DatabaseUnreachable(ConnectionError):
+    """The database refused or did not answer a daemon's first connection: the message says
+    where it tried and what to fix."""
+
+
+CONNECT_FAILED = ("connection failed", "connection to server", "could not translate host", "could not connect")
+
+
+def _unreachable(url: str, e: OperationalError) -> DatabaseUnreachable | None:
+    """``e``, met on a first connection, as what to fix; None if it is not a connect's."""
+    if not any(s in str(e).lower() for s in CONNECT_FAILED):
+        return None
+    u = make_url(url)
+    where = f"{u.host or 'localhost'}:{u.port or 5432}"
+    first = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])
+    why = " ".join(ln.strip() for ln in first[:2])[:300]
+    low = why.lower()
+    if "pg_hba.conf" in low:
+        hint = ("the server does not admit this node's address (a cluster's private database admits the "
+                "subnet of its node's address: name others with `dsec cluster up --db-allow CIDR`)")
+    elif "password authentication failed" in low:
+        hint = "the URL's user or password is wrong"
+    elif any(s in low for s in ("timeout", "timed out", "refused", "no route", "unreachable")):
+        hint = f"open TCP port {u.port or 5432} on {u.host} to this node, and have the server listen on that address"
+    else:
+        hint = "see the server's log"
+    return DatabaseUnreachable(f"cannot reach the cluster's database at {where} from this node: {hint} ({why})")
+
+
 def sqlite_url(data_dir: str) -> str:
     return f"sqlite:///{os.path.join(os.path.abspath(data_dir), 'meta.db')}"
 
@@ -80,7 +109,13 @@ def open_db(url: str, migrate: bool = True) -> Engine:
                                              "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
         _ping_idle(engine)
     if migrate:
-        upgrade(engine)
+        try:
+            upgrade(engine)
+        except OperationalError as e:
+            if engine.dialect.name != "postgresql" or (why := _unreachable(url, e)) is None:
+                raise
+            engine.dispose()
+            raise why from None
     return engine
 
 
