@@ -198,3 +198,51 @@ def test_a_node_is_named_as_an_edge_can_be_named() -> None:
              edge_name({"Labels": {"dsec-edge-name": "r1"}, "NodeID": "x"}, set())]
     assert names == ["ip10007", "vmc12274", "n9node", "r1"]
     assert all(EDGE_NAME_RE.match(n) and parse_sandbox_id(f"{n}-0123456789ab") == n for n in names)
+
+
+def test_the_private_database_admits_its_network_and_says_what_to_fix_for_others() -> None:
+    """The private PostgreSQL on a real address: a node of its subnet gets in; one from
+    another network is refused with a one-line error naming the address, the port and the
+    fix (`--db-allow`), and gets in once that network is named."""
+    from dsec.cluster import postgres
+
+    bed = NetBed(f"p{os.getpid() % 10000}", 2).up()
+    root = tempfile.mkdtemp(prefix="dsec-pg-hosts-")
+    os.chmod(root, 0o711)
+    try:
+        assert bed.net is not None
+        outside = str(ipaddress.IPv4Network(bed.net).network_address + (1 << 8) + 2)  # the next /24
+        # host 2 speaks to the machine from an address of another network (routed back here)
+        subprocess.run(["ip", "-n", bed.ns(2), "addr", "add", f"{outside}/32", "dev", "eth0"], check=True)
+        subprocess.run(["ip", "-n", bed.ns(2), "route", "add", f"{bed.addr(0)}/32", "dev", "eth0", "src", outside],
+                       check=True)
+        subprocess.run(["ip", "route", "add", f"{outside}/32", "dev", bed.bridge], check=True)
+        pg = postgres.Postgres(os.path.join(root, "data"), host=bed.addr(0), port=5433)
+        url = pg.start()
+        try:
+            assert httpx.URL(url.replace("postgresql", "http")).host == bed.addr(0)
+            probe = ("import sys\nfrom dsec.meta.db import open_db\ntry:\n    open_db(sys.argv[1])\n"
+                     "except Exception as e:\n    print(type(e).__name__, e)\nelse:\n    print('connected')\n")
+
+            def connect(i: int) -> str:
+                out = subprocess.run(bed.argv(i, [sys.executable, "-c", probe, url]), capture_output=True,
+                                     text=True, timeout=60)
+                return out.stdout.strip() or out.stderr[-2000:]
+
+            assert connect(1) == "connected"
+            refused = connect(2)
+            assert refused.startswith("DatabaseUnreachable") and f"{bed.addr(0)}:5433" in refused, refused
+            assert "--db-allow" in refused and "pg_hba.conf" in refused and "\n" not in refused, refused
+            assert postgres.admit(pg.data_dir, postgres.networks(pg.host, [f"{outside}/24"]))
+            assert pg.proc is not None
+            pg.proc.send_signal(signal.SIGHUP)  # what the cluster's actor does on a later `cluster up`
+            deadline = time.monotonic() + 10
+            while (got := connect(2)) != "connected" and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert got == "connected"
+            assert not postgres.admit(pg.data_dir, postgres.networks(pg.host, [f"{outside}/24"]))  # unchanged
+        finally:
+            pg.remove()
+    finally:
+        bed.down()
+        shutil.rmtree(root, ignore_errors=True)
