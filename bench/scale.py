@@ -415,7 +415,7 @@ async def main() -> None:
                    "PostgreSQL restart (d)")
     p.add_argument("--sandboxes", type=int, default=0, help="hold this many in all, then measure (c)")
     p.add_argument("--per-edge", type=int, default=4096)
-    p.add_argument("--sweep-s", type=float, default=5.0,
+    p.add_argument("--sweep-s", type=float, default=20.0,
                    help="each hollow edge's TTL sweep period (all share one process: docs/scale.md)")
     p.add_argument("--json")
     p.add_argument("--write")

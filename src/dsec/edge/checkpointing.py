@@ -131,20 +131,18 @@ class Checkpointing(EdgeCore):
             raise SandboxNotRunning(f"sandbox {sandbox_id} is {sb.rec.info.state.value}")
         return sb
 
-    def _schedule_checkpoints(self) -> None:
-        """From the TTL loop: start the checkpoints that are due (one per sandbox at a time)."""
-        now = time.time()
-        for sb in list(self.sandboxes.values()):
-            args = sb.rec.args
-            if (not args.checkpoint_every_s or sb.stopping or sb.rec.info.state != SandboxState.running
-                    or sb.agent is None or (sb.vm is not None and sb.ops)):  # a VM's waits for a quiet moment
-                continue
-            task = self._ckpt_tasks.get(sb.id)
-            if task is not None and not task.done():
-                continue
-            last = self._chains[sb.id].taken_at if sb.id in self._chains else sb.rec.info.created_at
-            if now - last >= args.checkpoint_every_s:
-                self._ckpt_tasks[sb.id] = asyncio.create_task(self._take(sb, full=False, forced=False))
+    def _schedule_checkpoint(self, sb: Sandbox, now: float) -> None:
+        """From the TTL loop's visit of ``sb``: start its checkpoint if one is due (one at a time)."""
+        args = sb.rec.args
+        if (not args.checkpoint_every_s or sb.stopping or sb.rec.info.state != SandboxState.running
+                or sb.agent is None or (sb.vm is not None and sb.ops)):  # a VM's waits for a quiet moment
+            return
+        task = self._ckpt_tasks.get(sb.id)
+        if task is not None and not task.done():
+            return
+        last = self._chains[sb.id].taken_at if sb.id in self._chains else sb.rec.info.created_at
+        if now - last >= args.checkpoint_every_s:
+            self._ckpt_tasks[sb.id] = asyncio.create_task(self._take(sb, full=False, forced=False))
 
     async def _take(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
         """One checkpoint of ``sb``; scheduled ones log their failures and are tried again

@@ -252,5 +252,5 @@ class EdgeCore(InteractiveOps):
     def _forget_checkpoints(self, sb: Sandbox, keep: bool) -> None:
         raise NotImplementedError
 
-    def _schedule_checkpoints(self) -> None:
+    def _schedule_checkpoint(self, sb: Sandbox, now: float) -> None:
         raise NotImplementedError
