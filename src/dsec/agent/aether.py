@@ -40,20 +40,21 @@ class Aether:
         self.init = init
         self.files: SandboxFiles = files or ProcRootFiles(ctx.init_pid)
         self.procs = ProcessTable(init, lambda: dict(self.ctx.env), lambda: self.ctx.workdir)
+        self.sessions: dict[str, ShellSession] = {}
 
     async def close(self) -> None:
         """The sandbox is going away: end its sessions and processes."""
         await self.procs.close()
-        for s in list(self.ctx.sessions.values()):
+        for s in list(self.sessions.values()):
             await s.close()
-        self.ctx.sessions.clear()
+        self.sessions.clear()
         self.init.close()
 
     def detach(self) -> None:
         """The edge is going away, the sandbox is not: sessions keep running in it."""
-        for s in self.ctx.sessions.values():
+        for s in self.sessions.values():
             s.detach()
-        self.ctx.sessions.clear()
+        self.sessions.clear()
         self.init.close()
 
     async def recover_sessions(self) -> list[str]:
@@ -67,23 +68,23 @@ class Aether:
             name, pid = parts[1], int(parts[2])
             exited = await self.init.adopt(pid)
             fds = await self.init.retrieve(key) if exited is not None else None
-            if exited is None or not fds or len(fds) != 4 or name in self.ctx.sessions:
+            if exited is None or not fds or len(fds) != 4 or name in self.sessions:
                 for fd in fds or []:
                     os.close(fd)
                 await self.init.drop(key)
                 continue
-            self.ctx.sessions[name] = ShellSession.reattach(self.init, self.ctx, name, pid, exited, fds)
+            self.sessions[name] = ShellSession.reattach(self.init, self.ctx, name, pid, exited, fds)
             recovered.append(name)
         return recovered
 
     # ---- exec -------------------------------------------------------------
     async def exec(self, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:
         if req.session is not None:
-            sess = self.ctx.sessions.get(req.session)
+            sess = self.sessions.get(req.session)
             if sess is None:
-                if len(self.ctx.sessions) >= 64:
+                if len(self.sessions) >= 64:
                     raise InvalidRequest("at most 64 sessions per sandbox", field="session")
-                sess = self.ctx.sessions[req.session] = ShellSession(self.init, self.ctx, req.session)
+                sess = self.sessions[req.session] = ShellSession(self.init, self.ctx, req.session)
             return await sess.run(req, on_data)
         return await run_once(self.init, self.ctx, req, on_data)
 

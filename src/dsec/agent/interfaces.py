@@ -8,17 +8,13 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from dsec.agent.initclient import SETSID
 from dsec.agent.watch import DirWatch
 from dsec.errors import InvalidRequest
 from dsec.wire.models import FileStat, Owner
-
-if TYPE_CHECKING:
-    from dsec.agent.sessions import ShellSession
-
 
 OnData = Callable[[str, bytes], None]
 PATH_MAX = 4096
@@ -44,7 +40,6 @@ class AgentContext:
     env: dict[str, str]
     workdir: str
     shell: str = "/bin/sh"
-    sessions: dict[str, ShellSession] = field(default_factory=dict)
 
 
 class SandboxFiles(Protocol):

@@ -24,8 +24,9 @@ import os
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import TypeAdapter
 from sqlalchemy.exc import SQLAlchemyError
@@ -43,11 +44,12 @@ from dsec.wire.batches import (
     BatchItem,
     BatchRequest,
 )
-from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxState
+from dsec.wire.models import AnySandboxArgs, CreateRequest, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
-    from dsec.apiserver.core import Apiserver
-    from dsec.placement.engine import Plan
+    from dsec.edge.api import EdgeAPI
+    from dsec.iam.quota import ProjectQuotas
+    from dsec.placement.engine import Placement, Plan
 
 log = logging.getLogger("dsec.batches")
 FLUSH_S = 0.25
@@ -63,6 +65,25 @@ MAX_PENDING_ITEMS = 4 * MAX_BATCH  # items of one project's running batches, all
 MAX_STARTING = int(os.environ.get("DSEC_BATCH_STARTING_PER_REPLICA", "64"))
 _ARGS: TypeAdapter[Any] = TypeAdapter(AnySandboxArgs)
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
+
+
+class BatchHost(Protocol):
+    """What the runner needs of the apiserver it runs in (``dsec.apiserver.core.Apiserver``):
+    its creates, stops and listing, the gang reservation, and the counts of creates
+    starting per edge that bound a batch's share."""
+
+    edges: Mapping[str, EdgeAPI]
+    placement: Placement
+    quotas: ProjectQuotas
+    starting: Counter[str]
+    peak_starting: Counter[str]
+
+    async def create(self, req: CreateRequest, bounded: bool = False, hold: str | None = None,
+                     plan: Plan | None = None) -> SandboxInfo: ...
+    async def reserve_gang(self, args: AnySandboxArgs, n: int, batch_id: str) -> Plan: ...
+    async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]: ...
+    def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
+    async def stopped(self, sandbox_id: str, info: SandboxInfo | None = None) -> None: ...
 
 
 @dataclass
@@ -107,7 +128,7 @@ class _Batch:
 
 
 class BatchRunner:
-    def __init__(self, api: Apiserver, store: BatchStore, per_edge_starting: int = 8) -> None:
+    def __init__(self, api: BatchHost, store: BatchStore, per_edge_starting: int = 8) -> None:
         self.api = api
         self.store = store
         self.per_edge_starting = per_edge_starting

@@ -23,7 +23,8 @@ from typing import Any
 import aiohttp
 
 from dsec.errors import DsecError, InferenceRefused, SandboxError
-from dsec.sdk.client import AsyncClient, AsyncSandbox, exec_request
+from dsec.sdk.client import AsyncClient
+from dsec.sdk.sandbox import AsyncSandbox, exec_request
 from dsec.wire.models import ExecRequest, ExecResult
 from dsec.wire.rollouts import MAX_JOURNALED_OUTPUT, Inference, Step, StepKind
 

@@ -7,21 +7,19 @@ from __future__ import annotations
 import builtins
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import aiohttp
 
+from dsec.sdk.sandbox import AsyncSandbox
+from dsec.sdk.transport import Api, Response, _raise_for
 from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem
 from dsec.wire.models import SandboxInfo, SandboxState, parse_sandbox_id
-
-if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient, AsyncSandbox
 
 PAGE = 5000
 
 
 class AsyncBatch:
-    def __init__(self, client: AsyncClient, info: BatchInfo) -> None:
+    def __init__(self, client: Api, info: BatchInfo) -> None:
         self._client = client
         self.info = info
         self.id = info.id
@@ -41,7 +39,6 @@ class AsyncBatch:
 
     async def progress(self, *, timeout: float = 3600.0) -> AsyncIterator[BatchCounts]:
         """Its counts now, then each time they change, until every item has an outcome."""
-        from dsec.sdk.client import Response, _raise_for
         resp = await self._client._open("GET", f"{self._base}/events", {
             "timeout": aiohttp.ClientTimeout(total=timeout)}, timeout)
         async with resp:
@@ -78,7 +75,6 @@ class AsyncBatch:
         (failed with their ``error`` and ``reason``, or cancelled). A batch not made all or
         nothing may have both; an all-or-nothing one that ``failed`` stopped what it made.
         A sandbox made and stopped since is still listed (its item's outcome was made)."""
-        from dsec.sdk.client import AsyncSandbox
         await self.wait(timeout=timeout)
         items = await self.items()
         # a handle needs only the id: its ``info`` is a stub until ``refresh()`` (one GET each)

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dsec.sdk.transport import Api
 from dsec.wire.batches import BatchInfo
 from dsec.wire.console import FleetOverview, FnCallStats, LayerCatalog, SandboxPage, SortKey
 
-if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient
-
 
 class AsyncConsole:
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: Api) -> None:
         self._client = client
 
     async def fleet(self, since: float = 0.0) -> FleetOverview:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import builtins
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dsec.sdk.transport import Api
 from dsec.wire.iam import ProjectInfo, ProjectQuota
-
-if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient
 
 
 def _path(name: str) -> str:
@@ -18,7 +16,7 @@ def _path(name: str) -> str:
 
 
 class AsyncProjects:
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: Api) -> None:
         self._client = client
 
     async def create(self, name: str, quota: ProjectQuota | None = None, *, description: str = "") -> ProjectInfo:

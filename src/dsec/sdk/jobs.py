@@ -5,18 +5,26 @@ own: a new trainer process gets the same job back with ``client.job(name)``."""
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from dsec.sdk.batches import AsyncBatch
+from dsec.sdk.sandbox import AsyncSandbox
+from dsec.sdk.transport import Api
 from dsec.wire.jobs import JobAction, JobInfo, JobStatus
 from dsec.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, VMArgs
 
-if TYPE_CHECKING:
-    from dsec.sdk.batches import AsyncBatch
-    from dsec.sdk.client import AsyncClient, AsyncSandbox
+
+class JobsApi(Api, Protocol):
+    """The client's requests, and its creates (a job's sandboxes are made as any others)."""
+
+    async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, timeout: float) -> AsyncSandbox: ...
+
+    async def create_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int, job: str | None = None,
+                          *, all_or_nothing: bool = False) -> AsyncBatch: ...
 
 
 class AsyncJob:
-    def __init__(self, client: AsyncClient, info: JobInfo) -> None:
+    def __init__(self, client: JobsApi, info: JobInfo) -> None:
         self._client = client
         self.info = info
         self.name = info.name

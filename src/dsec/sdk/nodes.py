@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import builtins
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dsec.sdk.transport import Api
 from dsec.wire.fleet import DrainReport, FleetEvent
 from dsec.wire.nodes import NodeInfo
-
-if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient
 
 
 def _path(name: str) -> str:
@@ -20,7 +18,7 @@ def _path(name: str) -> str:
 
 
 class AsyncNodes:
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: Api) -> None:
         self._client = client
 
     async def __call__(self) -> builtins.list[NodeInfo]:

@@ -8,12 +8,9 @@ from __future__ import annotations
 import builtins
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
 
+from dsec.sdk.transport import Api
 from dsec.wire.rollouts import MAX_SUBMIT, RolloutCounts, RolloutInfo, RolloutSpec, SubmitResult
-
-if TYPE_CHECKING:
-    from dsec.sdk.client import AsyncClient
 
 WAIT_S = 30.0
 SETTLE_S = 10.0
@@ -23,7 +20,7 @@ LIST_PAGE = 5000
 
 
 class AsyncRollouts:
-    def __init__(self, client: AsyncClient, project: str | None = None) -> None:
+    def __init__(self, client: Api, project: str | None = None) -> None:
         self._client = client
         self._params = {"project": project} if project else {}
 
