@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
@@ -264,7 +264,30 @@ class Apiserver:
         if self.blocks.source(hold) is not None:  # its block's share goes back (given back when idle)
             await self.blocks.release(hold)
 
-    async def stopped(self, sandbox_id: str, info: SandboxInfo | None = None) -> None:
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        """Stop a sandbox through this apiserver, the one way every face does it (REST, jobs,
+        projects, batches, rollouts, E2B, template builds): its edge stops it, then the control
+        plane lets go of it (:meth:`_stopped`)."""
+        info = await self.edge_for(sandbox_id).stop(sandbox_id)
+        await self._stopped(sandbox_id, info)
+        return info
+
+    async def stop_all(self, sandbox_ids: Iterable[str]) -> list[SandboxInfo]:
+        """:meth:`stop` of each, side by side; the first error raised once all have ended."""
+        return list(await asyncio.gather(*(self.stop(sid) for sid in sandbox_ids)))
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Pause it on its edge; its project's CPU follows at once (:meth:`_paused`)."""
+        info = await self.edge_for(sandbox_id).pause(sandbox_id)
+        await self._paused(info)
+        return info
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        info = await self.edge_for(sandbox_id).resume(sandbox_id)
+        await self._paused(info)
+        return info
+
+    async def _stopped(self, sandbox_id: str, info: SandboxInfo | None = None) -> None:
         """A sandbox was stopped through this apiserver: the index forgets it, its job's and
         project's quotas free its share. ``info``: as its edge ended it (a sandbox that never
         had a checkpoint has none to drop)."""
@@ -285,7 +308,7 @@ class Apiserver:
         except Exception as e:
             log.warning("sandbox %s's checkpoints not dropped: %s", sandbox_id, e)
 
-    async def paused(self, info: SandboxInfo) -> None:
+    async def _paused(self, info: SandboxInfo) -> None:
         """A sandbox was paused or resumed through this apiserver: its project's CPU follows
         at once (a paused one holds none); what happens on the edge alone, the sweep catches."""
         if info.state in (SandboxState.paused, SandboxState.running):
@@ -412,10 +435,7 @@ class Apiserver:
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            await asyncio.gather(*(self.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in made),
-                                 return_exceptions=True)
-            for i in made:
-                await self.stopped(i.sandbox_id)
+            await asyncio.gather(*(self.stop(i.sandbox_id) for i in made), return_exceptions=True)
             err = failed[0]
             raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
         return made

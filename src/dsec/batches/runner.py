@@ -83,7 +83,7 @@ class BatchHost(Protocol):
     async def reserve_gang(self, args: AnySandboxArgs, n: int, batch_id: str) -> Plan: ...
     async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]: ...
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
-    async def stopped(self, sandbox_id: str, info: SandboxInfo | None = None) -> None: ...
+    async def stop(self, sandbox_id: str) -> SandboxInfo: ...
 
 
 @dataclass
@@ -425,8 +425,7 @@ class BatchRunner:
 
     async def _stop(self, sandbox_id: str) -> None:
         try:
-            await self.api.edge_for(sandbox_id).stop(sandbox_id)
-            await self.api.stopped(sandbox_id)
+            await self.api.stop(sandbox_id)
         except DsecError as e:
             log.warning("batch sandbox %s not stopped: %s", sandbox_id, e)
 

@@ -51,8 +51,9 @@ class Platform(Protocol):
     async def list(self, job: str | None, labels: dict[str, str], usage: bool = False) -> list[SandboxInfo]: ...
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
     async def layers_in_use(self) -> set[str]: ...
-    async def stopped(self, sandbox_id: str) -> None: ...
-    async def paused(self, info: SandboxInfo) -> None: ...
+    async def stop(self, sandbox_id: str) -> SandboxInfo: ...
+    async def pause(self, sandbox_id: str) -> SandboxInfo: ...
+    async def resume(self, sandbox_id: str) -> SandboxInfo: ...
     async def publish(self, sandbox_id: str, ref: str, *, scrub_paths: builtins.list[str] | None = None,
                       default_scrub: bool = True, source: str | None = None, visibility: str | None = None
                       ) -> tuple[Layer, Any]: ...
@@ -223,8 +224,7 @@ class E2BApi:
             try:
                 await startup.start(self.edge_for(info.sandbox_id), info.sandbox_id, template)
             except BaseException:
-                await self.edge_for(info.sandbox_id).stop(info.sandbox_id)
-                await self.platform.stopped(info.sandbox_id)
+                await self.platform.stop(info.sandbox_id)
                 raise
         return self._sandbox(info)
 
@@ -349,9 +349,8 @@ class E2BApi:
         return [self._listed(i) for i in page], token
 
     async def kill(self, sandbox_id: str) -> None:
-        edge, _ = await self._live(sandbox_id)
-        await edge.stop(sandbox_id)
-        await self.platform.stopped(sandbox_id)
+        await self._live(sandbox_id)
+        await self.platform.stop(sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self.edge_for(sandbox_id).set_deadline(sandbox_id, timeout)
@@ -360,14 +359,13 @@ class E2BApi:
         edge = self.edge_for(sandbox_id)
         if (await edge.get(sandbox_id)).state == SandboxState.paused:
             raise DsecConflict(f"sandbox {sandbox_id} is already paused")
-        await self.platform.paused(await edge.pause(sandbox_id))
+        await self.platform.pause(sandbox_id)
 
     async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[int, dict[str, Any]]:
         edge, info = await self._live(sandbox_id)
         status = 200
         if info.state == SandboxState.paused:
-            info = await edge.resume(sandbox_id)
-            await self.platform.paused(info)
+            info = await self.platform.resume(sandbox_id)
             status = 201
             await edge.set_deadline(sandbox_id, timeout or DEFAULT_TIMEOUT_S)
         elif timeout and (info.expires_at is None or time.time() + timeout > info.expires_at):

@@ -58,7 +58,7 @@ class BuildPlatform(Protocol):
 
     async def create(self, req: CreateRequest) -> SandboxInfo: ...
     def edge_for(self, sandbox_id: str) -> EdgeAPI: ...
-    async def stopped(self, sandbox_id: str) -> None: ...
+    async def stop(self, sandbox_id: str) -> SandboxInfo: ...
     async def check_refs(self, image: str, layers: list[str]) -> None: ...
     async def template_layers(self, refs: list[str], project: str, public: bool) -> None:
         """A template's built layers follow it: its project's, private unless it is public."""
@@ -189,8 +189,7 @@ class Builder:
 
     async def _stop(self, sandbox_id: str) -> None:
         with contextlib.suppress(Exception):
-            await self.platform.edge_for(sandbox_id).stop(sandbox_id)
-            await self.platform.stopped(sandbox_id)
+            await self.platform.stop(sandbox_id)
 
     # ---- the build ------------------------------------------------------------------
     async def _base(self, spec: TemplateSpec, out: _Log) -> tuple[BuiltTemplate, list[Step]]:

@@ -101,7 +101,7 @@ def routes(api: Apiserver) -> APIRouter:
 
         async def one(i: SandboxInfo) -> str | None:
             try:
-                await api.paused(await op(i.sandbox_id))  # the project's CPU follows (docs/iam.md)
+                await op(i.sandbox_id)  # (the project's CPU follows: docs/iam.md)
                 return i.sandbox_id
             except SandboxBusy:
                 return None
@@ -125,13 +125,13 @@ def routes(api: Apiserver) -> APIRouter:
         """The job takes no new sandboxes (409 ``job_not_active``) and every running one is paused;
         busy ones (requests in flight) are left running and listed in ``skipped``."""
         job = await _transition(name, project, "paused")
-        return await _each(job, (SandboxState.running,), "paused", lambda sid: api.edge_for(sid).pause(sid))
+        return await _each(job, (SandboxState.running,), "paused", api.pause)
 
     @router.post("/v1/jobs/{name}/resume")
     async def resume_job(name: str, project: str | None = None) -> JobAction:
         """The job takes new sandboxes again and every paused one is resumed."""
         job = await _transition(name, project, "active")
-        return await _each(job, (SandboxState.paused,), "resumed", lambda sid: api.edge_for(sid).resume(sid))
+        return await _each(job, (SandboxState.paused,), "resumed", api.resume)
 
     @router.post("/v1/jobs/{name}/stop")
     async def stop_job(name: str, project: str | None = None) -> JobAction:
@@ -141,10 +141,5 @@ def routes(api: Apiserver) -> APIRouter:
             updated = await asyncio.to_thread(store.set_state, job.project, job.name, "stopped")
             assert updated is not None
             job = updated
-
-        async def stop(sid: str) -> SandboxInfo:
-            info = await api.edge_for(sid).stop(sid)
-            await api.stopped(sid)
-            return info
-        return await _each(job, (SandboxState.running, SandboxState.paused), "stopped", stop)
+        return await _each(job, (SandboxState.running, SandboxState.paused), "stopped", api.stop)
     return router

@@ -86,13 +86,11 @@ def routes(api: Apiserver) -> APIRouter:
         _may_manage(p, _name(name), "delete")
         if not await asyncio.to_thread(store.exists, name):
             raise NotFound(f"no project {name!r}", field="name")
-        stopped = []
+        stopped: list[str] = []
         if stop:
             targets = [i for i in await api.list(None, {PROJECT_LABEL: name}) if i.state in ("running", "paused")]
             all_edges_answered("stopped")
-            for info in await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)):
-                await api.stopped(info.sandbox_id)
-                stopped.append(info.sandbox_id)
+            stopped = [info.sandbox_id for info in await api.stop_all(i.sandbox_id for i in targets)]
         revoked = await asyncio.to_thread(store.delete, name, p.token_id)
         api.tokens.forget(revoked)
         return {"deleted": name, "tokens_revoked": revoked, "sandboxes_stopped": stopped}

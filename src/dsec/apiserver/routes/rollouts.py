@@ -104,8 +104,7 @@ def routes(api: Apiserver) -> APIRouter:
             try:
                 for sb in await api.list(None, {ROLLOUT_LABEL: rid}):
                     if sb.state.value in ("creating", "running", "paused"):
-                        await api.edge_for(sb.sandbox_id).stop(sb.sandbox_id)
-                        await api.stopped(sb.sandbox_id)
+                        await api.stop(sb.sandbox_id)
             except Exception as e:  # an edge down: its sandboxes expire there by their own timeouts
                 log.warning("sandbox of rollout %s not stopped: %s", rid, e)
 

@@ -18,7 +18,6 @@ from dsec.apiserver.core import (
     parse_labels,
     unreachable,
 )
-from dsec.edge.api import EdgeAPI
 from dsec.errors import (
     InvalidRequest,
     SandboxBusy,
@@ -65,9 +64,7 @@ def routes(api: Apiserver) -> APIRouter:
             raise InvalidRequest("give a job or at least one label; stopping everything is not offered",
                                  field="job")
         targets = [i for i in await api.list(job, labels) if i.state in ("running", "paused")]
-        done = list(await asyncio.gather(*(api.edge_for(i.sandbox_id).stop(i.sandbox_id) for i in targets)))
-        for i in done:
-            await api.stopped(i.sandbox_id)
+        done = await api.stop_all(i.sandbox_id for i in targets)
         all_edges_answered("stopped")
         return done
 
@@ -75,14 +72,14 @@ def routes(api: Apiserver) -> APIRouter:
     async def pause_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
         """Pause every running sandbox of a job (and/or with these labels), on every edge; the ones that
         have requests in flight are left running (they appear unchanged in the answer)."""
-        return await _each(job, label, "running", "pause", lambda e, sid: e.pause(sid))
+        return await _each(job, label, "running", "pause", api.pause)
 
     @router.post("/v1/sandboxes/resume")
     async def resume_many(job: str | None = None, label: list[str] = Query(default=[])) -> list[SandboxInfo]:
-        return await _each(job, label, "paused", "resume", lambda e, sid: e.resume(sid))
+        return await _each(job, label, "paused", "resume", api.resume)
 
     async def _each(job: str | None, label: list[str], state: str, what: str,
-                    op: Callable[[EdgeAPI, str], Awaitable[SandboxInfo]]) -> list[SandboxInfo]:
+                    op: Callable[[str], Awaitable[SandboxInfo]]) -> list[SandboxInfo]:
         labels = parse_labels(label)
         if job is None and not labels:
             raise InvalidRequest(f"give a job or at least one label; {what} of everything is not offered",
@@ -91,9 +88,7 @@ def routes(api: Apiserver) -> APIRouter:
 
         async def one(i: SandboxInfo) -> SandboxInfo:
             try:
-                done = await op(api.edge_for(i.sandbox_id), i.sandbox_id)
-                await api.paused(done)  # the project's CPU follows (docs/iam.md)
-                return done
+                return await op(i.sandbox_id)  # the project's CPU follows (docs/iam.md)
             except SandboxBusy:
                 return i
         done = list(await asyncio.gather(*(one(i) for i in targets)))
@@ -106,16 +101,12 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.delete("/v1/sandboxes/{sandbox_id}")
     async def stop(sandbox_id: str) -> SandboxInfo:
-        info = await api.edge_for(sandbox_id).stop(sandbox_id)
-        await api.stopped(sandbox_id, info)
-        return info
+        return await api.stop(sandbox_id)
 
     @router.post("/v1/sandboxes/{sandbox_id}/pause")
     async def pause(sandbox_id: str) -> SandboxInfo:
         """VM: RAM and devices to a snapshot file and QEMU ends; container: frozen. Any later request resumes."""
-        info = await api.edge_for(sandbox_id).pause(sandbox_id)
-        await api.paused(info)
-        return info
+        return await api.pause(sandbox_id)
 
     @router.post("/v1/sandboxes/{sandbox_id}/network")
     async def set_network_rules(sandbox_id: str, req: NetworkRulesRequest) -> NetworkInfo:
@@ -125,9 +116,7 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.post("/v1/sandboxes/{sandbox_id}/resume")
     async def resume(sandbox_id: str) -> SandboxInfo:
-        info = await api.edge_for(sandbox_id).resume(sandbox_id)
-        await api.paused(info)
-        return info
+        return await api.resume(sandbox_id)
 
     @router.get("/v1/sandboxes/{sandbox_id}/events")
     async def events(sandbox_id: str) -> list[SandboxEvent]:
