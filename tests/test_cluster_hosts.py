@@ -13,10 +13,8 @@ stats) bound Ray on this 2-core machine; each host keeps its Ray files apart
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -24,69 +22,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
 import dsec
-from dsec.cluster.netbed import NetBed
+from dsec.cluster.netbed import NetBed, RayHosts
 from dsec.layers.store import LayerStore
 from dsec.storage.moosefs import MooseFS
 from tests.conftest import SHARED_LAYERS, SRC_DATA
-
-BIN = os.path.dirname(sys.executable)
-RAY_BOUNDS = ["--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats"]
-
-
-@dataclass
-class Hosts:
-    """Where the commands run: this machine (``bed`` None), or the bed's hosts."""
-    root: str
-    bed: NetBed | None
-    tmp: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.bed.hosts if self.bed else [1]
-
-    def env(self, i: int) -> dict[str, str]:
-        if i not in self.tmp:
-            self.tmp[i] = tempfile.mkdtemp(prefix=f"rt{i}-", dir="/tmp")  # short: Ray's sockets live there
-        return {**os.environ, "RAY_TMPDIR": self.tmp[i]}
-
-    def run(self, i: int, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        cmd = [os.path.join(BIN, argv[0]), *argv[1:]]
-        if self.bed:
-            cmd = self.bed.argv(i, cmd)
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(i))
-
-    def down(self) -> None:
-        """Every process these hosts' Ray started (they carry its RAY_TMPDIR), then the bed."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in _pids_with_env({f"RAY_TMPDIR={t}" for t in self.tmp.values()}):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + 10
-            while _pids_with_env({f"RAY_TMPDIR={t}" for t in self.tmp.values()}) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        if self.bed:
-            self.bed.down()
-        for t in self.tmp.values():
-            shutil.rmtree(t, ignore_errors=True)
-
-
-def _pids_with_env(marks: set[str]) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = set(f.read().decode(errors="replace").split("\0"))
-        except OSError:
-            continue
-        if env & marks and int(pid) != os.getpid():
-            found.append(int(pid))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -104,17 +49,23 @@ def store() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@dataclass
+class Hosts:
+    root: str
+    ray: RayHosts
+
+
 @pytest.fixture(params=["this machine", "two hosts"])
 def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
     # PostgreSQL runs as its own user: the data root must be reachable through every parent
     root = tempfile.mkdtemp(prefix="dsec-hosts-")
     os.chmod(root, 0o711)
     bed = NetBed(f"h{os.getpid() % 10000}", 2).up() if request.param == "two hosts" else None
-    h = Hosts(root, bed)
+    h = Hosts(root, RayHosts(bed))
     try:
         yield h
     finally:
-        h.down()
+        h.ray.down()
         with open("/proc/self/mountinfo") as f:
             left = [ln.split()[4] for ln in f if root in ln]
         for m in sorted(left, reverse=True):
@@ -122,45 +73,24 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _ok(out: subprocess.CompletedProcess[str], what: str) -> str:
-    assert out.returncode == 0, f"{what} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
-
-
 async def test_the_readme_cluster_commands_work_across_real_addresses(hosts: Hosts, store: str) -> None:
-    head, *others = hosts.ids
-    _ok(hosts.run(head, "ray", "start", "--head", "--resources", '{"dsec_edge": 1}', "--include-dashboard=false",
-                  *RAY_BOUNDS), "ray start --head")
-    head_ip = hosts.bed.addr(head) if hosts.bed else _ray_head_ip(hosts)
+    ray, bed = hosts.ray, hosts.ray.bed
+    head_ip = ray.start_ray()  # `ray start --head`, then `ray start --address=HEAD:6379` on the others
     assert not ipaddress.ip_address(head_ip).is_loopback
-    for i in others:
-        _ok(hosts.run(i, "ray", "start", f"--address={head_ip}:6379", "--resources", '{"dsec_edge": 1}',
-                      *RAY_BOUNDS), f"ray start on host {i}")
     data_root = os.path.join(hosts.root, "cluster")
-    up = _ok(hosts.run(head, "dsec", "cluster", "up", "--ray-address", "auto", "--store", store, "--apiservers", "2",
-                       "--data-root", data_root), "dsec cluster up")
+    replicas, token = ray.cluster_up(store, data_root)  # `dsec cluster up --ray-address auto`, no --db
     try:
-        urls = re.search(r"apiservers: (\S+)", up)
-        assert urls, up
-        replicas = urls.group(1).split(",")
-        addrs = {hosts.bed.addr(i) for i in hosts.ids} if hosts.bed else {head_ip}
+        addrs = {bed.addr(i) for i in ray.ids} if bed else {head_ip}
         assert len(replicas) == 2 and {httpx.URL(u).host for u in replicas} <= addrs, replicas
         # the private database listens on the head's address and admits the hosts' network
         hba = open(os.path.join(data_root, "postgres", "pg_hba.conf")).read()
         assert str(ipaddress.ip_interface(f"{head_ip}/24").network) in hba or head_ip in hba, hba[-600:]
-        status = _ok(hosts.run(head, "dsec", "cluster", "status", "--ray-address", "auto", "--json"), "status")
-        assert status.count('"state": "active"') == len(hosts.ids), status[-2000:]
-        token = open(os.path.join(data_root, "token")).read().strip()
-        await _use_each_replica(replicas, token, len(hosts.ids))
+        status = ray.ok(ray.ids[0], "dsec", "cluster", "status", "--ray-address", "auto", "--json")
+        assert status.count('"state": "active"') == len(ray.ids), status[-2000:]
+        await _use_each_replica(replicas, token, len(ray.ids))
     finally:
-        down = hosts.run(head, "dsec", "cluster", "down", "--ray-address", "auto", "--stop-sandboxes")
-    _ok(down, "dsec cluster down")
-
-
-def _ray_head_ip(hosts: Hosts) -> str:
-    out = _ok(hosts.run(1, "python", "-c", "import ray; ray.init(address='auto', logging_level='error'); "
-                                           "print(ray.util.get_node_ip_address())"), "the head's address")
-    return out.strip().splitlines()[-1]
+        down = ray.run(ray.ids[0], "dsec", "cluster", "down", "--ray-address", "auto", "--stop-sandboxes")
+    assert down.returncode == 0, down.stderr[-2000:]
 
 
 async def _use_each_replica(replicas: list[str], token: str, edges: int) -> None:

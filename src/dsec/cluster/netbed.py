@@ -14,10 +14,18 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# what bounds Ray on a small machine: one CPU, a 100 MB object store, no usage report
+RAY_BOUNDS = ("--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -110,3 +118,89 @@ class NetBed:
         for i in mine:
             _ip("netns", "del", self.ns(i), check=False)  # its eth0 goes with it, and the peer
         _ip("link", "del", self.bridge, check=False)
+
+
+@dataclass
+class RayHosts:
+    """Commands as a user types them, on this machine (``bed`` None) or on each host of a
+    bed, each host keeping its Ray files apart (RAY_TMPDIR: separate machines have separate
+    /tmp): ``ray start``, then ``dsec cluster up`` on the head as the README has it.
+    :meth:`down` ends every process these hosts' Ray started (each carries its RAY_TMPDIR),
+    then the bed."""
+
+    bed: NetBed | None = None
+    tmp: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.bed.hosts if self.bed else [1]
+
+    def env(self, i: int) -> dict[str, str]:
+        if i not in self.tmp:
+            self.tmp[i] = tempfile.mkdtemp(prefix=f"rt{i}-", dir="/tmp")  # short: Ray's sockets live there
+        return {**os.environ, "RAY_TMPDIR": self.tmp[i]}
+
+    def run(self, i: int, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """``argv`` on host ``i``; its program (``ray``, ``dsec``, ``python``) from this
+        Python's environment."""
+        cmd = [os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]]
+        if self.bed:
+            cmd = self.bed.argv(i, cmd)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(i))
+
+    def ok(self, i: int, *argv: str, timeout: float = 600) -> str:
+        out = self.run(i, *argv, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"on host {i}: {' '.join(argv[:3])} exited {out.returncode}:\n"
+                               f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        return out.stdout
+
+    def start_ray(self, resources: str = '{"dsec_edge": 1}') -> str:
+        """A Ray head on the first host, every other host joined to it; the head's address."""
+        head, *others = self.ids
+        self.ok(head, "ray", "start", "--head", "--resources", resources, "--include-dashboard=false", *RAY_BOUNDS)
+        ip = self.bed.addr(head) if self.bed else self.ok(
+            head, "python", "-c", "import ray; ray.init(address='auto', logging_level='error'); "
+                                  "print(ray.util.get_node_ip_address())").strip().splitlines()[-1]
+        for i in others:
+            self.ok(i, "ray", "start", f"--address={ip}:6379", "--resources", resources, *RAY_BOUNDS)
+        return ip
+
+    def cluster_up(self, store: str, data_root: str, apiservers: int = 2) -> tuple[list[str], str]:
+        """``dsec cluster up --ray-address auto`` on the head: (the replicas' URLs, the admin token)."""
+        out = self.ok(self.ids[0], "dsec", "cluster", "up", "--ray-address", "auto", "--store", store,
+                      "--apiservers", str(apiservers), "--data-root", data_root)
+        urls = re.search(r"apiservers: (\S+)", out)
+        if not urls:
+            raise RuntimeError(f"dsec cluster up printed no apiservers:\n{out[-2000:]}")
+        with open(os.path.join(data_root, "token")) as f:
+            return urls.group(1).split(","), f.read().strip()
+
+    def down(self) -> None:
+        marks = {f"RAY_TMPDIR={t}" for t in self.tmp.values()}
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _pids_with_env(marks):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while _pids_with_env(marks) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if self.bed:
+            self.bed.down()
+        for t in self.tmp.values():
+            shutil.rmtree(t, ignore_errors=True)
+
+
+def _pids_with_env(marks: set[str]) -> list[int]:
+    """Processes (not this one) whose environment holds one of ``marks`` (NAME=VALUE)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = set(f.read().decode(errors="replace").split("\0"))
+        except OSError:
+            continue
+        if env & marks and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+

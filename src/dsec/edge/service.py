@@ -15,6 +15,7 @@ import secrets
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from sqlalchemy import Engine
@@ -90,6 +91,9 @@ from dsec.wire.models import (
 
 log = logging.getLogger("dsec.edge")
 RESOLVE_TTL_S = 2.0  # a ref's blobs kept this long when the catalog is a cluster's
+# ... for every edge of this process over the same store (one on a node; a hollow fleet's 160
+# share it: each alone saw too few creates to hit its own within 2 s, bench/scale.py)
+_RESOLVED: weakref.WeakKeyDictionary[LayerStore, dict[str, tuple[float, list[str]]]] = weakref.WeakKeyDictionary()
 
 
 class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExec, Checkpointing):
@@ -97,7 +101,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         """``meta``: the metadata database checkpoints are recorded in (a cluster's, so that
         another edge can restore them); by default the data dir's own."""
         super().__init__(cfg, layers)
-        self._resolved: dict[str, tuple[float, list[str]]] = {}  # ref -> (when, its blobs)
+        self._resolved = _RESOLVED.setdefault(layers, {})  # ref -> (when, its blobs)
         self._init_checkpoints(CheckpointStore(meta or open_db(sqlite_url(cfg.data_dir)), layers))
 
     # ---- lifecycle of the edge itself ---------------------------------------
