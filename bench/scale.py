@@ -295,18 +295,27 @@ async def quota_settles(b: Bench, within_s: float = 300.0) -> dict[str, Any]:
             "quota_settled_s": round(time.monotonic() - t0, 1)}
 
 
-async def fill(b: Bench, token: str, to: int) -> int:
-    """Batches until the job holds ``to`` sandboxes (the edges' count)."""
+async def fill(b: Bench, token: str, to: int, within_s: float) -> dict[str, Any]:
+    """Batches until the job holds ``to`` sandboxes (the edges' count), or ``within_s`` has
+    passed (the batch under way is then cancelled: (c) is measured at what is held)."""
     async with dsec.AsyncClient(url=b.replicas[0][1], token=TOKEN) as admin:
         held = sum(n.sandboxes for n in await admin.nodes())
     args = dsec.ContainerArgs(job=JOB, **ARGS)  # type: ignore[arg-type]
-    while held < to:
-        k = min(32_768, to - held)
+    t0 = time.monotonic()
+    rates = []
+    while held < to and time.monotonic() - t0 < within_s:
+        k, t1, before = min(32_768, to - held), time.monotonic(), held
         async with dsec.AsyncClient(url=b.replicas[0][1], token=token) as c:
-            await (await c.create_many(args, k)).wait(timeout=3600)
+            batch = await c.create_many(args, k)
+            try:
+                await asyncio.wait_for(batch.wait(timeout=3600), max(1.0, within_s - (time.monotonic() - t0)))
+            except TimeoutError:
+                await batch.cancel()
         async with dsec.AsyncClient(url=b.replicas[0][1], token=TOKEN) as admin:
             held = sum(n.sandboxes for n in await admin.nodes())
-    return held
+        rates.append([held, round((held - before) / (time.monotonic() - t1), 1)])
+        print(json.dumps({"held": held, "per_s": rates[-1][1]}), flush=True)
+    return {"held": held, "wanted": to, "fill_s": round(time.monotonic() - t0), "per_s_by_held": rates}
 
 
 # ---- c. holding S sandboxes --------------------------------------------------------------
@@ -415,6 +424,8 @@ async def main() -> None:
                    "PostgreSQL restart (d)")
     p.add_argument("--sandboxes", type=int, default=0, help="hold this many in all, then measure (c)")
     p.add_argument("--per-edge", type=int, default=4096)
+    p.add_argument("--fill-s", type=float, default=float("inf"),
+                   help="stop filling toward --sandboxes after this long and measure (c) at what is held")
     p.add_argument("--sweep-s", type=float, default=20.0,
                    help="each hollow edge's TTL sweep period (all share one process: docs/scale.md)")
     p.add_argument("--json")
@@ -449,7 +460,7 @@ async def main() -> None:
             r["chaos"] = await big_batch(b, token, a.chaos, chaos=True)
             print(json.dumps(r["chaos"]), flush=True)
         if a.sandboxes:
-            r["filled"] = await fill(b, token, a.sandboxes)
+            r["filled"] = await fill(b, token, a.sandboxes, a.fill_s)
             r["holding"] = await holding(b, token)
             print(json.dumps(r["holding"]), flush=True)
     finally:

@@ -4,7 +4,7 @@ with 10 sandboxes held as with 4,000 (a sum over every sandbox per create was a 
 the hollow fleet's CPU at 90K held, bench/scale.py). The edge calls :meth:`update` where a
 sandbox's share can change (it arrives, pauses, resumes, its memory is sampled, it starts
 stopping) and :meth:`drop` when it leaves; :meth:`recount` is the sum from scratch, which
-the edge's sweep compares once a minute (a missed update is logged and corrected)."""
+the edge's sweep compares every ten minutes (a missed update is logged and corrected)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from dsec.wire.models import (
 )
 
 LIMITS_ACTIVE_S, LIMITS_IDLE_S = 10.0, 5.0
-RECOUNT_S = 60.0  # the reservations summed from scratch, against a missed update
+RECOUNT_S = 600.0  # the reservations summed from scratch, against a missed update
 log = logging.getLogger("dsec.edge")
 
 
@@ -92,22 +92,20 @@ class Sweepers(EdgeCore):
                 sb.cpu_reported = now
             sb.cpu_seen = (now, throttled)
 
-    async def _audit_sweep(self) -> None:
-        """Every 10 s: write buffered audit records, run the file detectors."""
+    async def _audit_sweep(self) -> float | None:
+        """Every 10 s: write buffered audit records; returns since when a sandbox that served
+        requests is due for the file detectors (the round's pass runs them), or None when no
+        audit is due. An idle fleet costs nothing there (an audit query runs the detectors
+        of its sandbox in any case)."""
         since, now = self._audit_swept - 1, time.time()
         if now - self._audit_swept < 10:
-            return
+            return None
         self._audit_swept = now
         await asyncio.to_thread(self.audit.flush)
         self.cmdlog.sweep(set(self.sandboxes))  # ended sandboxes' command logs go with their tombstones
-        # only sandboxes that served requests since the last sweep: an idle fleet costs
-        # nothing here (an audit query runs the detectors of its sandbox in any case)
-        for sb in list(self.sandboxes.values()):
-            info = sb.rec.info
-            if info.state == SandboxState.running and not sb.stopping and (sb.ops or info.last_active_at >= since):
-                await self._run_detectors(sb)
         if random.random() < 0.01:
             await asyncio.to_thread(self.audit.prune)
+        return since
 
     async def _check_disk_quotas(self) -> None:
         """Report a sandbox whose writable layer reached its quota (once per filling)."""
@@ -139,7 +137,7 @@ class Sweepers(EdgeCore):
     async def _sweep_round(self) -> None:
         await self._relieve_pressure()
         await self._check_disk_quotas()
-        await self._audit_sweep()
+        audit_since = await self._audit_sweep()
         if time.monotonic() - self._recounted >= RECOUNT_S:
             self._recounted = time.monotonic()
             self.held.recount(self.sandboxes.values())
@@ -159,6 +157,8 @@ class Sweepers(EdgeCore):
             state = info.state
             if sb.agent is None and state != paused:
                 continue
+            if audit_since is not None and state == running and (sb.ops or info.last_active_at >= audit_since):
+                await self._run_detectors(sb)
             # its limit events (five cgroup reads): every round while it was active in the last
             # LIMITS_ACTIVE_S, else every LIMITS_IDLE_S. At a node's density most sandboxes idle,
             # and reading every one every second cost more than the rest of the edge (bench/scale.py)
