@@ -34,25 +34,11 @@ from dsec.storage.moosefs import MooseFS
 from tests.conftest import SHARED_LAYERS, SRC_DATA
 
 
-@pytest.fixture(scope="module")
-def store() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="dsec-hosts-fs-")
-    fs = MooseFS(root)
-    fs.start()
-    try:
-        path = os.path.join(fs.mount, "dsec")
-        os.makedirs(path, exist_ok=True)
-        LayerStore(path, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS)
-        yield path
-    finally:
-        fs.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
 @dataclass
 class Hosts:
     root: str
     ray: RayHosts
+    store: str
 
 
 @pytest.fixture(params=["this machine", "two hosts"])
@@ -61,10 +47,17 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
     root = tempfile.mkdtemp(prefix="dsec-hosts-")
     os.chmod(root, 0o711)
     bed = NetBed(f"h{os.getpid() % 10000}", 2).up() if request.param == "two hosts" else None
-    h = Hosts(root, RayHosts(bed))
+    # the store: MooseFS, mounted on the bed from its first host, across the bridge
+    fs = MooseFS(os.path.join(root, "moosefs"), *((bed.addr(0), f"{bed.addr(0)}/24", bed.argv(1, []))
+                                                  if bed else ()))
+    h = Hosts(root, RayHosts(bed), os.path.join(fs.mount, "dsec"))
     try:
+        fs.start()
+        os.makedirs(h.store, exist_ok=True)
+        LayerStore(h.store, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS)
         yield h
     finally:
+        fs.stop()
         h.ray.down()
         with open("/proc/self/mountinfo") as f:
             left = [ln.split()[4] for ln in f if root in ln]
@@ -73,12 +66,12 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def test_the_readme_cluster_commands_work_across_real_addresses(hosts: Hosts, store: str) -> None:
+async def test_the_readme_cluster_commands_work_across_real_addresses(hosts: Hosts) -> None:
     ray, bed = hosts.ray, hosts.ray.bed
     head_ip = ray.start_ray()  # `ray start --head`, then `ray start --address=HEAD:6379` on the others
     assert not ipaddress.ip_address(head_ip).is_loopback
     data_root = os.path.join(hosts.root, "cluster")
-    replicas, token = ray.cluster_up(store, data_root)  # `dsec cluster up --ray-address auto`, no --db
+    replicas, token = ray.cluster_up(hosts.store, data_root)  # `dsec cluster up --ray-address auto`, no --db
     try:
         addrs = {bed.addr(i) for i in ray.ids} if bed else {head_ip}
         assert len(replicas) == 2 and {httpx.URL(u).host for u in replicas} <= addrs, replicas
@@ -176,3 +169,17 @@ def test_the_private_database_admits_its_network_and_says_what_to_fix_for_others
     finally:
         bed.down()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_cluster_up_on_a_plain_directory_says_so_at_once(tmp_path: os.PathLike[str]) -> None:
+    """A newcomer's `--store /tmp/x/store` (a directory, not a shared mount): one line, at
+    once, before anything starts (each edge refused it too, but only past `up`'s wait)."""
+    plain = os.path.join(tmp_path, "store")
+    os.makedirs(plain)
+    t0 = time.monotonic()
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "dsec"), "cluster", "up", "--ray-address",
+                          "127.0.0.1:1", "--store", plain], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "400"})
+    assert out.returncode == 2 and time.monotonic() - t0 < 30, (out.returncode, out.stderr)
+    said = out.stderr.strip()
+    assert "\n" not in said and "not a shared mount" in said and plain in said, said

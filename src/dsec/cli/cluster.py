@@ -43,10 +43,16 @@ def up(ray_address: RayOpt = "auto",
     from sqlalchemy.exc import SQLAlchemyError
 
     from dsec.cluster import ops
+    from dsec.storage.backend import open_backend
 
     if store is None and not os.environ.get("DSEC_STORE"):
         err.print("[red]error[/red]: a cluster needs --store: a shared filesystem path mounted on every node")
         raise typer.Exit(2)
+    try:  # here first, at once: each edge would refuse it too, but only past `up`'s wait
+        open_backend(store or os.environ["DSEC_STORE"], "sharedfs")
+    except ValueError as e:
+        err.print(f"[red]error[/red]: --store: {e}")
+        raise typer.Exit(2) from None
     try:
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
                      apiserver_resource=apiserver_resource,

@@ -4,7 +4,8 @@ Debian's moosefs packages.
 
 MooseFS refuses loopback addresses for the master<->chunkserver link, so those two
 listen on this host's own first global IPv4 address (nothing outside the host is
-contacted); the client talks to the master over loopback.
+contacted); the client talks to the master over loopback, or, on a namespace bed
+(dsec.cluster.netbed), from one of the bed's hosts to the machine's address on the bridge.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 
 
 def host_address() -> str:
@@ -31,10 +33,15 @@ def _free_port(host: str) -> int:
 
 
 class MooseFS:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, client_host: str = "127.0.0.1", client_net: str = "127.0.0.1",
+                 mount_via: Sequence[str] = ()) -> None:
+        """``client_host``: the address the master takes clients on, admitting ``client_net``
+        (an address or a CIDR); ``mount_via``: a prefix for the mount command (the mount
+        made from another host of a namespace bed: ``nsenter --net=...``)."""
         self.root = root
         self.mount = os.path.join(root, "mnt")
         self.ip = host_address()
+        self.client_host, self.client_net, self.mount_via = client_host, client_net, list(mount_via)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
@@ -42,15 +49,15 @@ class MooseFS:
         for d in ("master", "cs", "hdd", "mnt"):
             os.makedirs(os.path.join(r, d), exist_ok=True)
         ml, mcs = _free_port("127.0.0.1"), _free_port(self.ip)
-        self.cl_port, cs_port = _free_port("127.0.0.1"), _free_port(self.ip)
+        self.cl_port, cs_port = _free_port(self.client_host), _free_port(self.ip)
         with open(os.path.join(r, "master.cfg"), "w") as f:
             f.write(f"WORKING_USER = root\nWORKING_GROUP = root\nDATA_PATH = {r}/master\n"
                     f"EXPORTS_FILENAME = {r}/exports.cfg\nTOPOLOGY_FILENAME = {r}/topology.cfg\n"
                     f"MATOML_LISTEN_HOST = 127.0.0.1\nMATOML_LISTEN_PORT = {ml}\n"
                     f"MATOCS_LISTEN_HOST = {self.ip}\nMATOCS_LISTEN_PORT = {mcs}\n"
-                    f"MATOCL_LISTEN_HOST = 127.0.0.1\nMATOCL_LISTEN_PORT = {self.cl_port}\nNICE_LEVEL = 0\n")
+                    f"MATOCL_LISTEN_HOST = {self.client_host}\nMATOCL_LISTEN_PORT = {self.cl_port}\nNICE_LEVEL = 0\n")
         with open(os.path.join(r, "exports.cfg"), "w") as f:
-            f.write("127.0.0.1 / rw,alldirs,maproot=0\n")
+            f.write(f"{self.client_net} / rw,alldirs,maproot=0\n")
         open(os.path.join(r, "topology.cfg"), "w").close()
         if not any(n.startswith("metadata.mfs") for n in os.listdir(os.path.join(r, "master"))):
             with open(os.path.join(r, "master", "metadata.mfs"), "wb") as f:  # a new, empty filesystem
@@ -69,8 +76,8 @@ class MooseFS:
                                                      stdout=log, stderr=log, start_new_session=True)
         deadline = time.time() + 30
         while True:
-            p = subprocess.run(["mfsmount", self.mount, "-H", "127.0.0.1", "-P", str(self.cl_port)],
-                               capture_output=True)
+            p = subprocess.run([*self.mount_via, "mfsmount", self.mount, "-H", self.client_host, "-P",
+                                str(self.cl_port)], capture_output=True)
             if p.returncode == 0 or time.time() > deadline:
                 break
             time.sleep(0.5)
