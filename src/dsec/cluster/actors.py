@@ -189,14 +189,19 @@ class PostgresActor:
 def edge_name(node: dict[str, Any], taken: set[str]) -> str:
     """The node's ``dsec-edge-name`` label, else its host name's first label, as an edge
     name (EDGE_NAME_RE: a sandbox id is EDGE-xxxxxxxxxxxx, so lower-case letters and digits
-    only: "ip-10-0-0-7.ec2.internal" is "ip10007"); made unique with the node's id when
-    several nodes share a host."""
+    only: "ip-10-0-0-7.ec2.internal" is "ip10007"). When another node has that name, its
+    address is appended ("vm10213012"), not its Ray node id, which is new at every `ray
+    start`: a node that comes back gets its edge's name, so its edge finds the data dir and
+    the sandboxes it left (and stops those the cluster reported lost)."""
     raw = str((node.get("Labels") or {}).get(EDGE_NAME_LABEL) or node.get("NodeManagerHostname") or "edge")
     name = re.sub(r"[^a-z0-9]", "", raw.lower().split(".")[0])
     if not name[:1].isalpha():
         name = "n" + name
     name = name[:31]
-    return name if name not in taken else name[:25] + str(node["NodeID"])[:6].lower()
+    if name not in taken:
+        return name
+    tail = re.sub(r"[^a-z0-9]", "", str(node.get("NodeManagerAddress") or node["NodeID"]).lower())
+    return name[:max(1, 31 - len(tail))] + tail[-30:]
 
 
 class Controller:
