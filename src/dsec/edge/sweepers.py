@@ -111,10 +111,10 @@ class Sweepers(EdgeCore):
         """Report a sandbox whose writable layer reached its quota (once per filling)."""
         if time.monotonic() - self._quota_checked < 5:
             return
+        self._quota_checked = time.monotonic()
         quota = [sb for sb in self.sandboxes.values() if sb.qgroup is not None and not sb.stopping]
         if not quota:
             return
-        self._quota_checked = time.monotonic()
         used = await asyncio.to_thread(self.volume.referenced)
         for sb in quota:
             limit = sb.rec.args.disk_limit_mb << 20 if isinstance(sb.rec.args, ContainerArgs) else 0
