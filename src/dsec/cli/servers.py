@@ -193,7 +193,7 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
     with _errors():
         try:
             node = build_edge(data_dir, name, cfg, store, db)
-        except ValueError as e:
+        except (ValueError, ConnectionError) as e:  # ConnectionError: the cluster's database unreachable, why
             err.print(f"[red]error[/red]: {e}")
             raise typer.Exit(2) from None
     app = build_app(node, secret, node.cfg.max_file_bytes)
@@ -245,7 +245,7 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
         with _errors():
             try:
                 fastapi_app = build_replica(db, secret, token, data_dir or data_dir_default(), store)
-            except (ValueError, SQLAlchemyError) as e:
+            except (ValueError, ConnectionError, SQLAlchemyError) as e:  # ConnectionError: unreachable, why
                 err.print(f"[red]error[/red]: --db: {str(e).splitlines()[0]}")
                 raise typer.Exit(2) from None
     else:
