@@ -122,7 +122,8 @@ def admit(data_dir: str, nets: Sequence[str]) -> bool:
     running server then needs a reload: SIGHUP)."""
     path = os.path.join(data_dir, "pg_hba.conf")
     with open(path) as f:
-        lines = f.read().splitlines()
+        before = f.read()
+    lines = before.splitlines()
     if HBA_BEGIN in lines and HBA_END in lines[lines.index(HBA_BEGIN):]:
         start = lines.index(HBA_BEGIN)
         end = lines.index(HBA_END, start)
@@ -131,9 +132,8 @@ def admit(data_dir: str, nets: Sequence[str]) -> bool:
         kept = lines
     block = [HBA_BEGIN, *(f"host    dsec    {DB_USER}    {n}    scram-sha-256" for n in nets), HBA_END]
     text = "\n".join(kept + block) + "\n"
-    with open(path) as f:
-        if f.read() == text:
-            return False
+    if before == text:
+        return False
     pw = pwd.getpwnam(USER)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
