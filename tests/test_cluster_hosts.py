@@ -13,7 +13,10 @@ stats) bound Ray on this 2-core machine; each host keeps its Ray files apart
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -23,12 +26,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 
 import dsec
-from dsec.cluster.netbed import NetBed, RayHosts
+from dsec.cluster.netbed import RAY_BOUNDS, NetBed, RayHosts
 from dsec.layers.store import LayerStore
 from dsec.storage.moosefs import MooseFS
 from tests.conftest import SHARED_LAYERS, SRC_DATA
@@ -81,6 +85,8 @@ async def test_the_readme_cluster_commands_work_across_real_addresses(hosts: Hos
         status = ray.ok(ray.ids[0], "dsec", "cluster", "status", "--ray-address", "auto", "--json")
         assert status.count('"state": "active"') == len(ray.ids), status[-2000:]
         await _use_each_replica(replicas, token, len(ray.ids))
+        if bed:
+            await _lose_a_host_and_bring_it_back(ray, head_ip, token, json.loads(status)["edges"], data_root)
     finally:
         down = ray.run(ray.ids[0], "dsec", "cluster", "down", "--ray-address", "auto", "--stop-sandboxes")
     assert down.returncode == 0, down.stderr[-2000:]
@@ -109,6 +115,74 @@ async def _use_each_replica(replicas: list[str], token: str, edges: int) -> None
                 await sb.stop()
 
 
+def _replicas(ray: RayHosts, but: str = "") -> list[str]:
+    """The replicas' URLs as `cluster status` has them now, those on host ``but`` left out:
+    a replica of a lost host is started again elsewhere, under another URL (once both were
+    on the host lost, and a client holding the first URLs had none left)."""
+    for _ in range(120):
+        out = ray.run(ray.ids[0], "dsec", "cluster", "status", "--ray-address", "auto", "--json")
+        if out.returncode == 0:
+            urls = [u for u in json.loads(out.stdout)["apiservers"].values() if httpx.URL(u).host != but]
+            up = []
+            for u in urls:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{u}/healthz", timeout=2).status_code == 200:
+                        up.append(u)
+            if up:
+                return up
+        time.sleep(2)
+    raise AssertionError(f"no replica answers: {out.stdout[-1500:]} {out.stderr[-1500:]}")
+
+
+async def _lose_a_host_and_bring_it_back(ray: RayHosts, head_ip: str, token: str, edges: list[dict[str, Any]],
+                                         data_root: str) -> None:
+    """Host 2 dies as a machine cut off does (Ray's processes killed, and with them its edge
+    daemon; its sandboxes run on): they are reported failed, "node lost", through the
+    replicas left; `ray start` there again and its edge comes back under its old name (the
+    name stays with its address) and stops what it left."""
+    assert ray.bed is not None
+    lost_ip = ray.bed.addr(2)
+    mine = next(e["name"] for e in edges if httpx.URL(e["url"]).host == lost_ip)
+    async with dsec.AsyncClient(url=",".join(_replicas(ray)), token=token) as c:
+        there = None
+        for _ in range(40):
+            sb = await c.run_container(dsec.ContainerArgs(image="base/busybox", job="lost"))
+            if sb.sandbox_id.rsplit("-", 1)[0] == mine:
+                there = sb
+                break
+        assert there is not None, f"nothing placed on {mine}"
+    for pid in ray.bed.pids(2):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"ray" in f.read():
+                os.kill(pid, signal.SIGKILL)
+
+    async def state() -> str:
+        async with dsec.AsyncClient(url=",".join(_replicas(ray, but=lost_ip)), token=token) as c:
+            try:
+                info = (await c.connect(there.sandbox_id)).info
+            except dsec.DsecError as e:
+                return f"error {e}"
+            return f"{info.state.value} {info.error or ''}"
+    deadline = time.monotonic() + 180
+    while (now := await state()) != "failed node lost" and time.monotonic() < deadline:
+        await asyncio.sleep(2)
+    assert now == "failed node lost", now
+    ray.ok(2, "ray", "start", f"--address={head_ip}:6379", "--resources", '{"dsec_edge": 1}', *RAY_BOUNDS)
+    deadline = time.monotonic() + 300  # (under a benchmark's load here: once over 3 min, once 1)
+    while not (now := await state()).startswith("stopped") and time.monotonic() < deadline:
+        await asyncio.sleep(2)
+    if not now.startswith("stopped"):
+        st = ray.run(1, "dsec", "cluster", "status", "--ray-address", "auto", "--json").stdout[-3000:]
+        with open(os.path.join(data_root, mine, "edge.log"), errors="replace") as f:
+            log = f.read()[-3000:]
+        raise AssertionError(f"{now!r}: the returned edge did not stop what it left; status {st}; log {log}")
+    status = json.loads(ray.ok(1, "dsec", "cluster", "status", "--ray-address", "auto", "--json"))
+    back = {e["name"]: e for e in status["edges"]}
+    assert back[mine]["state"] == "active" and httpx.URL(back[mine]["url"]).host == lost_ip, back
+    async with dsec.AsyncClient(url=",".join(_replicas(ray)), token=token) as c:
+        await c.stop_many(job="lost")
+
+
 def test_a_node_is_named_as_an_edge_can_be_named() -> None:
     """Host names have dots, dashes and capitals; an edge's name (its sandboxes' id prefix)
     has none: a node named by its host became an edge whose sandbox ids no client parses."""
@@ -123,6 +197,20 @@ def test_a_node_is_named_as_an_edge_can_be_named() -> None:
              edge_name({"Labels": {"dsec-edge-name": "r1"}, "NodeID": "x"}, set())]
     assert names == ["ip10007", "vm10213012", "vmc12274ab", "n9node", "r1"]
     assert all(EDGE_NAME_RE.match(n) and parse_sandbox_id(f"{n}-0123456789ab") == n for n in names)
+    # a name stays with the address that first had it: the survivor of two nodes sharing a
+    # host name keeps its own name when the other is lost, and the lost one gets its back
+    a = {"NodeManagerHostname": "vm", "NodeID": "n1", "NodeManagerAddress": "10.213.0.11"}
+    b = {"NodeManagerHostname": "vm", "NodeID": "n2", "NodeManagerAddress": "10.213.0.12"}
+    known = {"vm": "10.213.0.11", "vm10213012": "10.213.0.12"}
+    assert edge_name(b, set(), known) == "vm10213012"
+    assert edge_name({**a, "NodeID": "n1again"}, {"vm10213012"}, known) == "vm"
+    assert edge_name({**b, "NodeManagerAddress": "10.213.0.13"}, {"vm"}, known) == "vm10213013"
+    # nodes that share an address as well are told apart by their Ray ids
+    same = {"NodeManagerHostname": "vm", "NodeManagerAddress": "127.0.0.1"}
+    first = edge_name({**same, "NodeID": "aa"}, set())
+    second = edge_name({**same, "NodeID": "bb"}, {first})
+    third = edge_name({**same, "NodeID": "cc"}, {first, second})
+    assert len({first, second, third}) == 3, (first, second, third)
 
 
 def test_the_private_database_admits_its_network_and_says_what_to_fix_for_others() -> None:

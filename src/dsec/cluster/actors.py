@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -186,22 +187,38 @@ class PostgresActor:
         return self.daemon.stop()
 
 
-def edge_name(node: dict[str, Any], taken: set[str]) -> str:
+def edge_name(node: dict[str, Any], taken: set[str], known: dict[str, str] | None = None) -> str:
     """The node's ``dsec-edge-name`` label, else its host name's first label, as an edge
     name (EDGE_NAME_RE: a sandbox id is EDGE-xxxxxxxxxxxx, so lower-case letters and digits
     only: "ip-10-0-0-7.ec2.internal" is "ip10007"). When another node has that name, its
     address is appended ("vm10213012"), not its Ray node id, which is new at every `ray
     start`: a node that comes back gets its edge's name, so its edge finds the data dir and
-    the sandboxes it left (and stops those the cluster reported lost)."""
-    raw = str((node.get("Labels") or {}).get(EDGE_NAME_LABEL) or node.get("NodeManagerHostname") or "edge")
+    the sandboxes it left (and stops those the cluster reported lost).
+
+    ``known`` maps the registry's edges, lost ones included, to their hosts: a name stays
+    with the address that first had it. Which of two nodes sharing a host name got the bare
+    name depended on the order Ray listed them, so after a loss the survivor could take the
+    lost node's name, and the lost node's sandboxes were looked for on the wrong node."""
+    known = known or {}
+    label = (node.get("Labels") or {}).get(EDGE_NAME_LABEL)
+    addr = str(node.get("NodeManagerAddress") or "")
+    if not label and addr:
+        mine = sorted(n for n, host in known.items() if host == addr and n not in taken)
+        if mine:
+            return mine[0]
+    raw = str(label or node.get("NodeManagerHostname") or "edge")
     name = re.sub(r"[^a-z0-9]", "", raw.lower().split(".")[0])
     if not name[:1].isalpha():
         name = "n" + name
     name = name[:31]
-    if name not in taken:
+    held = taken | {n for n, host in known.items() if host != addr}
+    if label or name not in held:
         return name
-    tail = re.sub(r"[^a-z0-9]", "", str(node.get("NodeManagerAddress") or node["NodeID"]).lower())
-    return name[:max(1, 31 - len(tail))] + tail[-30:]
+    for raw_tail in (addr, str(node["NodeID"])):  # nodes sharing an address: their Ray ids
+        tail = re.sub(r"[^a-z0-9]", "", raw_tail.lower())
+        if tail and (out := name[:max(1, 31 - len(tail))] + tail[-30:]) not in held:
+            return out
+    return out
 
 
 class Controller:
@@ -346,10 +363,11 @@ class Controller:
                 self._event("edge_lost", edge=r.name, node=r.node_id[:12], sandboxes=n)
         # nodes new (or back): an edge each
         taken = {name for name, _ in self.edges.values()}
+        hosts = {r.name: urlsplit(r.url).hostname or "" for r in rows.values()}
         for node_id, node in alive.items():
             if node_id in self.edges:
                 continue
-            name = edge_name(node, taken)
+            name = edge_name(node, taken, hosts)
             taken.add(name)
             actor = ray.remote(EdgeActor).options(  # type: ignore[attr-defined]
                 name=f"edge:{name}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
