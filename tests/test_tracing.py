@@ -230,7 +230,7 @@ async def test_a_microvm_create_traces_its_boot_steps(tmp_path_factory: pytest.T
     platform: Platform = next(gen)
     try:
         await asyncio.to_thread(run_sdk, platform.url, collector.env(), VM_SCRIPT)
-        await collector.wait_for("vm.clone", "edge.exec", "teardown kill")
+        await collector.wait_for("vm.clone", "edge.exec", "teardown kill", "edge.stop")
         client = collector.one("dsec POST /v1/sandboxes")
         tpl, clone = collector.one("vm.template", client.trace), collector.one("vm.clone", client.trace)
         # the template's own boot (once per guest shape), then the sandbox cloned from it
