@@ -10,6 +10,7 @@ import os
 import subprocess
 import time
 
+import httpx
 import pytest
 from conftest import TOKEN, Platform
 from e2b import (
@@ -48,6 +49,8 @@ def test_commands(e2b_env: None) -> None:
         with pytest.raises(CommandExitException) as e:
             sbx.commands.run("echo out; exit 3")
         assert e.value.exit_code == 3 and e.value.stdout == "out\n"
+        # E2B's base has both `python` and `python3`; scripts call either
+        assert sbx.commands.run("python -c 'print(6*7)'").stdout == "42\n"
         bg = sbx.commands.run("sleep 60", background=True)
         assert bg.pid in [p.pid for p in sbx.commands.list()]
         assert sbx.commands.kill(bg.pid)
@@ -157,6 +160,16 @@ def test_errors(e2b_env: None, platform: Platform) -> None:
     with pytest.raises(SandboxException, match="404: template 'no/such-template:1' not found"):
         Sandbox.create("no/such-template:1")
     assert Sandbox.kill("edge0-doesnotexist") is False  # the SDK's answer to a 404
+    # E2B's own template names that are no dsec layer ref are missing templates, not bad input
+    with pytest.raises(SandboxException, match="404: template 'httpbin' not found"):
+        Sandbox.create("httpbin")
+    # a route no face serves answers the error shape E2B's SDK reads (it raised KeyError 'code'
+    # on FastAPI's {"detail": ...})
+    for method, path, status in (("GET", "/no/such/route", 404), ("DELETE", "/v1/nodes", 405)):
+        r = httpx.request(method, f"{platform.url}{path}", headers={"X-API-Key": TOKEN})
+        body = r.json()
+        assert r.status_code == status and body["code"] == status and body["message"], (r.status_code, body)
+        assert body["error"] in ("not_found", "method_not_allowed")
 
 
 def test_admission_refusal_is_rate_limit(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:

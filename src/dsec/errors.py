@@ -50,6 +50,13 @@ class NotFound(DsecError):
     code = "not_found"
 
 
+class MethodNotAllowed(DsecError):
+    """The path exists, not for this method."""
+
+    status = 405
+    code = "method_not_allowed"
+
+
 class RequestTimeout(DsecError):
     """The request's body stopped arriving: the server gave up waiting for it."""
 
@@ -216,6 +223,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         InvalidRequest,
         Unauthorized,
         Forbidden,
+        MethodNotAllowed,
         NotFound,
         RequestTimeout,
         SandboxNotRunning,

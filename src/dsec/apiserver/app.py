@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException
 
 from dsec import sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
@@ -22,6 +24,8 @@ from dsec.e2b.ports import PortProxy
 from dsec.errors import (
     DsecError,
     InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
 )
 from dsec.meta.db import unavailable
 from dsec.templates.builder import Builder
@@ -50,6 +54,19 @@ def build_app(api: Apiserver) -> FastAPI:
         if away is None:
             raise e
         return error_response(away)
+
+    @app.exception_handler(HTTPException)
+    async def _unrouted(request: Request, e: HTTPException) -> Response:
+        # a path or method no face serves answers the shape every face's client reads (E2B's
+        # SDK read {"detail": ...} for "code" and raised KeyError instead of its own error)
+        if (e.status_code, e.detail) == (404, "Not Found"):
+            return error_response(NotFound(f"no route {request.method} {request.url.path}", field="path"))
+        if (e.status_code, e.detail) == (405, "Method Not Allowed"):
+            resp = error_response(MethodNotAllowed(f"{request.method} is not served on {request.url.path}",
+                                                   field="method"))
+            resp.headers.update(e.headers or {})
+            return resp
+        return await http_exception_handler(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

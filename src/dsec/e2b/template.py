@@ -21,13 +21,14 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from dsec.errors import DsecError
+from dsec.errors import DsecError, NotFound
 from dsec.host import linux
 from dsec.layers.store import Layer, LayerStore
 from dsec.templates.models import BuiltTemplate
+from dsec.wire.models import normalize_layer_ref
 
 BASE_IMAGE = "base/debian:12"
-USER_LAYER = "tk/e2b-user:1"
+USER_LAYER = "tk/e2b-user:2"  # 2: adds `python` (E2B's base has both names)
 INTERPRETER_PACKAGES = ["ipykernel>=6.29,<8", "jupyter_client>=8.6,<9"]
 INTERPRETER_SOURCE = os.path.join(os.path.dirname(__file__), "interpreter_server.py")
 
@@ -97,6 +98,12 @@ def resolve(template: str, store: LayerStore) -> Template:
     or a layer ref used alone."""
     if template in TEMPLATES:
         return TEMPLATES[template]
+    if not SNAPSHOT_ID_RE.match(template):
+        try:
+            normalize_layer_ref(template)
+        except ValueError:  # E2B names ("httpbin") that are no layer ref: a missing template, not bad input
+            raise NotFound(f"template {template!r} not found (built-in: {', '.join(TEMPLATES)}; or a built "
+                           f"template's name, a snapshot id, a layer ref)", field="templateID") from None
     try:
         layer = store.get(snapshot_ref(template) if SNAPSHOT_ID_RE.match(template) else template)
     except (DsecError, ValueError):
@@ -123,7 +130,8 @@ def ensure_interpreter_layer(store: LayerStore) -> Layer:
 
 
 def ensure_user_layer(store: LayerStore) -> Layer:
-    """Build ``tk/e2b-user:1`` from the base layer, once per store."""
+    """Build ``tk/e2b-user`` from the base layer, once per store: E2B's ``user`` and, where
+    the base has only ``python3``, ``python`` (scripts written for E2B's base call both)."""
     if store.has(USER_LAYER):
         return store.get(USER_LAYER)
     base = store.get(BASE_IMAGE)
@@ -147,6 +155,11 @@ def ensure_user_layer(store: LayerStore) -> Layer:
             for d, _, files in os.walk(home):
                 for p in [d, *(os.path.join(d, f) for f in files)]:
                     os.chown(p, UID, GID, follow_symlinks=False)
+            bin_dir = os.path.join(mnt, "usr", "bin")
+            if os.path.lexists(os.path.join(bin_dir, "python3")) and not os.path.lexists(
+                    os.path.join(bin_dir, "python")):
+                os.makedirs(os.path.join(root, "usr", "bin"))
+                os.symlink("python3", os.path.join(root, "usr", "bin", "python"))
         finally:
             linux.umount(mnt)
         return store.ensure_dir(root, USER_LAYER)
