@@ -155,6 +155,12 @@ async def test_execute_files_upload(platform: Platform, debian: dsec.AsyncSandbo
         == "hÃ©llo\nwÃ¶rld\n"
     with pytest.raises(FileNotFoundError):
         await rt.read_file(ReadFileRequest(path="/root/no/such/file"))
+    # as SWE-ReX's own server has them: a relative path from its working directory, /; an
+    # empty shell command exits 0
+    assert (await rt.read_file(ReadFileRequest(path="root/deep/dir/x.txt"))).content == "héllo\nwörld\n"
+    with pytest.raises(FileNotFoundError):
+        await rt.read_file(ReadFileRequest(path="no/such/file"))
+    assert (await rt.execute(Command(command="", shell=True))).exit_code == 0
 
     src = tmp_path / "tools"
     (src / "sub").mkdir(parents=True)
@@ -196,7 +202,7 @@ async def test_errors_and_auth(platform: Platform, debian: dsec.AsyncSandbox, cl
                                       ("run_in_session", {"command": "true", "timeout": -1}, "timeout"),
                                       ("run_in_session", {"command": "true", "action_type": "gdb"}, "action_type"),
                                       ("execute", {"command": "true", "shell": True, "env": {"1x": "y"}}, "env"),
-                                      ("read_file", {}, "path"), ("read_file", {"path": "rel/x"}, "path"),
+                                      ("read_file", {}, "path"),
                                       ("read_file", {"path": "/etc/hostname", "encoding": "klingon"}, "encoding"),
                                       ("write_file", {"path": "/root/x"}, "content")]:
             r = await h.post(f"/{endpoint}", json=body)

@@ -21,6 +21,7 @@ import asyncio
 import codecs
 import hmac
 import logging
+import posixpath
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -100,10 +101,11 @@ async def _json(model: type[BaseModel], body: bytes) -> Any:
         raise _invalid(e) from None
 
 
-def _absolute(path: str, field: str = "path") -> str:
-    if not path.startswith("/"):
-        raise InvalidRequest(f"{field}: must be an absolute path in the sandbox", field=field)
-    return path
+def _absolute(path: str) -> str:
+    """A relative path is taken from the sandbox's /: SWE-ReX's own server reads it from its
+    working directory, which a container's entrypoint leaves at / (a 400 here turned a
+    missing file into an error no SWE-ReX caller handles)."""
+    return path if path.startswith("/") else posixpath.join("/", path)
 
 
 def _output(r: ExecResult, merged: bool = True) -> str:
@@ -353,6 +355,8 @@ class SwerexFace:
         # as subprocess.run has it: a list with shell=True is sh -c with the rest as $0...;
         # a string without shell names one program
         if isinstance(c.command, str):
+            if c.shell and not c.command.strip():  # `sh -c ""`, as subprocess.run has it: nothing, 0
+                return m.CommandResponse(stdout="", stderr="", exit_code=0)
             if c.shell:
                 cmd = f"exec 2>&1\n{c.command}" if c.merge_output_streams else c.command
             else:

@@ -86,7 +86,7 @@ class Command(BaseModel):
     """A one-off process, as ``subprocess.run`` would take it (argv list, or a string
     with ``shell``)."""
 
-    command: Annotated[CommandText, Field(min_length=1)] | Annotated[list[CommandText], Field(min_length=1,
+    command: CommandText | Annotated[list[CommandText], Field(min_length=1,
                                                                                               max_length=65536)]
     timeout: Timeout | None = None
     shell: bool = False

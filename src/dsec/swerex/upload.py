@@ -39,8 +39,9 @@ async def upload(edge: EdgeAPI, sid: str, request: Request, max_file_bytes: int)
             raise InvalidRequest("file: a multipart file part named 'file' is required", field="file")
         if not isinstance(target, str) or not target:
             raise InvalidRequest("target_path: required", field="target_path")
-        if not target.startswith("/") or "\0" in target:
-            raise InvalidRequest("target_path: must be an absolute path in the sandbox", field="target_path")
+        if "\0" in target:
+            raise InvalidRequest("target_path: must not contain NUL characters", field="target_path")
+        target = posixpath.join("/", target)  # relative: from /, as the face's file calls take it
         if not isinstance(unzip, str) or unzip.lower() not in TRUE | FALSE:
             raise InvalidRequest("unzip: must be true or false", field="unzip")
         if unzip.lower() in TRUE:
