@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
@@ -312,6 +313,13 @@ class Nodes(_Face):
     drain = _blocking(AsyncNodes.drain)
 
 
+def _shut(portal: _Portal, inner: AsyncClient) -> None:
+    if not portal.loop.is_closed():
+        with contextlib.suppress(Exception):  # at exit the server may be long gone
+            portal.call(inner.close())
+        portal.close()
+
+
 class Client(_Face):
     """Blocking client; the same methods as :class:`AsyncClient`."""
 
@@ -319,6 +327,9 @@ class Client(_Face):
                  timeout: float = 60.0) -> None:
         self._portal = _Portal()
         self._inner: AsyncClient = self._portal.call(self._make(url, token, timeout))
+        # a client never closed is closed when collected or at exit (aiohttp warned "Unclosed
+        # client session" at exit, where httpx and requests say nothing); once, whichever first
+        self._closer = weakref.finalize(self, _shut, self._portal, self._inner)
 
     @staticmethod
     async def _make(url: str | Sequence[str] | None, token: str | None, timeout: float) -> AsyncClient:
@@ -361,8 +372,7 @@ class Client(_Face):
         self.close()
 
     def close(self) -> None:
-        self._portal.call(self._inner.close())
-        self._portal.close()
+        self._closer()
 
     def _wrap(self, x: Any) -> Any:
         if isinstance(x, list):
