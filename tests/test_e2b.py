@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -22,6 +23,8 @@ from e2b import (
     Sandbox,
     SandboxException,
 )
+
+import dsec
 
 
 def test_the_issue_example(e2b_env: None) -> None:
@@ -580,3 +583,50 @@ async def test_command_log_keys_concurrent_and_users(e2b_env: None) -> None:
             await sbx.commands.run(mine, user="root", envs={"DSEC_COMMAND_KEY": f"{key}-user"})
     finally:
         await sbx.kill()
+
+
+@pytest.fixture(scope="module")
+def internet_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """A node whose operator says E2B's "internet" is PyPI (DSEC_E2B_INTERNET): the
+    registries are the only outside services these machines reach."""
+    from conftest import own_platform
+    yield from own_platform(tmp_path_factory, "e2b-internet", env={"DSEC_E2B_INTERNET": "pypi"})
+
+
+PIP = "cd /tmp && pip download --no-deps --no-cache-dir -q six && echo fetched"
+
+
+def test_network_options_map_to_egress_rules(internet_platform: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2B's allow_internet_access, network.allowOut/denyOut and update_network, with the
+    unmodified SDK, as dsec egress rules: "internet" is what the operator named."""
+    for k, v in {"E2B_API_URL": internet_platform.url, "E2B_SANDBOX_URL": internet_platform.url,
+                 "E2B_API_KEY": TOKEN}.items():
+        monkeypatch.setenv(k, v)
+    sbx = Sandbox.create(timeout=120)  # E2B's default: internet on
+    closed = Sandbox.create(timeout=120, allow_internet_access=False)
+    only = Sandbox.create(timeout=120, network={"deny_out": ["0.0.0.0/0"], "allow_out": ["192.0.2.7"]})
+    try:
+        assert sbx.commands.run(PIP, timeout=120).stdout.endswith("fetched\n")
+        with pytest.raises(CommandExitException):
+            closed.commands.run(PIP, timeout=60)
+        with pytest.raises(CommandExitException):
+            only.commands.run(PIP, timeout=60)
+        with dsec.Client(url=internet_platform.url, token=TOKEN) as c:
+            rules = c.connect(only.sandbox_id).info.network
+        assert rules is not None and rules.rules == {"192.0.2.7:1-65535/tcp": True, "192.0.2.7:1-65535/udp": True}
+        # an update replaces the whole egress: denied, then allowed again
+        sbx.update_network({"deny_out": ["0.0.0.0/0"]})
+        with pytest.raises(CommandExitException):
+            sbx.commands.run(PIP, timeout=60)
+        sbx.update_network({"allow_internet_access": True})
+        assert sbx.commands.run(PIP, timeout=120).stdout.endswith("fetched\n")
+        # what dsec cannot say is refused, naming the field
+        for bad in ({"allow_out": ["pypi.example"]}, {"deny_out": ["198.51.100.0/24"]}):
+            with pytest.raises(SandboxException, match="400: network"):
+                Sandbox.create(timeout=60, network=bad)  # type: ignore[arg-type]
+        # a sandbox created with no link (no internet asked, none to give) says why it cannot change
+        with pytest.raises(SandboxException, match="409: .*without a network link"):
+            closed.update_network({"allow_out": ["192.0.2.7"]})
+    finally:
+        for s in (sbx, closed, only):
+            s.kill()

@@ -26,8 +26,10 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
+from dsec.e2b import network as e2b_network
 from dsec.e2b import startup
 from dsec.e2b.envd import ENVD_VERSION
+from dsec.e2b.network import NetworkOpts, NetworkUpdate
 from dsec.e2b.routing import add_routes
 from dsec.e2b.template import SNAPSHOT_ID_RE, Template, resolve, snapshot_ref
 from dsec.e2b.templates_api import TemplateSource
@@ -68,6 +70,8 @@ class NewSandbox(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     envVars: dict[str, str] = Field(default_factory=dict)
     autoPause: bool = False
+    allow_internet_access: bool | None = None  # E2B's API spells this one in snake case
+    network: NetworkOpts | None = None
     model_config = {"extra": "ignore"}
 
 
@@ -207,7 +211,8 @@ class E2BApi:
         if template.memory_mb:
             sizes["memory_limit_mb"] = template.memory_mb
         try:
-            args = ContainerArgs(image=template.image, layers=template.layers, env={**template.envs, **body.envVars},
+            args = ContainerArgs(network_rules=e2b_network.rules(body.allow_internet_access, body.network),
+                                 image=template.image, layers=template.layers, env={**template.envs, **body.envVars},
                                  labels={**body.metadata, TEMPLATE_LABEL: body.templateID},
                                  max_lifetime_s=max(1, body.timeout or DEFAULT_TIMEOUT_S), ttl_running_stop=None,
                                  on_expiry="pause" if body.autoPause else "stop",
@@ -234,6 +239,20 @@ class E2BApi:
         if info.state not in (SandboxState.running, SandboxState.paused):
             raise NotFound(f"sandbox {sandbox_id} not found (it {info.state.value})", field="sandbox_id")
         return edge, info
+
+    async def update_network(self, sandbox_id: str, body: NetworkUpdate) -> None:
+        """E2B's update replaces the sandbox's egress with what the body says."""
+        edge, info = await self._live(sandbox_id)
+        wanted = e2b_network.rules(body.allow_internet_access, body) or {}
+        if info.network is None:
+            if wanted:
+                raise DsecConflict(f"sandbox {sandbox_id} was created without a network link (no network options "
+                                   "and no internet on this node): create it with allow_internet_access or "
+                                   "network.allowOut to change its egress later", field="sandbox_id")
+            return
+        delta = e2b_network.changes(info.network.rules, wanted)
+        if delta:
+            await edge.set_network_rules(sandbox_id, delta)
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> dict[str, Any]:
         """A persistent snapshot of the sandbox's files: its writes as a workspace layer
@@ -423,6 +442,10 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         status, out = await api.connect(sandbox_id, body.timeout if body else None)
         return JSONResponse(out, status_code=status)
 
+    async def update_network(request: Request, sandbox_id: str) -> Response:
+        await api.update_network(sandbox_id, NetworkUpdate.model_validate_json(await request.body()))
+        return Response(status_code=204)
+
     async def snapshot(request: Request, sandbox_id: str) -> Response:
         raw = await request.body()
         body = SnapshotBody.model_validate_json(raw) if raw.strip() else SnapshotBody()
@@ -463,7 +486,7 @@ def mount(app: FastAPI, api: E2BApi) -> None:
         ("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
         ("/sandboxes/{sandbox_id}/snapshots", snapshot, "POST"), ("/snapshots", snapshots, "GET"),
 ("/sandboxes/{sandbox_id}/fork", fork, "POST"),
-        ("/sandboxes/{sandbox_id}/metrics", metrics, "GET")]
+        ("/sandboxes/{sandbox_id}/metrics", metrics, "GET"), ("/sandboxes/{sandbox_id}/network", update_network, "PUT")]
     add_routes(app, routes)
 
 
