@@ -151,6 +151,28 @@ def test_rl_backend_calls_async(dtn_env: None) -> None:
     asyncio.run(main())
 
 
+def test_git(dtn_env: None) -> None:
+    d = Daytona()
+    sb = d.create(CreateSandboxFromSnapshotParams(snapshot="base/debian:12"))
+    try:
+        sb.process.exec("git init -q -b main /root/repo && echo one > /root/repo/a.txt")
+        st = sb.git.status("/root/repo")
+        assert st.current_branch == "main"
+        assert [(f.name, f.worktree) for f in st.file_status] == [("a.txt", "Untracked")]
+        sb.git.add("/root/repo", ["a.txt"])
+        assert sb.git.status("/root/repo").file_status[0].staging == "Added"
+        commit = sb.git.commit("/root/repo", "first", "A U Thor", "a@example.com")
+        assert len(commit.sha) == 40
+        assert sb.git.status("/root/repo").file_status == []
+        sb.git.clone("/root/repo", "/root/clone")  # a local path: the sandbox reaches no network here
+        assert sb.process.exec("cat /root/clone/a.txt; git -C /root/clone log --format=%an:%s").result == \
+            "one\nA U Thor:first\n"
+        with pytest.raises(DaytonaError):
+            sb.git.status("/tmp")
+    finally:
+        d.delete(sb)
+
+
 def test_errors_and_refusals(dtn_env: None, platform: Platform) -> None:
     d = Daytona()
     with pytest.raises(DaytonaNotFoundError):

@@ -418,7 +418,7 @@ class Toolbox:
         published = False
         for line in out.splitlines():
             if line.startswith("## "):
-                head = line[3:]
+                head = line[3:].removeprefix("No commits yet on ").removeprefix("Initial commit on ")
                 branch = head.split("...")[0].split(" ")[0]
                 published = "..." in head
                 a, b = re.search(r"ahead (\d+)", head), re.search(r"behind (\d+)", head)
@@ -426,7 +426,7 @@ class Toolbox:
             elif len(line) > 3:
                 files.append(m.GitFileStatus(name=line[3:], staging=names.get(line[0], "Modified"),
                                              worktree=names.get(line[1], "Modified")))
-        return json_response(m.GitStatus(current_branch=branch.replace("No commits yet on ", ""), file_status=files,
+        return json_response(m.GitStatus(current_branch=branch, file_status=files,
                                  ahead=ahead, behind=behind, branch_published=published))
 
     async def git_add(self, request: Request, edge: EdgeAPI, info: SandboxInfo) -> Response:
