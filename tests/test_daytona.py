@@ -173,6 +173,27 @@ def test_git(dtn_env: None) -> None:
         d.delete(sb)
 
 
+def test_image_with_steps_is_built_once(dtn_env: None, platform: Platform) -> None:
+    """An image with build steps is built by dsec's template builder, once: the next create
+    with the same image starts from the built template."""
+    d = Daytona()
+    image = Image.base("debian:12").run_commands("echo built > /opt/marker").env({"K": "v w"}).workdir("/opt")
+    made = []
+    try:
+        for _ in range(2):
+            made.append(d.create(CreateSandboxFromImageParams(image=image), timeout=300))
+        for sb in made:
+            assert sb.process.exec("cat marker; echo $K").result == "built\nv w\n"
+        name = made[0].snapshot
+        assert name is not None and name.startswith("daytona-") and made[1].snapshot == name
+        # E2B's template API sees the same template: built once, spawned twice
+        t = httpx.get(f"{platform.url}/templates/{name}", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert (t["buildCount"], t["spawnCount"], t["buildStatus"]) == (1, 2, "ready")
+    finally:
+        for sb in made:
+            d.delete(sb)
+
+
 def test_errors_and_refusals(dtn_env: None, platform: Platform) -> None:
     d = Daytona()
     with pytest.raises(DaytonaNotFoundError):

@@ -78,11 +78,12 @@ def build_app(api: Apiserver) -> FastAPI:
     # each, and the hot ones (exec, FnCall, a sandbox's get) were ~120 routes deep
     for module in MODULES:
         app.include_router(module.routes(api))
-    templates_api.mount(app, templates_api.TemplatesApi(
-        catalog, builder, contexts, lambda h: api.tokens.derive("template-files", h), e2b.delete_snapshot))
+    templates = templates_api.TemplatesApi(
+        catalog, builder, contexts, lambda h: api.tokens.derive("template-files", h), e2b.delete_snapshot)
+    templates_api.mount(app, templates)
     e2b_api.mount(app, e2b)
     envd.mount(app, envd.Envd(api.edge_for))
-    daytona.mount(app, api, source)  # outermost too: every answer under /daytona in Daytona's error envelope
+    daytona.mount(app, api, source, templates)  # outermost too: every answer under /daytona in Daytona's error envelope
     # outermost of all: a body is bounded, and a credential or a sandbox named once, before any
     # face or authentication reads the request
     app.add_middleware(RequestLimits, limits=body_limits(api.max_file_bytes, MAX_CONTEXT_BYTES))

@@ -36,11 +36,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from dsec.apiserver.core import Apiserver, read_body
+from dsec.daytona import build
 from dsec.daytona import models as m
+from dsec.daytona.build import NotServed
 from dsec.daytona.http import error_response, json_response, parse
 from dsec.daytona.toolbox import WORKDIR_LABEL, Toolbox
 from dsec.e2b.template import Template, resolve
-from dsec.e2b.templates_api import TemplateSource
+from dsec.e2b.templates_api import TemplatesApi, TemplateSource
 from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from dsec.iam import PROJECT_LABEL, current_principal, project_of_sandbox
 from dsec.iam.tokens import Principal
@@ -53,13 +55,9 @@ STOP_LABEL, DELETE_LABEL = "daytona.auto-stop", "daytona.auto-delete"
 DEFAULT_SNAPSHOT = "base/debian:12"
 DEFAULT_AUTO_STOP_MIN = 15  # Daytona's default: stopped after 15 idle minutes
 MAX_BODY = 1 << 20
+BUILD_TIMEOUT_S = 1800.0  # a create waits this long for its image's build (the SDK's own timeout may end sooner)
 TARGET = "dsec"
 Handler = Callable[..., Awaitable[Response]]
-
-
-class NotServed(DsecError):
-    status = 501
-    code = "not_implemented"
 
 
 def _iso(ts: float) -> str:
@@ -73,8 +71,9 @@ def _minutes(seconds: int | None) -> int:
 class DaytonaFace:
     """ASGI middleware: requests under ``/daytona/`` are served here, the rest pass on."""
 
-    def __init__(self, app: Any, api: Apiserver, templates: TemplateSource | None = None) -> None:
-        self.app, self.api, self.templates = app, api, templates
+    def __init__(self, app: Any, api: Apiserver, templates: TemplateSource | None = None,
+                 templates_api: TemplatesApi | None = None) -> None:
+        self.app, self.api, self.templates, self.templates_api = app, api, templates, templates_api
         self.toolbox = Toolbox(api)
         self.routes: list[tuple[str, re.Pattern[str], Handler]] = [
             (method, re.compile("^" + pattern + "$"), fn) for method, pattern, fn in (
@@ -178,12 +177,32 @@ class DaytonaFace:
             toolbox_proxy_url=self._base(request) + "/toolbox")
 
     async def _template(self, body: m.CreateSandbox) -> tuple[str, Template]:
+        """What a create runs: a snapshot (a template name, as E2B's), an image by name,
+        or an image with build steps, built (once) by the template builder."""
         if body.build_info is not None:
-            name = _image_of(body.build_info)
-            if not name.count("/") and self.api.layers.has(f"base/{name}" if ":" in name else f"base/{name}:latest"):
-                name = f"base/{name}"  # Docker's ``debian:12`` is dsec's base layer
-        else:
-            name = body.snapshot or DEFAULT_SNAPSHOT
+            if body.build_info.context_hashes:
+                raise NotServed("image: files copied into an image (a build context) are not served by dsec's "
+                                "Daytona face; build it through E2B's template API and give its name as the "
+                                "snapshot", field="image")
+            dockerfile = body.build_info.dockerfile_content or ""
+            spec = build.parse_dockerfile(dockerfile)
+            name = spec.fromImage or ""
+            if self.templates is None:
+                return name, await asyncio.to_thread(resolve, name, self.api.layers)
+            try:  # before any build: an image that is nowhere is a 404 at once, not a failed build
+                base = await self.templates.images.resolve(name)
+            except (InvalidRequest, ValueError) as e:
+                raise NotFound(f"image {name!r} not found: {getattr(e, 'message', e)}", field="image") from None
+            if spec.steps:
+                if self.templates_api is None:
+                    raise NotServed("image: this server builds no images", field="image")
+                name = await build.build(self.templates_api, dockerfile, body.cpu,
+                                         body.memory * 1024 if body.memory else None, BUILD_TIMEOUT_S)
+                found = await self.templates.lookup(name)
+                assert found is not None, "a template just built is found"
+                return name, found
+            return name, Template(base.image, base.layers)
+        name = body.snapshot or DEFAULT_SNAPSHOT
         if self.templates is not None:
             found = await self.templates.lookup(name)
             if found is not None:
@@ -346,18 +365,7 @@ class _MethodNotAllowed(DsecError):
     code = "method_not_allowed"
 
 
-def _image_of(build: m.BuildInfo) -> str:
-    """The ref a build's Dockerfile names, when it is ``FROM <ref>`` and nothing else: a
-    build with steps is refused (build a template through E2B's template API instead)."""
-    lines = [x.strip() for x in (build.dockerfile_content or "").splitlines()
-             if x.strip() and not x.strip().startswith("#")]
-    if build.context_hashes or len(lines) != 1 or not lines[0].upper().startswith("FROM "):
-        raise NotServed("image: dsec runs an image given by name only (Image.base / a 'FROM <ref>' Dockerfile); "
-                        "an image with build steps is built through E2B's template API, and its name given "
-                        "as the snapshot", field="image")
-    return lines[0].split()[1]
-
-
-def mount(app: Any, api: Apiserver, templates: TemplateSource | None = None) -> None:
+def mount(app: Any, api: Apiserver, templates: TemplateSource | None = None,
+          templates_api: TemplatesApi | None = None) -> None:
     """Serve Daytona's API from the apiserver under /daytona: outermost, ahead of its bearer auth."""
-    app.add_middleware(DaytonaFace, api=api, templates=templates)
+    app.add_middleware(DaytonaFace, api=api, templates=templates, templates_api=templates_api)
