@@ -131,23 +131,32 @@ def test_lifecycle_exec_files_sessions(dtn_env: None, platform: Platform) -> Non
         assert c.connect(sb.id).info.state.value == "stopped"  # deleted: dsec stopped it
 
 
-def test_rl_backend_calls_async(dtn_env: None) -> None:
+def test_rl_backend_calls_async(dtn_env: None, platform: Platform) -> None:
     """What verl's, rLLM's and verifiers' Daytona backends do: create from a snapshot with
     resources, upload files, exec with a timeout, download, delete (async SDK)."""
 
     async def main() -> None:
         async with AsyncDaytona() as d:
             sb = await d.create(CreateSandboxFromImageParams(image="debian:12", resources=Resources(cpu=1, memory=1),
-                                                             auto_delete_interval=0, auto_stop_interval=5))
+                                                             auto_delete_interval=0, auto_stop_interval=5,
+                                                             ttl_minutes=30))
             try:
                 assert sb.cpu == 1 and sb.memory == 1
+                async with dsec.AsyncClient(url=platform.url, token=TOKEN) as c:  # ttl_minutes: its lifetime
+                    info = (await c.connect(sb.id)).info
+                assert info.expires_at is not None and abs(info.expires_at - info.created_at - 1800) < 5
                 await sb.fs.upload_file(b"print(6 * 7)\n", "/tmp/solution.py")
                 r = await sb.process.exec("python3 /tmp/solution.py", timeout=30)
                 assert (r.exit_code, r.result) == (0, "42\n")
                 await sb.process.exec("echo 1 > /tmp/out.txt")
                 assert await sb.fs.download_file("/tmp/out.txt") == b"1\n"
+                await sb.stop()  # ephemeral (auto_delete_interval=0): stopping deletes it
+                assert sb.state == "destroyed"
+                with pytest.raises(DaytonaNotFoundError):
+                    await d.get(sb.id)
             finally:
-                await d.delete(sb)
+                if sb.state != "destroyed":
+                    await d.delete(sb)
     asyncio.run(main())
 
 

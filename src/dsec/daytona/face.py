@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -46,6 +47,7 @@ from dsec.e2b.templates_api import TemplatesApi, TemplateSource
 from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from dsec.iam import PROJECT_LABEL, current_principal, project_of_sandbox
 from dsec.iam.tokens import Principal
+from dsec.meta.db import unavailable
 from dsec.wire.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
 
 log = logging.getLogger("dsec.daytona")
@@ -54,6 +56,7 @@ NAME_LABEL, SNAPSHOT_LABEL = "daytona.name", "daytona.snapshot"
 STOP_LABEL, DELETE_LABEL = "daytona.auto-stop", "daytona.auto-delete"
 DEFAULT_SNAPSHOT = "base/debian:12"
 DEFAULT_AUTO_STOP_MIN = 15  # Daytona's default: stopped after 15 idle minutes
+DEFAULT_AUTO_ARCHIVE_MIN = 7 * 24 * 60  # Daytona's default: archived after 7 days stopped
 MAX_BODY = 1 << 20
 BUILD_TIMEOUT_S = 1800.0  # a create waits this long for its image's build (the SDK's own timeout may end sooner)
 TARGET = "dsec"
@@ -107,6 +110,11 @@ class DaytonaFace:
                     response = await self._route(request, rest, principal)
         except DsecError as e:
             response = error_response(e, path)
+        except SQLAlchemyError as e:  # the token store's database is away: a 503, as on dsec's own routes
+            away = unavailable(e)
+            if away is None:
+                raise
+            response = error_response(away, path)
         except Exception:
             log.exception("daytona %s %s", scope.get("method"), path)
             response = error_response(DsecError("internal error in dsec's Daytona face; see the apiserver log"), path)
@@ -221,6 +229,10 @@ class DaytonaFace:
         name, template = await self._template(body)
         stop_min = DEFAULT_AUTO_STOP_MIN if body.auto_stop_interval is None else body.auto_stop_interval
         delete_min = -1 if body.auto_delete_interval is None else body.auto_delete_interval
+        # dsec has no archive tier: a sandbox stopped this long is deleted, unless auto-delete
+        # comes first, so one nobody deletes does not hold its node for ever
+        archive_min = DEFAULT_AUTO_ARCHIVE_MIN if not body.auto_archive_interval else body.auto_archive_interval
+        gone_min = min(delete_min, archive_min) if delete_min > 0 else archive_min
         labels = {**body.labels, SNAPSHOT_LABEL: name, STOP_LABEL: str(stop_min), DELETE_LABEL: str(delete_min),
                   WORKDIR_LABEL: template.workdir or "/root"}
         if body.name:
@@ -238,7 +250,7 @@ class DaytonaFace:
                 image=template.image, layers=template.layers, env={**template.envs, **body.env}, labels=labels,
                 workdir=template.workdir or "/root", ttl_running_stop=idle if delete_min == 0 else None,
                 ttl_running_pause=idle if delete_min != 0 else None,
-                ttl_paused_stop=delete_min * 60 if delete_min > 0 else None,
+                ttl_paused_stop=gone_min * 60,
                 max_lifetime_s=body.ttl_minutes * 60 if body.ttl_minutes else 24 * 3600, **sizes)
         except ValidationError as e:
             err = e.errors()[0]
@@ -298,6 +310,8 @@ class DaytonaFace:
 
     async def stop(self, request: Request, sid: str) -> Response:
         info = await self._sandbox(sid)
+        if info.labels.get(DELETE_LABEL) == "0":  # ephemeral: Daytona deletes it when it stops
+            return await self.delete(request, sid)
         if info.state == SandboxState.running:
             info = await self.api.pause(info.sandbox_id)
         return json_response(self._dto(request, info))
