@@ -131,9 +131,12 @@ def _median_ms(xs: list[float]) -> float:
 
 def sdk_round_trips(url: str, token: str, rounds: int, execs: int = 20) -> list[tuple[str, float, float, float]]:
     """(SDK, create-to-first-command ms, exec round trip ms, delete ms), medians, through each
-    SDK unmodified against the same server: what an RL backend pays per episode and per step."""
+    SDK unmodified against the same server and the same stack (E2B's ``base``): what an RL
+    backend pays per episode and per step."""
     from daytona import CreateSandboxFromSnapshotParams, Daytona, DaytonaConfig
     from e2b import Sandbox as E2BSandbox
+
+    from dsec.e2b.template import BASE_IMAGE, USER_LAYER
 
     def run(create, exec_, delete) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
         firsts, steps, deletes = [], [], []
@@ -160,7 +163,7 @@ def sdk_round_trips(url: str, token: str, rounds: int, execs: int = 20) -> list[
         lambda sb: sb.commands.run("true"), lambda sb: sb.kill())))
     with dsec.Client(url=url, token=token) as c:
         out.append(("dsec SDK", *run(
-            lambda: c.run_container(dsec.ContainerArgs(image="base/debian:12")),
+            lambda: c.run_container(dsec.ContainerArgs(image=BASE_IMAGE, layers=[USER_LAYER])),  # "base"
             lambda sb: sb.exec("true"), lambda sb: sb.stop())))
     return out
 
