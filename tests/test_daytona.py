@@ -17,6 +17,7 @@ from daytona import (
     CreateSandboxFromSnapshotParams,
     Daytona,
     DaytonaConfig,
+    DaytonaConflictError,
     DaytonaError,
     DaytonaNotFoundError,
     DaytonaTimeoutError,
@@ -212,6 +213,16 @@ def test_errors_and_refusals(dtn_env: None, platform: Platform) -> None:
     with pytest.raises(DaytonaError, match="image"):
 
         d.create(CreateSandboxFromImageParams(image=Image.debian_slim("3.12").pip_install("numpy")), timeout=30)
+    # a name: found by get, and a second sandbox of that name is a conflict
+    named = d.create(CreateSandboxFromSnapshotParams(name="dtn-named"))
+    try:
+        assert named.name == "dtn-named" and d.get("dtn-named").id == named.id
+        with pytest.raises(DaytonaConflictError):
+            d.create(CreateSandboxFromSnapshotParams(name="dtn-named"))
+        with pytest.raises(DaytonaError, match="labels"):  # labels are set at create only
+            named.set_labels({"a": "b"})
+    finally:
+        d.delete(named)
     bad = Daytona(DaytonaConfig(api_key="not-a-token", api_url=f"{platform.url}/daytona", target="dsec"))
     with pytest.raises(DaytonaAuthenticationError):
         list(bad.list())
