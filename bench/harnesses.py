@@ -5,7 +5,9 @@
   upload, exec: what a harness without template builds does per environment);
 - SandboxFusion's ``/run_code`` against dsec's own FnCall API (bench/sandboxfusion.py);
 - a Harbor trial (``harbor run --env e2b --agent oracle``), its wall time split into
-  template build, sandbox create, agent and verifier, cold (build) and warm (tag found).
+  template build, sandbox create, agent and verifier, cold (build) and warm (tag found);
+- the SDKs side by side on one server: Daytona's and E2B's (dsec's faces) and dsec's own,
+  create to first command, an exec round trip, and delete (``--only-sdks`` runs just these).
 
     .venv/bin/python bench/harnesses.py --write docs/benchmarks.md
 """
@@ -123,17 +125,77 @@ def _build_times(url: str, token: str) -> list[float]:
     return times
 
 
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1000
+
+
+def sdk_round_trips(url: str, token: str, rounds: int, execs: int = 20) -> list[tuple[str, float, float, float]]:
+    """(SDK, create-to-first-command ms, exec round trip ms, delete ms), medians, through each
+    SDK unmodified against the same server and the same stack (E2B's ``base``): what an RL
+    backend pays per episode and per step."""
+    from daytona import CreateSandboxFromSnapshotParams, Daytona, DaytonaConfig
+    from e2b import Sandbox as E2BSandbox
+
+    from dsec.e2b.template import BASE_IMAGE, USER_LAYER
+
+    def run(create, exec_, delete) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+        firsts, steps, deletes = [], [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            sb = create()
+            exec_(sb)
+            firsts.append(time.perf_counter() - t0)
+            for _ in range(execs):
+                t1 = time.perf_counter()
+                exec_(sb)
+                steps.append(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            delete(sb)
+            deletes.append(time.perf_counter() - t2)
+        return _median_ms(firsts), _median_ms(steps), _median_ms(deletes)
+
+    dtn = Daytona(DaytonaConfig(api_key=token, api_url=f"{url}/daytona", target="dsec"))
+    out = [("daytona (dsec's Daytona face)", *run(
+        lambda: dtn.create(CreateSandboxFromSnapshotParams(snapshot="base")),
+        lambda sb: sb.process.exec("true"), lambda sb: dtn.delete(sb)))]
+    out.append(("e2b (dsec's E2B face)", *run(
+        lambda: E2BSandbox.create("base", api_key=token),
+        lambda sb: sb.commands.run("true"), lambda sb: sb.kill())))
+    with dsec.Client(url=url, token=token) as c:
+        out.append(("dsec SDK", *run(
+            lambda: c.run_container(dsec.ContainerArgs(image=BASE_IMAGE, layers=[USER_LAYER])),  # "base"
+            lambda sb: sb.exec("true"), lambda sb: sb.stop())))
+    return out
+
+
+def sdk_lines(url: str, token: str, rounds: int) -> list[str]:
+    rows = sdk_round_trips(url, token, rounds)
+    base = rows[-1]
+    lines = ["### SDKs on one server: create to first command, exec round trip (`true`), delete", "",
+             "| SDK | create+first exec ms | vs dsec | exec ms | vs dsec | delete ms |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, first, step, delete in rows:
+        lines.append(f"| {name} | {first:.1f} | {first / base[1]:.2f}x | {step:.2f} | {step / base[2]:.2f}x "
+                     f"| {delete:.1f} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
     ap.add_argument("--skip-harbor", action="store_true")
+    ap.add_argument("--only-sdks", action="store_true", help="only the SDKs' create and exec comparison")
     ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
     a = ap.parse_args()
     proc, url, token, _ = private_server(a.data_dir)
     os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": token})
     lines = [f"Machine: {os.cpu_count()} cores. Medians of {a.rounds} rounds.", ""]
     try:
+        lines += sdk_lines(url, token, a.rounds) + [""]
+        print("\n".join(lines), flush=True)
+        if a.only_sdks:
+            return
         lines += ["### E2B template builds", "", "| what | median s | vs baseline |", "|---|---:|---:|"]
         for what, s, ratio in template_builds(a.rounds):
             lines.append(f"| {what} | {s:.2f} | {ratio:.2f}x |")

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
 
-from dsec import sandboxfusion, swerex
+from dsec import daytona, sandboxfusion, swerex
 from dsec.apiserver.auth import BearerAuth
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.apiserver.limits import RequestLimits, body_limits
@@ -83,9 +83,6 @@ def build_app(api: Apiserver) -> FastAPI:
                        traffic_token=lambda sid: api.tokens.derive("traffic", sid))
     swerex.mount(app, api)  # outermost too: SWE-ReX's X-API-Key may be one sandbox's own token
     sandboxfusion.mount(app, api)  # outermost too: its token rides in the URL, cut out before logging
-    # outermost of all: a body is bounded, and a credential or a sandbox named once, before any
-    # face or authentication reads the request
-    app.add_middleware(RequestLimits, limits=body_limits(api.max_file_bytes, MAX_CONTEXT_BYTES))
     catalog = TemplateCatalog(api.tokens.db)
     images = Images.from_env(api.layers)
     contexts = Contexts(api.layers.root)
@@ -98,9 +95,14 @@ def build_app(api: Apiserver) -> FastAPI:
     # each, and the hot ones (exec, FnCall, a sandbox's get) were ~120 routes deep
     for module in MODULES:
         app.include_router(module.routes(api))
-    templates_api.mount(app, templates_api.TemplatesApi(
-        catalog, builder, contexts, lambda h: api.tokens.derive("template-files", h), e2b.delete_snapshot))
+    templates = templates_api.TemplatesApi(
+        catalog, builder, contexts, lambda h: api.tokens.derive("template-files", h), e2b.delete_snapshot)
+    templates_api.mount(app, templates)
     e2b_api.mount(app, e2b)
     envd.mount(app, envd.Envd(api.edge_for))
+    daytona.mount(app, api, source, templates)  # outermost too: every answer under /daytona in Daytona's error envelope
+    # outermost of all: a body is bounded, and a credential or a sandbox named once, before any
+    # face or authentication reads the request
+    app.add_middleware(RequestLimits, limits=body_limits(api.max_file_bytes, MAX_CONTEXT_BYTES))
     app.include_router(console_web.routes(api.tokens, api.sessions))
     return app

@@ -52,6 +52,8 @@ def body_limits(max_file_bytes: int, max_context_bytes: int) -> list[tuple[re.Pa
         (r"^/(process\.Process|filesystem\.Filesystem)/", MAX_EXEC_BODY),  # envd's RPCs
         (r"^/e2b/template-files/", max_context_bytes),  # a build context
         (r"^/swerex/", files),
+        (r"^/daytona/toolbox/[^/]+/files/bulk-upload$", files),
+        (r"^/daytona/(toolbox|preview)/", MAX_EXEC_BODY),
         (r"^/sandboxfusion/", MAX_EXEC_BODY),
         (r"^/ui/session$", CONSOLE_LOGIN_BODY),
     )]
