@@ -216,3 +216,42 @@ async def test_a_restarted_edge_walls_off_from_its_file_while_the_database_is_do
         await nm.detach("wall2-sandbox")
         await nm.close(keep=False)
         sb.stop()
+
+
+def test_the_cluster_addresses_published_and_read(tmp_path: str) -> None:
+    """What the controller publishes (every part of the cluster, and --protect), and how an
+    edge reads it: names resolved on the node, a name that stops resolving keeping the
+    addresses it had (here one that never resolves: .invalid, RFC 6761)."""
+    from dsec.cluster.actors import cluster_entries
+    from dsec.cluster.config import ClusterConfig
+    from dsec.edge.network.wall import ClusterWall
+
+    cfg = ClusterConfig(db="postgresql://dsec:pw@db.example:5432/dsec", secret="s" * 16, admin_token="t" * 16,
+                        protect=["10.5.0.0/16", "Meta.Internal."])
+    got = cluster_entries(cfg, [{"NodeManagerAddress": "10.0.0.7"}, {"NodeManagerAddress": "10.0.0.8"}],
+                          ["http://10.0.0.8:7801"], ["http://[fd00::9]:7777"], "10.0.0.10")
+    assert got == ["10.0.0.10/32", "10.0.0.7/32", "10.0.0.8/32", "10.5.0.0/16", "db.example", "fd00::9/128",
+                   "meta.internal"]
+    registry = Registry(open_db(sqlite_url(str(tmp_path))))
+    registry.put_setting(SETTING, json.dumps(["localhost", "gone.invalid", "10.1.0.0/16", "not a name!"]))
+    path = os.path.join(str(tmp_path), "cluster_addresses.json")
+    with open(path, "w") as f:  # what an earlier read found, when gone.invalid still resolved
+        json.dump({"entries": ["gone.invalid"], "resolved": {"gone.invalid": ["10.9.9.9"]}}, f)
+    w = ClusterWall(path, registry, "e1")
+    assert [str(n) for n in w.nets] == ["10.9.9.9/32"]  # in force from the file, before any read
+    assert w.refresh()
+    nets = {str(n) for n in w.nets}
+    assert {"127.0.0.1/32", "10.9.9.9/32", "10.1.0.0/16"} <= nets, nets
+    own = json.loads(registry.setting(edge_key("e1")) or "[]")
+    assert "127.0.0.1" in own and not any(a.startswith("10.211.") for a in own)
+    assert {str(n) for n in w.nets} >= {f"{a}/32" for a in own if ":" not in a}  # its own, read back
+    assert not w.refresh()  # nothing new
+    with open(path) as f:
+        assert json.load(f)["resolved"]["gone.invalid"] == ["10.9.9.9"]
+
+
+def test_cluster_up_protect_names_a_bad_entry(tmp_path: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "cluster", "up", "--store", str(tmp_path),
+                          "--protect", "10.0.0.0/8", "--protect", "not a host!"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "--protect" in out.stderr and "not a host!" in out.stderr, out.stderr

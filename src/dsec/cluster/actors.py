@@ -188,17 +188,14 @@ class PostgresActor:
         return self.daemon.stop()
 
 
-def cluster_entries(cfg: ClusterConfig, nodes: list[dict[str, Any]], registry: Registry) -> list[str]:
+def cluster_entries(cfg: ClusterConfig, nodes: list[dict[str, Any]], edge_urls: list[str],
+                    replica_urls: list[str], store_master: str | None) -> list[str]:
     """What sandboxes must never reach, as addresses, networks and names: every Ray node
     (alive or not: a node that comes back is infrastructure again at once), the edges' and
     replicas' hosts, the database's, the MooseFS master of the store, and ``--protect``."""
     found = {str(n.get("NodeManagerAddress") or "") for n in nodes}
-    found |= {wall.url_host(r.url) or "" for r in registry.edges()}
-    found |= {wall.url_host(u) or "" for u in registry.settings_like("apiserver:").values()}
-    found.add(wall.url_host(cfg.db) or "")
-    if cfg.store:
-        found.add(wall.moosefs_master(cfg.store) or "")
-    found |= set(cfg.protect)
+    found |= {wall.url_host(u) or "" for u in [*edge_urls, *replica_urls, cfg.db]}
+    found |= {store_master or "", *cfg.protect}
     out = set()
     for item in filter(None, found):
         try:
@@ -245,6 +242,7 @@ class Controller:
         self._restoring: dict[str, asyncio.Task[Any]] = {}  # sandbox -> its restore, under way
         self._registered: dict[str, tuple[str, float]] = {}  # edge -> (registration, when) stale copies swept
         self._published: str | None = None  # the cluster's addresses as last written
+        self._store_master: tuple[float, str | None] = (0.0, None)  # (when read, the MooseFS master's host)
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self._thread.start()
 
@@ -344,8 +342,12 @@ class Controller:
         finally:
             await self._view.close()
 
-    def _publish_addresses(self, nodes: list[dict[str, Any]]) -> None:
-        value = json.dumps(cluster_entries(self.cfg, nodes, self.registry))
+    def _publish_addresses(self, nodes: list[dict[str, Any]], edge_urls: list[str]) -> None:
+        if self.cfg.store and time.monotonic() - self._store_master[0] > STALE_SWEEP_S:
+            # (mountinfo grows with every sandbox's mounts: read once a minute, not every round)
+            self._store_master = (time.monotonic(), wall.moosefs_master(self.cfg.store))
+        replicas = list(self.registry.settings_like("apiserver:").values())
+        value = json.dumps(cluster_entries(self.cfg, nodes, edge_urls, replicas, self._store_master[1]))
         if value != self._published:  # written when it changes, not every round
             self.registry.put_setting(wall.SETTING, value)
             self._published = value
@@ -353,11 +355,11 @@ class Controller:
 
     def _reconcile(self) -> None:
         nodes = ray.nodes()
-        self._publish_addresses(nodes)
         alive = {n["NodeID"]: n for n in nodes if n["Alive"] and n["Resources"].get(self.cfg.resource, 0) >= 1}
         dead = {n["NodeID"] for n in nodes if not n["Alive"]}
         known = {n["NodeID"] for n in nodes}
         rows = {r.name: r for r in self.registry.edges()}
+        self._publish_addresses(nodes, [r.url for r in rows.values()])
         # nodes gone: their edges are lost, their sandboxes failed
         for node_id in [n for n in self.edges if n not in alive]:
             name, actor = self.edges.pop(node_id)

@@ -72,7 +72,8 @@ def url_host(url: str) -> str | None:
 
 def moosefs_master(path: str) -> str | None:
     """The MooseFS master's host that ``path`` is mounted from, if it is on MooseFS
-    (mfsmount's source is ``mfs#HOST:PORT`` or ``HOST:PORT``, file system type fuse.mfs)."""
+    (mfsmount's source is ``mfs#HOST:PORT``, ``#`` escaped as ``\\043`` in mountinfo, and its
+    file system type ``fuse`` or ``fuse.mfs``)."""
     best: tuple[int, str] | None = None
     real = os.path.realpath(path)
     with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
@@ -82,7 +83,8 @@ def moosefs_master(path: str) -> str | None:
                 continue
             mount = fields[4]
             fstype, source = line.split(" - ", 1)[1].split()[:2]
-            if "mfs" not in fstype:
+            source = source.replace("\\043", "#")
+            if "mfs" not in fstype and not source.startswith("mfs#"):
                 continue
             if (real == mount or real.startswith(mount.rstrip("/") + "/")) and (best is None or len(mount) > best[0]):
                 best = (len(mount), source)
