@@ -359,7 +359,10 @@ class Controller:
         dead = {n["NodeID"] for n in nodes if not n["Alive"]}
         known = {n["NodeID"] for n in nodes}
         rows = {r.name: r for r in self.registry.edges()}
-        self._publish_addresses(nodes, [r.url for r in rows.values()])
+        try:
+            self._publish_addresses(nodes, [r.url for r in rows.values()])
+        except Exception as e:  # the edges keep the last list; starting edges must not wait on this
+            log.warning("cluster addresses not published: %s", e)
         # nodes gone: their edges are lost, their sandboxes failed
         for node_id in [n for n in self.edges if n not in alive]:
             name, actor = self.edges.pop(node_id)
