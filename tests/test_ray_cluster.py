@@ -426,3 +426,127 @@ async def test_nodes_and_a_cordon_by_hand_through_the_replicas(rc: RayDsec) -> N
         assert node.health == "ok"
         kinds = [(e.kind, e.reason) for e in await a.nodes.events(target)]
         assert ("cordoned", "ray test: by hand") in kinds and kinds[-1][0] == "uncordoned"
+
+
+# every (address, port) given on the command line tried at once from inside a sandbox, each
+# bounded: prints those that connected, then how many were tried
+PROBE = r"""
+import asyncio, sys
+async def one(host, port, hit):
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(host, port), 1.5)
+        hit.append(f"{host}:{port}"); w.close()
+    except (OSError, asyncio.TimeoutError):
+        pass
+async def main():
+    hit, sem = [], asyncio.Semaphore(256)
+    async def bounded(h, p):
+        async with sem:
+            await one(h, p, hit)
+    targets = [(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in sys.argv[1:]]
+    await asyncio.gather(*(bounded(h, p) for h, p in targets))
+    print("connected:", " ".join(sorted(hit)))
+    print("tried:", len(targets))
+asyncio.run(main())
+"""
+
+
+def _listening_ports() -> set[int]:
+    """Every TCP port this machine listens on (its own network namespace), IPv4 and IPv6."""
+    ports = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A":  # LISTEN
+                    ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _own_ipv4() -> list[str]:
+    """This machine's IPv4 addresses but loopback (inside a sandbox, 127.0.0.1 is its own) and
+    the sandboxes' link ends."""
+    import ipaddress
+    import subprocess
+
+    from dsec.edge.network.rules import POOL
+
+    out = json.loads(subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=True).stdout)
+    addrs = {a["local"] for link in out for a in link.get("addr_info", [])}
+    return sorted(a for a in addrs if not a.startswith("127.") and ipaddress.IPv4Address(a) not in POOL)
+
+
+async def test_sandboxes_reach_none_of_the_clusters_own_services(rc: RayDsec) -> None:
+    """Red team from inside containers on every node: each TCP port this machine listens on
+    (Ray's GCS, raylets, object managers and workers, PostgreSQL, the MooseFS master and
+    chunkserver, the edges, the replicas; read from /proc/net/tcp*), at each of its
+    addresses, is out of reach; a raw rule naming a Ray node's address is a 400 naming
+    it; the cluster's addresses are published and in every edge's nft set; a microVM has
+    no network device at all."""
+    import hashlib
+    from urllib.parse import urlsplit
+
+    from dsec.edge.network import wall
+    from dsec.edge.network.nft import LibNft
+    from dsec.meta import open_db
+    from dsec.meta.registry import Registry
+
+    assert rc.local.up is not None
+    registry = Registry(open_db(rc.local.up.db, migrate=False))
+    nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    db_host = wall.url_host(rc.local.up.db)
+    assert db_host and wall.moosefs_master(rc.local.store) == rc.local.fs.client_host
+
+    async def published() -> Any:
+        found = json.loads(await asyncio.to_thread(registry.setting, wall.SETTING) or "[]")
+        need = {wall.entry(x) for x in (*nodes, db_host, rc.local.fs.client_host)}
+        return need <= set(found) and found
+    entries = await _until(published, "the controller publishes the cluster's addresses", state=lambda: _brief(rc))
+    edges_published = await asyncio.to_thread(registry.settings_like, wall.SETTING + ":edge:")
+    assert {k.rsplit(":", 1)[1] for k in edges_published} >= set(NAMES), edges_published
+    own = _own_ipv4()
+    assert own, "no address of this machine to try"
+    for name in NAMES:  # each edge's table holds them (the node's own addresses too)
+        root = os.path.join(os.path.abspath(os.path.join(rc.local.root, name)), "edges", name)
+        table = "dsec_" + hashlib.sha1(root.encode()).hexdigest()[:8]
+
+        async def in_set(table: str = table) -> bool:
+            text = await asyncio.to_thread(LibNft().run, f"list set inet {table} cluster")
+            return all(a in text for a in own)
+        await _until(in_set, f"edge {name}'s nft set holds this node's addresses")
+    assert entries
+
+    ports = _listening_ports()
+    urls = [*rc.urls, *(e["url"] for e in ops.status(rc.address)["edges"])]
+    must = {urlsplit(u).port for u in urls} | {int(urlsplit(rc.local.up.db.replace("postgresql", "http")).port or 0)}
+    assert must <= ports, (must - ports, "the services' ports are read from /proc/net/tcp")
+    targets = [f"{a}:{p}" for a in own for p in sorted(ports)]
+    async with rc.client() as c:
+        sbs = await asyncio.gather(*(c.run_container(dsec.ContainerArgs(network_rules={}, job="red-team"))
+                                     for _ in range(3)))
+        try:
+            for sb in sbs:
+                r = await sb.exec(["python3", "-c", PROBE, *targets], timeout=120)
+                assert r.exit_code == 0, r.stderr
+                assert f"tried: {len(targets)}" in r.stdout and "connected: \n" in r.stdout + "\n", (
+                    _edge(sb.sandbox_id), r.stdout[-2000:])
+            # a raw rule naming a Ray node's address is refused, naming it, on create and on change
+            node = sorted(nodes)[0]
+            with pytest.raises(dsec.InvalidRequest) as e:
+                await c.run_container(dsec.ContainerArgs(network_rules={f"{node}:6379/tcp": True}))
+            assert e.value.field == "network_rules" and node in e.value.message and "cluster" in e.value.message
+            with pytest.raises(dsec.InvalidRequest) as e:
+                await sbs[0].set_network_rules({f"{node}:{min(ports)}/tcp": True})
+            assert node in e.value.message and "cluster" in e.value.message
+        finally:
+            await asyncio.gather(*(sb.stop() for sb in sbs))
+        if not os.path.isdir(os.path.join(SRC_DATA, "vm", "guest")):
+            pytest.fail("no VM guest prepared (scripts/setup.sh): the microVM half of this test cannot run")
+        vm = await c.run_microvm(dsec.MicroVMArgs(memory_mb=256, job="red-team"))
+        try:  # no NIC at all (qemu -nodefaults, none added): nothing to reach anything with
+            r = await vm.run_shell("ls /sys/class/net; ip route 2>/dev/null || cat /proc/net/route")
+            assert r.stdout.split()[0] == "lo" and "eth" not in r.stdout and "default" not in r.stdout, r.stdout
+            r = await vm.exec(["python3", "-c", PROBE, *targets[:50]], timeout=60)
+            assert "connected: \n" in r.stdout + "\n", r.stdout
+        finally:
+            await vm.stop()

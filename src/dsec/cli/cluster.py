@@ -36,6 +36,10 @@ def up(ray_address: RayOpt = "auto",
        api_port: Annotated[int, typer.Option(help="replica i listens on API_PORT + i (0: free ports)")] = 7777,
        edge_arg: Annotated[list[str] | None, typer.Option(
            help="one more `dsec edge serve` option for every edge, e.g. --edge-arg=--cpu-overcommit=4")] = None,
+       protect: Annotated[list[str] | None, typer.Option(
+           help="an address, network (CIDR) or host name no sandbox may reach (repeatable), besides the "
+                "cluster's nodes, database, edges, replicas and MooseFS master, which are walled off anyway: "
+                "chunkservers, a metadata service, anything else of the infrastructure")] = None,
        token_file: Annotated[str | None, typer.Option(help="where to write the admin token (0600)")] = None) -> None:
     """Start dsec on a Ray cluster: an edge on every node with the dsec_edge resource, the
     apiserver replicas, the controller; prints the apiserver URLs."""
@@ -48,6 +52,14 @@ def up(ray_address: RayOpt = "auto",
     if store is None and not os.environ.get("DSEC_STORE"):
         err.print("[red]error[/red]: a cluster needs --store: a shared filesystem path mounted on every node")
         raise typer.Exit(2)
+    from dsec.edge.network.wall import entry
+
+    for item in protect or []:
+        try:
+            entry(item)
+        except ValueError as e:
+            err.print(f"[red]error[/red]: --protect: {e}")
+            raise typer.Exit(2) from None
     try:  # here first, at once: each edge would refuse it too, but only past `up`'s wait
         open_backend(store or os.environ["DSEC_STORE"], "sharedfs")
     except ValueError as e:
@@ -57,7 +69,7 @@ def up(ray_address: RayOpt = "auto",
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
                      apiserver_resource=apiserver_resource,
                      data_root=data_root, listen_host=listen_host, edge_port=edge_port, api_port=api_port,
-                     edge_args=edge_arg or [], db_allow=db_allow or [],
+                     edge_args=edge_arg or [], db_allow=db_allow or [], protect=protect or [],
                      say=lambda line: err.print(f"[dim]{line}[/dim]"))
     except (TimeoutError, RuntimeError, ValueError, ConnectionError, SQLAlchemyError) as e:
         err.print(f"[red]error[/red]: {str(e).splitlines()[0]}")

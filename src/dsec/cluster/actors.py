@@ -5,7 +5,8 @@
   that join later too) and the ``ApiserverActor`` replicas; runs the watcher that polls
   every edge and writes the fleet view to the registry; marks an edge lost when Ray says
   its node is dead, and cleans up what a returning node still holds. It keeps nothing it
-  cannot rebuild from Ray and the registry.
+  cannot rebuild from Ray and the registry. It also publishes the cluster's own addresses
+  (``cluster_addresses``: dsec.edge.network.wall), which every edge walls its sandboxes off from.
 - ``EdgeActor`` (one per node, pinned to it, restarted by Ray): owns the node's ``dsec
   edge serve`` process (dsec.cluster.daemon says why an owned process and not the actor
   itself: the edge is a root daemon with its own event loop, signal handling and host
@@ -41,6 +42,7 @@ from dsec.cluster import postgres
 from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE, ClusterConfig
 from dsec.cluster.daemon import Daemon, dsec_argv, free_port, http_ok, start_retrying
 from dsec.cluster.view import ClusterEdges
+from dsec.edge.network import wall
 from dsec.errors import DsecError
 from dsec.health.events import FleetEvents
 from dsec.meta import open_db
@@ -187,6 +189,23 @@ class PostgresActor:
         return self.daemon.stop()
 
 
+def cluster_entries(cfg: ClusterConfig, nodes: list[dict[str, Any]], edge_urls: list[str],
+                    replica_urls: list[str], store_master: str | None) -> list[str]:
+    """What sandboxes must never reach, as addresses, networks and names: every Ray node
+    (alive or not: a node that comes back is infrastructure again at once), the edges' and
+    replicas' hosts, the database's, the MooseFS master of the store, and ``--protect``."""
+    found = {str(n.get("NodeManagerAddress") or "") for n in nodes}
+    found |= {wall.url_host(u) or "" for u in [*edge_urls, *replica_urls, cfg.db]}
+    found |= {store_master or "", *cfg.protect}
+    out = set()
+    for item in filter(None, found):
+        try:
+            out.add(wall.entry(item))
+        except ValueError:
+            log.warning("cluster address %r is not an address or a name: not walled off", item)
+    return sorted(out)
+
+
 def edge_name(node: dict[str, Any], taken: set[str], known: dict[str, str] | None = None) -> str:
     """The node's ``dsec-edge-name`` label, else its host name's first label, as an edge
     name (EDGE_NAME_RE: a sandbox id is EDGE-xxxxxxxxxxxx, so lower-case letters and digits
@@ -239,6 +258,8 @@ class Controller:
         self._mover: Mover | None = None
         self._restoring: dict[str, asyncio.Task[Any]] = {}  # sandbox -> its restore, under way
         self._registered: dict[str, tuple[str, float]] = {}  # edge -> (registration, when) stale copies swept
+        self._published: str | None = None  # the cluster's addresses as last written
+        self._store_master: tuple[float, str | None] = (0.0, None)  # (when read, the MooseFS master's host)
         self._thread = threading.Thread(target=self._run, name="controller", daemon=True)
         self._thread.start()
 
@@ -338,12 +359,27 @@ class Controller:
         finally:
             await self._view.close()
 
+    def _publish_addresses(self, nodes: list[dict[str, Any]], edge_urls: list[str]) -> None:
+        if self.cfg.store and time.monotonic() - self._store_master[0] > STALE_SWEEP_S:
+            # (mountinfo grows with every sandbox's mounts: read once a minute, not every round)
+            self._store_master = (time.monotonic(), wall.moosefs_master(self.cfg.store))
+        replicas = list(self.registry.settings_like("apiserver:").values())
+        value = json.dumps(cluster_entries(self.cfg, nodes, edge_urls, replicas, self._store_master[1]))
+        if value != self._published:  # written when it changes, not every round
+            self.registry.put_setting(wall.SETTING, value)
+            self._published = value
+            self._event("cluster_addresses", entries=json.loads(value))
+
     def _reconcile(self) -> None:
         nodes = ray.nodes()
         alive = {n["NodeID"]: n for n in nodes if n["Alive"] and n["Resources"].get(self.cfg.resource, 0) >= 1}
         dead = {n["NodeID"] for n in nodes if not n["Alive"]}
         known = {n["NodeID"] for n in nodes}
         rows = {r.name: r for r in self.registry.edges()}
+        try:
+            self._publish_addresses(nodes, [r.url for r in rows.values()])
+        except Exception as e:  # the edges keep the last list; starting edges must not wait on this
+            log.warning("cluster addresses not published: %s", e)
         # nodes gone: their edges are lost, their sandboxes failed
         for node_id in [n for n in self.edges if n not in alive]:
             name, actor = self.edges.pop(node_id)

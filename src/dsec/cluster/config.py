@@ -31,5 +31,8 @@ class ClusterConfig(BaseModel):
     tracing_env: dict[str, str] = Field(
         default_factory=dict, description="OTEL_* variables (docs/tracing.md) every edge daemon and replica gets "
                                           "where its node's environment does not set them; `cluster up` passes its own")
+    protect: list[str] = Field(
+        default_factory=list, description="more addresses, networks (CIDR) or host names no sandbox may reach, "
+                                          "besides the cluster's own nodes, database and storage (which are found)")
     resource: str = EDGE_RESOURCE
     log_level: str = "info"

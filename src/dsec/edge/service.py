@@ -70,6 +70,7 @@ from dsec.faults import failpoint
 from dsec.host import linux
 from dsec.layers.store import LayerStore, layer_kind
 from dsec.meta import open_db, sqlite_url
+from dsec.meta.registry import Registry
 from dsec.wire.models import (
     Backend,
     ContainerArgs,
@@ -103,6 +104,8 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         super().__init__(cfg, layers)
         self._resolved = _RESOLVED.setdefault(layers, {})  # ref -> (when, its blobs)
         self._init_checkpoints(CheckpointStore(meta or open_db(sqlite_url(cfg.data_dir)), layers))
+        if meta is not None:  # a cluster's edge: its sandboxes walled off from the cluster's services
+            self.network.use_cluster(Registry(meta), cfg.name)
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:

@@ -24,6 +24,7 @@ from dsec.edge.network.dns import Resolver
 from dsec.edge.network.gate import Gate
 from dsec.edge.network.nft import NftTable
 from dsec.edge.network.rules import POOL, RawRule, check_disjoint, forbidden_destination, parse
+from dsec.edge.network.wall import ClusterWall, Net
 from dsec.errors import InvalidRequest
 from dsec.wire.models import NetworkInfo
 
@@ -61,12 +62,21 @@ class NetworkManager:
         self.resolver = Resolver(self._allowed, self._denied)
         self.gate = Gate(self._allowed, self._denied, self._forbidden)
         self._host_addrs: list[ipaddress.IPv4Network] = []
+        # the cluster's own services (dsec.edge.network.wall): empty unless use_cluster is called
+        self.wall = ClusterWall(os.path.join(edge_root, "cluster_addresses.json"))
+        self._wall_task: asyncio.Task[None] | None = None
+        self._walled: list[Net] = []  # what the table's cluster sets hold now
         self._lock_fd: int | None = None
         self._poll: asyncio.Task[None] | None = None
         self._seen: dict[tuple[str, str, str, int], int] = {}
         self.started = False
 
     # ---- edge lifecycle ----------------------------------------------------
+    def use_cluster(self, registry: object, edge_name: str) -> None:
+        """In a cluster (``registry``: its metadata database's): wall sandboxes off from
+        the cluster's own services, re-read every POLL_S, and publish this node's addresses."""
+        self.wall.registry, self.wall.name = registry, edge_name
+
     async def start(self) -> None:
         """Catalog, subnet, resolver, gate and the nft table. Cheap enough to do at every
         edge start; a node without nftables still runs sandboxes without network."""
@@ -80,14 +90,20 @@ class NetworkManager:
         for stale in await asyncio.to_thread(self.table.remove_stale):
             log.warning("removed nft table %s: a dead edge's, for this edge's subnet %s", stale, self.subnet)
         await self.table.install()
+        if self.wall.nets:  # the last list read, before any sandbox is wired: the database may be down
+            await self.table.apply(self.table.set_cluster(self.wall.nets))
+            self._walled = list(self.wall.nets)
         wiring.enable_forwarding()
         self._poll = asyncio.create_task(self._poll_denied())
+        if self.wall.registry is not None:
+            self._wall_task = asyncio.create_task(self._poll_wall())
         self.started = True
 
     async def close(self, keep: bool) -> None:
         """``keep``: sandboxes stay running (an edge restart): their links and the table stay."""
-        if self._poll:
-            self._poll.cancel()
+        for task in (self._poll, self._wall_task):
+            if task:
+                task.cancel()
         self.resolver.close()
         self.gate.close()
         if not keep and self.table is not None:
@@ -135,13 +151,15 @@ class NetworkManager:
         addrs = await asyncio.to_thread(_host_addresses)
         self._host_addrs = sorted(ipaddress.IPv4Network(a) for a in addrs if ":" not in a)
 
-    def _split(self, rules: dict[str, bool]) -> tuple[list[str], list[RawRule]]:
+    def _split(self, rules: dict[str, bool], walled: bool = True) -> tuple[list[str], list[RawRule]]:
+        """``walled``: rules reaching the cluster's own services are refused (False for
+        rules a sandbox already had: the kernel drops that traffic whatever they say)."""
         services, raw = [], []
         for key, on in rules.items():
             if not on:
                 continue
             if ":" in key:
-                raw.append(parse(key, [self.subnet, *self._host_addrs]))
+                raw.append(parse(key, [self.subnet, *self._host_addrs], self.wall.nets if walled else ()))
             elif key in self.catalog:
                 services.append(key)
             else:
@@ -183,9 +201,9 @@ class NetworkManager:
         await self._apply(link, {k: v for k, v in merged.items() if v}, new_link=False)
         return self._info(link)
 
-    async def _apply(self, link: Link, rules: dict[str, bool], new_link: bool) -> None:
+    async def _apply(self, link: Link, rules: dict[str, bool], new_link: bool, walled: bool = True) -> None:
         assert self.table is not None
-        services, raw = self._split(rules)
+        services, raw = self._split(rules, walled)
         await self.table.apply(self.table.set_sandbox(link.ifname, link.ip, link.raw, raw, new_link))
         link.rules, link.raw, link.patterns = rules, raw, self.catalog.patterns(services)
 
@@ -198,8 +216,8 @@ class NetworkManager:
             log.warning("%s has address %s outside this edge's subnet %s", sandbox_id, info.address, self.subnet)
         self.links[sandbox_id] = link
         self.by_ip[link.ip] = link
-        try:
-            await self._apply(link, info.rules, new_link=True)
+        try:  # a rule to an address walled off since stays: the kernel drops its traffic
+            await self._apply(link, info.rules, new_link=True, walled=False)
         except InvalidRequest as e:  # a service the operator has since removed: deny it
             log.warning("%s: %s; its rules are reset to deny-all", sandbox_id, e)
             await self._apply(link, {}, new_link=True)
@@ -230,7 +248,27 @@ class NetworkManager:
             self.on_event(link.sandbox_id, "egress_denied", what)
 
     def _forbidden(self, address: str) -> bool:
-        return forbidden_destination(ipaddress.ip_address(address), [self.subnet, *self._host_addrs])
+        return forbidden_destination(ipaddress.ip_address(address), [self.subnet, *self._host_addrs], self.wall.nets)
+
+    async def _poll_wall(self) -> None:
+        """The cluster's addresses into the table's ``cluster`` sets: at once, then every POLL_S.
+        A database that does not answer leaves the last list in force."""
+        assert self.table is not None
+        failing = False
+        while True:
+            try:
+                await asyncio.to_thread(self.wall.refresh)
+                nets = list(self.wall.nets)
+                if nets != self._walled:  # (compared with what the table holds: a failed apply is retried)
+                    await self.table.apply(self.table.set_cluster(nets))
+                    self._walled = nets
+                    log.info("sandboxes walled off from the cluster's %d networks", len(nets))
+                failing = False
+            except Exception as e:
+                if not failing:  # said once per outage, not every POLL_S
+                    log.warning("cluster addresses not refreshed (the last %d stand): %s", len(self.wall.nets), e)
+                failing = True
+            await asyncio.sleep(POLL_S)
 
     async def _poll_denied(self) -> None:
         """Flows the kernel rejected, reported once per new packet count (bounded by the set's size)."""

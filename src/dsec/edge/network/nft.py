@@ -9,6 +9,12 @@ One ``inet`` table per edge, written whole at start and changed by element updat
   address. Nothing else of the host is reachable from a sandbox (input chain).
 - ``never``: destinations dropped ahead of any allow (dsec.edge.network.rules.NEVER: every
   sandbox on the host, loopback, link-local, multicast, reserved), whatever a rule says.
+- ``cluster``/``cluster6``: the cluster's own services on every node (Ray, the database,
+  edges, replicas, storage: dsec.edge.network.wall), refreshed every few seconds and shared
+  by every sandbox of the edge; dropped in the forward chain ahead of ``never`` and every
+  allow, so no rule opens them, and connections already open to an address die once it
+  is added. (This host's own addresses are reached through the input chain, where
+  nothing but DNS, the gate and the admin's ``host:`` rules is admitted.)
 - ``raw_allow`` (sandbox . destination . proto . port, intervals): the raw ``ip:port/proto``
   rules, for destinations past the host (forward chain only). ``host_allow`` (sandbox .
   proto . port): the cluster admin's ``host:port/proto`` rules, the only way a sandbox
@@ -89,6 +95,8 @@ table inet {t} {{
   set veths {{ type ifname . ipv4_addr; }}
   set raw_allow {{ type {flow}; flags interval; }}
   set host_allow {{ type ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set cluster {{ type ipv4_addr; flags interval; }}
+  set cluster6 {{ type ipv6_addr; flags interval; }}
   set never {{ type ipv4_addr; flags interval; elements = {{ {never} }} }}
   set denied {{ type {flow}; size 65535; flags dynamic,timeout; timeout 1h; }}
   chain guard {{ type filter hook prerouting priority raw; policy accept;
@@ -110,6 +118,8 @@ table inet {t} {{
   }}
   chain forward {{ type filter hook forward priority filter; policy accept;
     ip daddr {s} ct state established,related accept
+    ip saddr {s} ip daddr @cluster {deny}
+    iifname @vifs ip6 daddr @cluster6 drop
     ip saddr {s} ip daddr @never {deny}
     ip saddr {s} ip saddr . ip daddr . meta l4proto . th dport @raw_allow accept
     ip saddr {s} {deny}
@@ -147,6 +157,17 @@ table inet {t} {{
 
     async def remove(self) -> None:
         await self.apply(f"table inet {self.name}\ndelete table inet {self.name}\n")
+
+    def set_cluster(self, nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
+        """The nft script that makes the ``cluster`` sets hold ``nets`` (collapsed: an
+        interval set refuses overlapping elements), in one transaction: no moment without."""
+        t = self.name
+        lines = [f"flush set inet {t} cluster", f"flush set inet {t} cluster6"]
+        for name, version in (("cluster", 4), ("cluster6", 6)):
+            part = [n.with_prefixlen for n in nets if n.version == version]
+            if part:
+                lines.append(f"add element inet {t} {name} {{ {', '.join(part)} }}")
+        return "\n".join(lines) + "\n"
 
     def set_sandbox(self, ifname: str, ip: str, old: list[RawRule], new: list[RawRule], add_if: bool) -> str:
         """The nft script that moves sandbox ``ip`` from rules ``old`` to ``new``."""

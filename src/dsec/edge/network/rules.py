@@ -7,12 +7,15 @@ gives the caller a 400 naming the field instead of a rule that silently does not
 Never reachable by an ``ip:port`` rule, for anyone: this host (any of its addresses; the
 ``host:`` form is the only way there), every sandbox of every edge on the host (the whole
 pool), loopback, link-local (metadata services), multicast, broadcast, reserved and
-"this network" space, and ranges wider than a /8.
+"this network" space, and ranges wider than a /8. In a cluster, neither is any address of
+the cluster's own services (dsec.edge.network.wall: Ray nodes, the database, edges,
+replicas, storage), on any node.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsec.errors import InvalidRequest
@@ -70,9 +73,11 @@ def is_host_rule(key: str) -> bool:
     return key.startswith(HOST + ":")
 
 
-def parse(key: str, forbidden: list[ipaddress.IPv4Network]) -> RawRule:
+def parse(key: str, forbidden: list[ipaddress.IPv4Network],
+          walled: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = ()) -> RawRule:
     """``key`` as a rule; ``forbidden``: this node's own addresses and subnets, on top of
-    NEVER. InvalidRequest (field network_rules) names what is wrong."""
+    NEVER; ``walled``: the cluster's own services' addresses. InvalidRequest (field
+    network_rules) names what is wrong."""
     addr, _, rest = key.partition(":")
     ports, _, proto = rest.partition("/")
     lo, _, hi = ports.partition("-")
@@ -93,6 +98,12 @@ def parse(key: str, forbidden: list[ipaddress.IPv4Network]) -> RawRule:
     if net.prefixlen < MIN_PREFIX:
         raise InvalidRequest(f"network rule {key!r}: {net} is too broad (at most a /{MIN_PREFIX})",
                              field="network_rules")
+    for wall in walled:
+        if wall.version == 4 and net.overlaps(wall):  # (a v4 network "overlaps" v6 ones by their bits)
+            raise InvalidRequest(
+                f"network rule {key!r}: {net} reaches {wall}, an address of the cluster's own services "
+                f"(Ray, the database, the edges and apiservers, storage), which no sandbox may reach",
+                field="network_rules")
     for bad in (*NEVER, *forbidden):
         if net.overlaps(bad):
             raise InvalidRequest(
@@ -113,8 +124,9 @@ def check_disjoint(rules: list[RawRule]) -> None:
 
 
 def forbidden_destination(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
-                          local: list[ipaddress.IPv4Network]) -> bool:
+                          local: list[ipaddress.IPv4Network],
+                          walled: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = ()) -> bool:
     """An address no allowed name may lead the egress gate to."""
     if ip.version != 4:
         return True
-    return any(ip in n for n in (*NEVER, *local))
+    return any(ip in n for n in (*NEVER, *local)) or any(n.version == 4 and ip in n for n in walled)
