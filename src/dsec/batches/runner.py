@@ -34,6 +34,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from dsec.batches.store import BatchRow, BatchStore
 from dsec.errors import DsecError, MetadataUnavailable, NotFound, QuotaExceeded, RateLimited
 from dsec.iam import PROJECT_LABEL
+from dsec.iam.bound import TOKEN_LABEL, on_behalf_of
 from dsec.meta.db import unavailable
 from dsec.wire.batches import (
     BATCH_LABEL,
@@ -361,6 +362,9 @@ class BatchRunner:
 
     async def _make(self, b: _Batch, i: int) -> None:
         args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
+        # bound to its submitter's token (set on its args when it was accepted), not the runner's;
+        # this task's own context, so nothing else sees it
+        on_behalf_of.set(b.args.labels.get(TOKEN_LABEL))
         try:
             try:
                 info = await self.api.create(CreateRequest(args=args), bounded=True,

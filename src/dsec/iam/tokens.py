@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, delete, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 
+from dsec.iam.bound import BoundKeys
 from dsec.iam.quota import in_subtree
 from dsec.meta.schema import iam_events, projects, tokens
 from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec, within
@@ -145,25 +146,42 @@ class TokenStore:
     in-memory map every request is checked against. Another replica's new token is
     looked up on its first use (misses are remembered for a second, so a flood of bad
     tokens costs one query per distinct token per second); revocations reach the other
-    replicas within ``REFRESH_S`` (the revoking replica drops the token at once)."""
+    replicas within ``REFRESH_S`` (the revoking replica drops the token at once, and a
+    reload that read the table before the revocation does not bring it back). Tokens are
+    kept by digest (a bearer token's check) and by id (a bound credential's, dsec.iam.bound):
+    both O(1) in memory."""
 
-    REFRESH_S = 5.0
+    REFRESH_S = 2.0  # credentials bound to a token end within this (+ a stream's re-check) of its revocation
     MISS_TTL_S = 1.0
     MAX_MISSES = 10_000
+    REVOKED_KEEP_S = 60.0  # far longer than any reload takes
 
     def __init__(self, db: Engine, admin_token: str) -> None:
         self._admin = admin_token.encode()
+        # the key bound credentials are signed with: the admin token's, never the token itself
+        self._bound_key = hmac.new(self._admin, b"dsec.iam.bound", hashlib.sha256).digest()
         self._db = db
         self._lock = threading.Lock()
         self._by_digest: dict[str, Principal] = {}
+        self._by_id: dict[str, Principal] = {}
         self._misses: dict[str, float] = {}
+        self._id_misses: dict[str, float] = {}
+        self._revoked: dict[str, float] = {}  # token id -> when this replica dropped it (monotonic)
+        self.bound = BoundKeys(self)  # the credentials derived from tokens (E2B's, SWE-ReX's, upload URLs)
         self._load()
 
     def _load(self) -> None:
         with self._db.connect() as c:
             rows = c.execute(select(tokens.c.id, tokens.c.digest, tokens.c.project, tokens.c.role,
                                     tokens.c.expires_at)).all()
-        self._by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows}
+        # read after the query: a revocation that happened while it ran is still filtered out
+        now = time.monotonic()
+        self._revoked = {i: t for i, t in list(self._revoked.items()) if now - t < self.REVOKED_KEEP_S}
+        gone = self._revoked
+        by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows if i not in gone}
+        self._by_id = {p.token_id: p for p in by_digest.values()}
+        self._by_digest = by_digest
+        self._id_misses = {}
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._db.connect() as c:
@@ -188,12 +206,15 @@ class TokenStore:
         if now - self._misses.get(digest, -self.MISS_TTL_S) < self.MISS_TTL_S:
             return None
         p = await asyncio.to_thread(self._lookup, digest)
+        if p is not None and p.token_id in self._revoked:  # read before this replica's revocation committed
+            p = None
         if p is None:
             if len(self._misses) >= self.MAX_MISSES:
                 self._misses.clear()
             self._misses[digest] = now
         else:
             self._by_digest[digest] = p
+            self._by_id[p.token_id] = p
         return p
 
     async def principal(self, token_id: str) -> Principal | None:
@@ -201,13 +222,36 @@ class TokenStore:
         id); None once it is revoked or expired."""
         if token_id == ADMIN.token_id:
             p: Principal | None = ADMIN
+        elif token_id in self._revoked:
+            return None
         else:
-            p = next((q for q in list(self._by_digest.values()) if q.token_id == token_id), None)
-            if p is None:
+            p = self._by_id.get(token_id)
+            if p is None:  # made on another replica since the last reload; misses remembered a while
+                now = time.monotonic()
+                if now - self._id_misses.get(token_id, -self.MISS_TTL_S) < self.MISS_TTL_S:
+                    return None
                 p = await asyncio.to_thread(self._lookup_id, token_id)
+                if token_id in self._revoked:  # read before this replica's revocation committed
+                    return None
+                if p is None:
+                    if len(self._id_misses) >= self.MAX_MISSES:
+                        self._id_misses.clear()
+                    self._id_misses[token_id] = now
+                else:
+                    self._by_id[token_id] = p
         if p is not None and p.expires_at is not None and p.expires_at <= time.time():
             return None
         return p
+
+    async def live(self, token_id: str) -> bool:
+        """Whether the token with this id is neither revoked nor expired (a bound
+        credential's check: the in-memory table, a query only for a token not seen yet)."""
+        return await self.principal(token_id) is not None
+
+    @property
+    def secret(self) -> bytes:
+        """The key credentials bound to tokens are signed with (dsec.iam.bound)."""
+        return self._bound_key
 
     def _lookup_id(self, token_id: str) -> Principal | None:
         with self._db.connect() as c:
@@ -260,7 +304,10 @@ class TokenStore:
                                             created_by=by.token_id))
             record_event(c, by.token_id, "token.create", info.id, info.project,
                          {"role": info.role, "name": info.name, "expires_at": info.expires_at})
-        self._by_digest[digest] = Principal(info.id, info.project, info.role, info.expires_at)
+        p = Principal(info.id, info.project, info.role, info.expires_at)
+        self._by_digest[digest] = p
+        self._by_id[info.id] = p
+        self._id_misses.pop(info.id, None)
         return info.model_copy(update={"token": secret})
 
     def list(self, by: Principal = ADMIN) -> builtins.list[TokenInfo]:
@@ -288,6 +335,10 @@ class TokenStore:
     def forget(self, token_ids: builtins.list[str]) -> None:
         """Tokens revoked (here or with their project): refused from now on, on this replica."""
         gone = set(token_ids)
+        now = time.monotonic()
+        for i in gone:
+            self._revoked[i] = now
+            self._by_id.pop(i, None)
         self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id not in gone}
 
     def events(self, after: int = 0, limit: int = 1000, by: Principal = ADMIN) -> builtins.list[IamEvent]:
