@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -309,10 +309,13 @@ class BatchRunner:
         await self._let_go(b)
         await asyncio.gather(*(self._stop(sid) for sid in list(b.sandbox.values())), return_exceptions=True)
 
-    def admission(self) -> BatchAdmission:
+    def admission(self, sees: Callable[[str], bool] = lambda _: True) -> BatchAdmission:
+        """The queue as it stands; ``queued`` counts the items of the projects ``sees`` (a
+        project token's caller: its own subtree's, never another project's backlog). The
+        creates starting per edge are the node's, whoever made them."""
         return BatchAdmission(per_edge_starting=self.per_edge_starting, starting=dict(self.api.starting),
                               peak_starting=dict(self.api.peak_starting),
-                              queued=sum(len(b.queue) for b in self.batches.values()))
+                              queued=sum(len(b.queue) for b in list(self.batches.values()) if sees(b.project)))
 
     def owns(self, batch_id: str) -> _Batch | None:
         return self.batches.get(batch_id)
