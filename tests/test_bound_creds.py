@@ -18,9 +18,14 @@ import httpx
 import pytest
 from conftest import TOKEN, Platform
 from e2b import Sandbox
+from sqlalchemy import delete
 
 import dsec
 from dsec.iam.bound import TOKEN_LABEL
+from dsec.iam.tokens import TokenStore
+from dsec.meta import open_db
+from dsec.meta.schema import tokens
+from dsec.wire.iam import TokenSpec
 from dsec.wire.jobs import JobQuota
 
 STAT = "/filesystem.Filesystem/Stat"
@@ -178,3 +183,29 @@ def test_cluster_reads_are_redacted_for_a_project_token(platform: Platform) -> N
             assert httpx.get(f"{url}/metrics", headers=h).status_code == 403
         finally:
             sb.stop()
+
+
+async def test_the_token_table_by_id_and_a_reload_that_raced_a_revocation(tmp_path: str) -> None:
+    """Two replicas' token stores on one (SQLite) database: a token made on one is found by
+    id on the other; a reload whose read predates this replica's revocation (the row still
+    there) does not bring the token back; the other replica drops it at its next reload."""
+    engine = open_db(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        one, two = TokenStore(engine, TOKEN), TokenStore(engine, TOKEN)
+        made = one.create(TokenSpec(project="creds-unit", role="runner"))
+        assert made.token is not None
+        cred = one.bound.mint("envd", "edge0-aaaaaaaaaaaa", made.id)
+        assert await two.bound.check("envd", "edge0-aaaaaaaaaaaa", cred) == made.id  # looked up by id once
+        assert await two.bound.check("envd", "edge0-bbbbbbbbbbbb", cred) is None  # another sandbox's
+        assert await two.bound.check("swerex", "edge0-aaaaaaaaaaaa", cred) is None  # another purpose
+        one.forget([made.id])  # revoked here; the row is still in the database a reload reads
+        one._load()
+        assert await one.verify(made.token.encode()) is None
+        assert await one.bound.check("envd", "edge0-aaaaaaaaaaaa", cred) is None
+        assert await two.live(made.id)  # not told yet
+        with engine.begin() as c:  # the revocation's own delete, as one.revoke makes it
+            c.execute(delete(tokens).where(tokens.c.id == made.id))
+        two._load()
+        assert not await two.live(made.id) and await two.verify(made.token.encode()) is None
+    finally:
+        engine.dispose()

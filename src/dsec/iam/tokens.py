@@ -162,6 +162,9 @@ class TokenStore:
         self._bound_key = hmac.new(self._admin, b"dsec.iam.bound", hashlib.sha256).digest()
         self._db = db
         self._lock = threading.Lock()
+        # guards swapping and pruning the in-memory maps (a reload, a revocation); the per-request
+        # reads take no lock: each map is replaced whole or changed by one key at a time
+        self._table = threading.Lock()
         self._by_digest: dict[str, Principal] = {}
         self._by_id: dict[str, Principal] = {}
         self._misses: dict[str, float] = {}
@@ -174,14 +177,15 @@ class TokenStore:
         with self._db.connect() as c:
             rows = c.execute(select(tokens.c.id, tokens.c.digest, tokens.c.project, tokens.c.role,
                                     tokens.c.expires_at)).all()
-        # read after the query: a revocation that happened while it ran is still filtered out
-        now = time.monotonic()
-        self._revoked = {i: t for i, t in list(self._revoked.items()) if now - t < self.REVOKED_KEEP_S}
-        gone = self._revoked
-        by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows if i not in gone}
-        self._by_id = {p.token_id: p for p in by_digest.values()}
-        self._by_digest = by_digest
-        self._id_misses = {}
+        # under the table's lock, after the query: a revocation made while the query ran is
+        # filtered out here, one made after it drops the token from the new maps
+        with self._table:
+            now = time.monotonic()
+            self._revoked = {i: t for i, t in self._revoked.items() if now - t < self.REVOKED_KEEP_S}
+            by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows if i not in self._revoked}
+            self._by_id = {p.token_id: p for p in by_digest.values()}
+            self._by_digest = by_digest
+            self._id_misses = {}
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._db.connect() as c:
@@ -206,15 +210,16 @@ class TokenStore:
         if now - self._misses.get(digest, -self.MISS_TTL_S) < self.MISS_TTL_S:
             return None
         p = await asyncio.to_thread(self._lookup, digest)
-        if p is not None and p.token_id in self._revoked:  # read before this replica's revocation committed
-            p = None
-        if p is None:
-            if len(self._misses) >= self.MAX_MISSES:
-                self._misses.clear()
-            self._misses[digest] = now
-        else:
-            self._by_digest[digest] = p
-            self._by_id[p.token_id] = p
+        with self._table:
+            if p is not None and p.token_id in self._revoked:  # read before this replica's revocation committed
+                p = None
+            if p is None:
+                if len(self._misses) >= self.MAX_MISSES:
+                    self._misses.clear()
+                self._misses[digest] = now
+            else:
+                self._by_digest[digest] = p
+                self._by_id[p.token_id] = p
         return p
 
     async def principal(self, token_id: str) -> Principal | None:
@@ -231,14 +236,15 @@ class TokenStore:
                 if now - self._id_misses.get(token_id, -self.MISS_TTL_S) < self.MISS_TTL_S:
                     return None
                 p = await asyncio.to_thread(self._lookup_id, token_id)
-                if token_id in self._revoked:  # read before this replica's revocation committed
-                    return None
-                if p is None:
-                    if len(self._id_misses) >= self.MAX_MISSES:
-                        self._id_misses.clear()
-                    self._id_misses[token_id] = now
-                else:
-                    self._by_id[token_id] = p
+                with self._table:
+                    if token_id in self._revoked:  # read before this replica's revocation committed
+                        return None
+                    if p is None:
+                        if len(self._id_misses) >= self.MAX_MISSES:
+                            self._id_misses.clear()
+                        self._id_misses[token_id] = now
+                    else:
+                        self._by_id[token_id] = p
         if p is not None and p.expires_at is not None and p.expires_at <= time.time():
             return None
         return p
@@ -305,9 +311,10 @@ class TokenStore:
             record_event(c, by.token_id, "token.create", info.id, info.project,
                          {"role": info.role, "name": info.name, "expires_at": info.expires_at})
         p = Principal(info.id, info.project, info.role, info.expires_at)
-        self._by_digest[digest] = p
-        self._by_id[info.id] = p
-        self._id_misses.pop(info.id, None)
+        with self._table:
+            self._by_digest[digest] = p
+            self._by_id[info.id] = p
+            self._id_misses.pop(info.id, None)
         return info.model_copy(update={"token": secret})
 
     def list(self, by: Principal = ADMIN) -> builtins.list[TokenInfo]:
@@ -335,11 +342,12 @@ class TokenStore:
     def forget(self, token_ids: builtins.list[str]) -> None:
         """Tokens revoked (here or with their project): refused from now on, on this replica."""
         gone = set(token_ids)
-        now = time.monotonic()
-        for i in gone:
-            self._revoked[i] = now
-            self._by_id.pop(i, None)
-        self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id not in gone}
+        with self._table:
+            now = time.monotonic()
+            for i in gone:
+                self._revoked[i] = now
+                self._by_id.pop(i, None)
+            self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id not in gone}
 
     def events(self, after: int = 0, limit: int = 1000, by: Principal = ADMIN) -> builtins.list[IamEvent]:
         """IAM changes after event ``after``, oldest first: those of the projects ``by`` administers."""
