@@ -281,8 +281,9 @@ class TokenStore:
         return self._db
 
     def derive(self, purpose: str, value: str) -> str:
-        """A secret bound to ``value`` (say, one sandbox's envd access token), derived from
-        the cluster's admin token: verifiable later, on any replica, without storing it."""
+        """A secret bound to ``value`` (a console session's signature), derived from the
+        cluster's admin token: verifiable later, on any replica, without storing it. Not for
+        credentials a token hands out: those die with it (dsec.iam.bound)."""
         return hmac.new(self._admin, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()[:40]
 
     def create(self, spec: TokenSpec, by: Principal = ADMIN) -> TokenInfo:
