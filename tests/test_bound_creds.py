@@ -87,7 +87,9 @@ def test_revocation_ends_every_credential_derived_from_the_token(platform: Platf
             assert all(u and f"signature={tok_id}." in u for u in up)
             assert httpx.put(up[0], content=b"x").status_code == 200
 
+            ticking = sbx.commands.run("for i in $(seq 200); do echo $i; sleep 0.1; done", background=True)
             admin.revoke_token(tok_id)  # and at once, on this replica:
+            t0 = time.monotonic()
             r = _envd(url, sid, envd)
             assert r.status_code == 401 and "revoked" in r.json()["message"]
             with pytest.raises(Exception, match="(?i)401|unauthori|revoked"):
@@ -100,6 +102,10 @@ def test_revocation_ends_every_credential_derived_from_the_token(platform: Platf
             assert r.status_code == 401 and r.json()["field"] == "x-api-key"
             assert httpx.put(up[1], content=b"x").status_code == 401
             assert httpx.put(up[0], content=b"x").status_code == 401
+            # a stream opened with the envd token (20 s of output) ends at the next re-check
+            with pytest.raises(Exception):  # noqa: B017  (the SDK's error for a cut stream varies)
+                ticking.wait()
+            assert time.monotonic() - t0 < 6.0
             # the sandbox lives on for the admin's own API, but its credentials stay bound to the
             # token that made it, whoever asks for them again
             again = httpx.get(f"{url}/sandboxes/{sid}", headers={"X-API-Key": TOKEN}).json()
