@@ -184,6 +184,24 @@ async def test_corrupt_cached_chunk_is_refetched_not_served(
         await sb.stop()
 
 
+async def test_a_project_token_gets_the_node_figures_but_no_layer_names(
+        node: Platform, client: dsec.AsyncClient, shared: tuple[str, dict[str, str]]) -> None:
+    """/v1/storage names the blobs (and layers) every project runs: a project's token gets
+    the node's cache figures only."""
+    sb = await _busybox(client, "ws/od-big:v1")
+    try:
+        assert await _sum(sb, "/od/f1") == shared[1]["/od/f1"]
+        made = await client.create_token("od-reader", "runner")
+        assert made.token is not None
+        async with dsec.AsyncClient(url=node.url, token=made.token) as project:
+            (mine,) = await project.storage_stats()
+        (full,) = await client.storage_stats()
+        assert any("ws/od-big:v1" in b.layers for b in full.blobs)
+        assert mine.blobs == [] and mine.cache_max_bytes == full.cache_max_bytes and mine.mode == full.mode
+    finally:
+        await sb.stop()
+
+
 async def test_recorded_access_list_is_prefetched(
         node: Platform, client: dsec.AsyncClient, shared: tuple[str, dict[str, str]]) -> None:
     sums = shared[1]

@@ -27,6 +27,8 @@ from dsec.errors import (
     MethodNotAllowed,
     NotFound,
 )
+from dsec.iam import current_principal
+from dsec.iam.bound import ENVD, TEMPLATE_FILES, TRAFFIC
 from dsec.meta.db import unavailable
 from dsec.templates.builder import Builder
 from dsec.templates.catalog import TemplateCatalog
@@ -79,8 +81,7 @@ def build_app(api: Apiserver) -> FastAPI:
 
     app.add_middleware(BearerAuth, api=api)
     # outermost: a request for a sandbox's own port carries that sandbox's token, not a bearer
-    app.add_middleware(PortProxy, edge_for=api.edge_for, envd_token=lambda sid: api.tokens.derive("envd", sid),
-                       traffic_token=lambda sid: api.tokens.derive("traffic", sid))
+    app.add_middleware(PortProxy, edge_for=api.edge_for, keys=api.tokens.bound)
     swerex.mount(app, api)  # outermost too: SWE-ReX's X-API-Key may be one sandbox's own token
     sandboxfusion.mount(app, api)  # outermost too: its token rides in the URL, cut out before logging
     catalog = TemplateCatalog(api.tokens.db)
@@ -89,14 +90,16 @@ def build_app(api: Apiserver) -> FastAPI:
     builder = Builder(api, catalog, images, contexts, templates_api.runner_name())
     app.state.template_builder = builder  # the lifespan stops its builds
     source = templates_api.TemplateSource(catalog, images, os.environ.get("DSEC_E2B_IMAGE_METADATA_KEY", "image"))
-    e2b = e2b_api.E2BApi(api, lambda sid: api.tokens.derive("envd", sid),
-                         lambda sid: api.tokens.derive("traffic", sid), source)
+    bound = api.tokens.bound
+    e2b = e2b_api.E2BApi(api, lambda info: bound.mint_for(ENVD, info), lambda info: bound.mint_for(TRAFFIC, info),
+                         source)
     # dsec's own routes first: a request is matched against the routes in order, a regex
     # each, and the hot ones (exec, FnCall, a sandbox's get) were ~120 routes deep
     for module in MODULES:
         app.include_router(module.routes(api))
     templates = templates_api.TemplatesApi(
-        catalog, builder, contexts, lambda h: api.tokens.derive("template-files", h), e2b.delete_snapshot)
+        catalog, builder, contexts, lambda key: bound.mint(TEMPLATE_FILES, key, current_principal.get().token_id),
+        e2b.delete_snapshot)
     templates_api.mount(app, templates)
     e2b_api.mount(app, e2b)
     envd.mount(app, envd.Envd(api.edge_for))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 import urllib.parse
@@ -20,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from dsec.apiserver.core import Apiserver, error_response
 from dsec.console import session
 from dsec.e2b.envd import ENVD_PATHS, ENVD_PREFIXES, signed_file_sandbox
-from dsec.e2b.templates_api import FILES_PATH, signed_upload
+from dsec.e2b.templates_api import FILES_PATH, upload_claim
 from dsec.errors import (
     DsecError,
     Forbidden,
@@ -29,6 +28,7 @@ from dsec.errors import (
     Unauthorized,
 )
 from dsec.iam import current_principal, permission_for, project_of_sandbox
+from dsec.iam.bound import ENVD, TEMPLATE_FILES, token_of
 from dsec.iam.tokens import Principal
 from dsec.meta.db import unavailable
 from dsec.wire.models import (
@@ -70,18 +70,22 @@ class BearerAuth:
                 scope["path"] == "/ui" or scope["path"].startswith(self.OPEN_PREFIX):
             return None
         headers = dict(scope["headers"])
+        keys = self.api.tokens.bound
         if scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
             return await self._signed_file(scope, headers)
         if scope["path"].startswith(FILES_PATH):  # a build context upload: signed for its files hash
-            if signed_upload(scope["path"], scope.get("query_string", b""),
-                             lambda h: self.api.tokens.derive("template-files", h)):
+            claim = upload_claim(scope["path"], scope.get("query_string", b""))
+            if claim is not None and await keys.check(TEMPLATE_FILES, *claim) is not None:
                 return None
-            return Unauthorized("missing or wrong signature on this upload URL", field="signature")
+            return Unauthorized("missing, wrong or revoked signature on this upload URL", field="signature")
         if scope["path"].startswith(ENVD_PREFIXES) or scope["path"] in ENVD_PATHS:  # E2B's envd: per-sandbox token
             sid = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
             given = headers.get(b"x-access-token", b"").decode(errors="replace")
-            if not sid or not hmac.compare_digest(given, self.api.tokens.derive("envd", sid)):
-                return Unauthorized("missing or wrong X-Access-Token for this sandbox", field="x-access-token")
+            token_id = await keys.check(ENVD, sid, given) if sid and given else None
+            if token_id is None:
+                return Unauthorized("missing, wrong or revoked X-Access-Token for this sandbox",
+                                    field="x-access-token")
+            scope["dsec.recheck"] = self._bound_recheck(token_id)  # a stream ends with its token
             return None
         header = headers.get(b"authorization", b"")
         if not header and b"x-api-key" in headers:  # E2B's SDKs send their key this way
@@ -145,19 +149,38 @@ class BearerAuth:
                              field=session.CSRF_HEADER.decode())
         return principal
 
+    def _bound_recheck(self, token_id: str) -> Recheck:
+        async def recheck() -> bool:
+            return await self.api.tokens.live(token_id)
+        return recheck
+
     async def _signed_file(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> DsecError | None:
-        """An E2B signed file URL: the signature is the credential, and names the sandbox."""
+        """An E2B signed file URL: the signature is the credential, and names the sandbox. It
+        is made with the sandbox's envd access token, so it ends with that token's token."""
         query = dict(urllib.parse.parse_qsl(scope["query_string"].decode(errors="replace")))
         named = headers.get(b"e2b-sandbox-id", b"").decode(errors="replace")
+        # the signature is a hash over the envd token, which names no token: the sandbox's
+        # label does (its edge's answer; a signed URL is not a hot path)
         if named:
-            candidates = [named]
+            try:
+                infos = [await self.api.edge_for(named).get(named)]
+            except (NotFound, InvalidRequest):
+                return Unauthorized("invalid signature", field="signature")
+            except DsecError as e:  # its edge cannot say whose it is: refuse (never fail open)
+                return e
         else:
-            candidates = [i.sandbox_id for i in await self.api.list(None, {}) if i.state == SandboxState.running]
+            infos = [i for i in await self.api.list(None, {}) if i.state == SandboxState.running]
+        token_of_sandbox = {i.sandbox_id: token_of(i) for i in infos}
+        keys = self.api.tokens.bound
         try:
-            sid = signed_file_sandbox(query, scope.get("method", "GET"), candidates,
-                                      lambda s: self.api.tokens.derive("envd", s))
+            sid = signed_file_sandbox(query, scope.get("method", "GET"), list(token_of_sandbox),
+                                      lambda s: keys.mint(ENVD, s, token_of_sandbox[s]))
         except ValueError as e:
             return Unauthorized(str(e), field="signature")
+        if not await self.api.tokens.live(token_of_sandbox[sid]):
+            return Unauthorized("this URL's sandbox credentials were revoked with the token that made it",
+                                field="signature")
+        scope["dsec.recheck"] = self._bound_recheck(token_of_sandbox[sid])  # a long download ends with it
         scope["headers"] = [h for h in scope["headers"] if h[0] != b"e2b-sandbox-id"] + \
             [(b"e2b-sandbox-id", sid.encode())]
         return None
@@ -174,7 +197,7 @@ class BearerAuth:
             if recheck is None:
                 await self.app(scope, receive, send)
             else:
-                await _while_valid(self.app, scope, receive, send, recheck)
+                await while_valid(self.app, scope, receive, send, recheck)
         elif scope["type"] == "http" and (scope["path"] in ENVD_PATHS or scope["path"].startswith(ENVD_PREFIXES)):
             await JSONResponse({"code": err.status, "message": err.message}, status_code=err.status)(
                 scope, receive, send)  # envd's own error shape
@@ -186,7 +209,7 @@ class BearerAuth:
             await send({"type": "websocket.close", "code": 4401, "reason": err.message[:120]})
 
 
-async def _while_valid(app: Any, scope: dict[str, Any], receive: Any, send: Any, recheck: Recheck) -> None:
+async def while_valid(app: Any, scope: dict[str, Any], receive: Any, send: Any, recheck: Recheck) -> None:
     """Run the request; once it turns long-lived (a websocket, or a response that streams),
     ask every RECHECK_S whether its credential still stands, and end it when it does not:
     a websocket is closed with 4401, a streamed response ends there. A plain request is

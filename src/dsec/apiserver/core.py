@@ -48,6 +48,7 @@ from dsec.health.events import FleetEvents
 from dsec.iam import ADMIN, PROJECT_LABEL, TokenStore, acting_project, current_principal, project_of_sandbox
 from dsec.iam.blocks import STALE_S as BLOCK_STALE_S
 from dsec.iam.blocks import QuotaBlocks, free_stale
+from dsec.iam.bound import TOKEN_LABEL, on_behalf_of
 from dsec.iam.projects import ProjectStore
 from dsec.iam.quota import Also, Need, ProjectQuotas
 from dsec.iam.rates import FnCallRates
@@ -322,10 +323,13 @@ class Apiserver:
         principal = current_principal.get()
         if isinstance(req.args, ContainerArgs) and req.args.network_rules:
             check_host_rules(req.args.network_rules, "network_rules")
+        labels = dict(req.args.labels)
         if not principal.all_projects:  # a project's token makes sandboxes of that project only
-            req = req.model_copy(update={"args": req.args.model_copy(
-                update={"labels": {**req.args.labels, PROJECT_LABEL: principal.project}})})
-        return req
+            labels[PROJECT_LABEL] = principal.project
+        # the token its credentials (E2B's, SWE-ReX's) are bound to and die with: the caller's,
+        # or a batch's submitter's; never what the request says (dsec.iam.bound)
+        labels[TOKEN_LABEL] = on_behalf_of.get() or principal.token_id
+        return req.model_copy(update={"args": req.args.model_copy(update={"labels": labels})})
 
     async def reserve_gang(self, args: AnySandboxArgs, n: int, batch_id: str) -> Plan:
         """All ``n`` sandboxes of ``args`` or none (a batch's ``all_or_nothing``): the job's

@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,6 +34,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from dsec.batches.store import BatchRow, BatchStore
 from dsec.errors import DsecError, MetadataUnavailable, NotFound, QuotaExceeded, RateLimited
 from dsec.iam import PROJECT_LABEL
+from dsec.iam.bound import TOKEN_LABEL, on_behalf_of
 from dsec.meta.db import unavailable
 from dsec.wire.batches import (
     BATCH_LABEL,
@@ -308,10 +309,13 @@ class BatchRunner:
         await self._let_go(b)
         await asyncio.gather(*(self._stop(sid) for sid in list(b.sandbox.values())), return_exceptions=True)
 
-    def admission(self) -> BatchAdmission:
+    def admission(self, sees: Callable[[str], bool] = lambda _: True) -> BatchAdmission:
+        """The queue as it stands; ``queued`` counts the items of the projects ``sees`` (a
+        project token's caller: its own subtree's, never another project's backlog). The
+        creates starting per edge are the node's, whoever made them."""
         return BatchAdmission(per_edge_starting=self.per_edge_starting, starting=dict(self.api.starting),
                               peak_starting=dict(self.api.peak_starting),
-                              queued=sum(len(b.queue) for b in self.batches.values()))
+                              queued=sum(len(b.queue) for b in list(self.batches.values()) if sees(b.project)))
 
     def owns(self, batch_id: str) -> _Batch | None:
         return self.batches.get(batch_id)
@@ -361,6 +365,9 @@ class BatchRunner:
 
     async def _make(self, b: _Batch, i: int) -> None:
         args = b.args.model_copy(update={"labels": {**b.args.labels, BATCH_LABEL: f"{b.id}/{i}"}})
+        # bound to its submitter's token (set on its args when it was accepted), not the runner's;
+        # this task's own context, so nothing else sees it
+        on_behalf_of.set(b.args.labels.get(TOKEN_LABEL))
         try:
             try:
                 info = await self.api.create(CreateRequest(args=args), bounded=True,

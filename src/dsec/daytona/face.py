@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hmac
 import json
 import logging
 import re
@@ -46,6 +45,7 @@ from dsec.e2b.template import Template, resolve
 from dsec.e2b.templates_api import TemplatesApi, TemplateSource
 from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from dsec.iam import PROJECT_LABEL, current_principal, project_of_sandbox
+from dsec.iam.bound import TRAFFIC
 from dsec.iam.tokens import Principal
 from dsec.meta.db import unavailable
 from dsec.wire.models import ContainerArgs, CreateRequest, SandboxInfo, SandboxState
@@ -342,7 +342,7 @@ class DaytonaFace:
             raise InvalidRequest("port: 1-65535", field="port")
         return json_response(m.PreviewUrl(sandbox_id=info.sandbox_id,
                                           url=f"{self._base(request)}/preview/{info.sandbox_id}/{port}",
-                                          token=self.api.tokens.derive("traffic", info.sandbox_id)))
+                                          token=self.api.tokens.bound.mint_for(TRAFFIC, info)))
 
     async def config(self, request: Request) -> Response:
         return json_response({"analyticsApiUrl": None})
@@ -355,7 +355,8 @@ class DaytonaFace:
             raise NotFound("a preview URL is /daytona/preview/<sandbox>/<port>/<path>", field="path")
         sid, port = parts[0], int(parts[1])
         given = request.headers.get("x-daytona-preview-token", "")
-        if not (given and hmac.compare_digest(given, self.api.tokens.derive("traffic", sid))):
+        # the sandbox's traffic credential, which ends with the token that made the sandbox
+        if not (given and await self.api.tokens.bound.check(TRAFFIC, sid, given)):
             await self._authorize(request)
             await self._sandbox(sid)
         body = await read_body(request, 64 << 20, "body")

@@ -172,8 +172,8 @@ def _iso(ts: float) -> str:
 
 
 class E2BApi:
-    def __init__(self, platform: Platform, access_token: Callable[[str], str],
-                 traffic_token: Callable[[str], str], templates: TemplateSource | None = None) -> None:
+    def __init__(self, platform: Platform, access_token: Callable[[SandboxInfo], str],
+                 traffic_token: Callable[[SandboxInfo], str], templates: TemplateSource | None = None) -> None:
         self.platform, self.access_token, self.traffic_token = platform, access_token, traffic_token
         self.templates = templates
         self.edge_for = platform.edge_for
@@ -184,8 +184,8 @@ class E2BApi:
     def _sandbox(self, info: SandboxInfo) -> dict[str, Any]:
         return {"templateID": info.labels.get(TEMPLATE_LABEL, info.image), "sandboxID": info.sandbox_id,
                 "clientID": info.edge, "envdVersion": ENVD_VERSION,
-                "envdAccessToken": self.access_token(info.sandbox_id),
-                "trafficAccessToken": self.traffic_token(info.sandbox_id)}
+                "envdAccessToken": self.access_token(info),  # bound to the token that made it (dsec.iam.bound)
+                "trafficAccessToken": self.traffic_token(info)}
 
     def _listed(self, info: SandboxInfo) -> dict[str, Any]:
         end = info.expires_at or info.created_at + MAX_TIMEOUT_S

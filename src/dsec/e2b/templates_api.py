@@ -4,14 +4,14 @@ COPY's files are already here and upload those that are not, start the build wit
 steps, follow its status and logs, tag, list, get and delete templates. Errors are E2B's
 ``{"code", "message"}``.
 
-An upload URL is signed for its files hash (the SDK sends no credential with it); it
-points back at the apiserver the request came through."""
+An upload URL is signed for its project and files hash, bound to the token that asked for
+it (dsec.iam.bound: it stops working when that token is revoked or expires; the SDK sends no
+other credential with it); it points back at the apiserver the request came through."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-import hmac
 import os
 import socket
 import urllib.parse
@@ -245,12 +245,16 @@ def upload_key(project: str, files_hash: str) -> str:
     return f"{project}\n{files_hash}"
 
 
-def signed_upload(path: str, query: bytes, sign: Callable[[str], str]) -> bool:
-    """Whether an upload request carries the signature of its project and files hash."""
+def upload_claim(path: str, query: bytes) -> tuple[str, str] | None:
+    """What an upload URL claims: (the key it is signed for, its signature), to check as a
+    credential bound to the token that asked for the URL (dsec.iam.bound); None when the
+    URL lacks a part."""
     files_hash = path[len(FILES_PATH):]
     q = urllib.parse.parse_qs(query.decode(errors="replace"))
     given, project = q.get("signature", [""])[0], q.get("project", [""])[0]
-    return bool(files_hash and project) and hmac.compare_digest(given, sign(upload_key(project, files_hash)))
+    if not (files_hash and project and given):
+        return None
+    return upload_key(project, files_hash), given
 
 
 def mount(app: FastAPI, api: TemplatesApi) -> None:

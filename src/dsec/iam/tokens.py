@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, delete, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 
+from dsec.iam.bound import BoundKeys
 from dsec.iam.quota import in_subtree
 from dsec.meta.schema import iam_events, projects, tokens
 from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec, within
@@ -145,25 +146,46 @@ class TokenStore:
     in-memory map every request is checked against. Another replica's new token is
     looked up on its first use (misses are remembered for a second, so a flood of bad
     tokens costs one query per distinct token per second); revocations reach the other
-    replicas within ``REFRESH_S`` (the revoking replica drops the token at once)."""
+    replicas within ``REFRESH_S`` (the revoking replica drops the token at once, and a
+    reload that read the table before the revocation does not bring it back). Tokens are
+    kept by digest (a bearer token's check) and by id (a bound credential's, dsec.iam.bound):
+    both O(1) in memory."""
 
-    REFRESH_S = 5.0
+    REFRESH_S = 2.0  # credentials bound to a token end within this (+ a stream's re-check) of its revocation
     MISS_TTL_S = 1.0
     MAX_MISSES = 10_000
+    REVOKED_KEEP_S = 60.0  # far longer than any reload takes
 
     def __init__(self, db: Engine, admin_token: str) -> None:
         self._admin = admin_token.encode()
+        # the key bound credentials are signed with: the admin token's, never the token itself
+        self._bound_key = hmac.new(self._admin, b"dsec.iam.bound", hashlib.sha256).digest()
         self._db = db
         self._lock = threading.Lock()
+        # guards swapping and pruning the in-memory maps (a reload, a revocation); the per-request
+        # reads take no lock: each map is replaced whole or changed by one key at a time
+        self._table = threading.Lock()
         self._by_digest: dict[str, Principal] = {}
+        self._by_id: dict[str, Principal] = {}
         self._misses: dict[str, float] = {}
+        self._id_misses: dict[str, float] = {}
+        self._revoked: dict[str, float] = {}  # token id -> when this replica dropped it (monotonic)
+        self.bound = BoundKeys(self)  # the credentials derived from tokens (E2B's, SWE-ReX's, upload URLs)
         self._load()
 
     def _load(self) -> None:
         with self._db.connect() as c:
             rows = c.execute(select(tokens.c.id, tokens.c.digest, tokens.c.project, tokens.c.role,
                                     tokens.c.expires_at)).all()
-        self._by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows}
+        # under the table's lock, after the query: a revocation made while the query ran is
+        # filtered out here, one made after it drops the token from the new maps
+        with self._table:
+            now = time.monotonic()
+            self._revoked = {i: t for i, t in self._revoked.items() if now - t < self.REVOKED_KEEP_S}
+            by_digest = {d: Principal(i, p, r, e) for i, d, p, r, e in rows if i not in self._revoked}
+            self._by_id = {p.token_id: p for p in by_digest.values()}
+            self._by_digest = by_digest
+            self._id_misses = {}
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._db.connect() as c:
@@ -188,12 +210,16 @@ class TokenStore:
         if now - self._misses.get(digest, -self.MISS_TTL_S) < self.MISS_TTL_S:
             return None
         p = await asyncio.to_thread(self._lookup, digest)
-        if p is None:
-            if len(self._misses) >= self.MAX_MISSES:
-                self._misses.clear()
-            self._misses[digest] = now
-        else:
-            self._by_digest[digest] = p
+        with self._table:
+            if p is not None and p.token_id in self._revoked:  # read before this replica's revocation committed
+                p = None
+            if p is None:
+                if len(self._misses) >= self.MAX_MISSES:
+                    self._misses.clear()
+                self._misses[digest] = now
+            else:
+                self._by_digest[digest] = p
+                self._by_id[p.token_id] = p
         return p
 
     async def principal(self, token_id: str) -> Principal | None:
@@ -201,13 +227,37 @@ class TokenStore:
         id); None once it is revoked or expired."""
         if token_id == ADMIN.token_id:
             p: Principal | None = ADMIN
+        elif token_id in self._revoked:
+            return None
         else:
-            p = next((q for q in list(self._by_digest.values()) if q.token_id == token_id), None)
-            if p is None:
+            p = self._by_id.get(token_id)
+            if p is None:  # made on another replica since the last reload; misses remembered a while
+                now = time.monotonic()
+                if now - self._id_misses.get(token_id, -self.MISS_TTL_S) < self.MISS_TTL_S:
+                    return None
                 p = await asyncio.to_thread(self._lookup_id, token_id)
+                with self._table:
+                    if token_id in self._revoked:  # read before this replica's revocation committed
+                        return None
+                    if p is None:
+                        if len(self._id_misses) >= self.MAX_MISSES:
+                            self._id_misses.clear()
+                        self._id_misses[token_id] = now
+                    else:
+                        self._by_id[token_id] = p
         if p is not None and p.expires_at is not None and p.expires_at <= time.time():
             return None
         return p
+
+    async def live(self, token_id: str) -> bool:
+        """Whether the token with this id is neither revoked nor expired (a bound
+        credential's check: the in-memory table, a query only for a token not seen yet)."""
+        return await self.principal(token_id) is not None
+
+    @property
+    def secret(self) -> bytes:
+        """The key credentials bound to tokens are signed with (dsec.iam.bound)."""
+        return self._bound_key
 
     def _lookup_id(self, token_id: str) -> Principal | None:
         with self._db.connect() as c:
@@ -231,8 +281,9 @@ class TokenStore:
         return self._db
 
     def derive(self, purpose: str, value: str) -> str:
-        """A secret bound to ``value`` (say, one sandbox's envd access token), derived from
-        the cluster's admin token: verifiable later, on any replica, without storing it."""
+        """A secret bound to ``value`` (a console session's signature), derived from the
+        cluster's admin token: verifiable later, on any replica, without storing it. Not for
+        credentials a token hands out: those die with it (dsec.iam.bound)."""
         return hmac.new(self._admin, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()[:40]
 
     def create(self, spec: TokenSpec, by: Principal = ADMIN) -> TokenInfo:
@@ -260,7 +311,11 @@ class TokenStore:
                                             created_by=by.token_id))
             record_event(c, by.token_id, "token.create", info.id, info.project,
                          {"role": info.role, "name": info.name, "expires_at": info.expires_at})
-        self._by_digest[digest] = Principal(info.id, info.project, info.role, info.expires_at)
+        p = Principal(info.id, info.project, info.role, info.expires_at)
+        with self._table:
+            self._by_digest[digest] = p
+            self._by_id[info.id] = p
+            self._id_misses.pop(info.id, None)
         return info.model_copy(update={"token": secret})
 
     def list(self, by: Principal = ADMIN) -> builtins.list[TokenInfo]:
@@ -288,7 +343,12 @@ class TokenStore:
     def forget(self, token_ids: builtins.list[str]) -> None:
         """Tokens revoked (here or with their project): refused from now on, on this replica."""
         gone = set(token_ids)
-        self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id not in gone}
+        with self._table:
+            now = time.monotonic()
+            for i in gone:
+                self._revoked[i] = now
+                self._by_id.pop(i, None)
+            self._by_digest = {d: p for d, p in self._by_digest.items() if p.token_id not in gone}
 
     def events(self, after: int = 0, limit: int = 1000, by: Principal = ADMIN) -> builtins.list[IamEvent]:
         """IAM changes after event ``after``, oldest first: those of the projects ``by`` administers."""

@@ -8,6 +8,6 @@ make a SWE-ReX session out of a dsec shell session (shell.py), and directory upl
 swerex: it is the client's package, not dsec's.
 """
 
-from dsec.swerex.face import PREFIX, TOKEN_PURPOSE, SwerexFace, mount
+from dsec.swerex.face import PREFIX, SwerexFace, mount
 
-__all__ = ["PREFIX", "TOKEN_PURPOSE", "SwerexFace", "mount"]
+__all__ = ["PREFIX", "SwerexFace", "mount"]

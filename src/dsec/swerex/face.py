@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import hmac
 import logging
 import posixpath
 from collections.abc import Awaitable, Callable
@@ -43,14 +42,14 @@ from dsec.errors import (
     Unauthorized,
 )
 from dsec.iam import project_of_sandbox
+from dsec.iam.bound import SWEREX as SWEREX_PURPOSE
 from dsec.swerex import models as m
 from dsec.swerex import shell
 from dsec.swerex.upload import upload
-from dsec.wire.models import SESSION_RE, ExecRequest, ExecResult, SandboxState
+from dsec.wire.models import SESSION_RE, ExecRequest, ExecResult, SandboxInfo, SandboxState
 
 log = logging.getLogger("dsec.swerex")
 PREFIX = "/swerex/"
-TOKEN_PURPOSE = "swerex"
 # SWE-ReX's "no timeout": just under the 300 s its client allows a whole request (aiohttp's
 # default), so the caller gets SWE-ReX's own CommandTimeoutError, not its client's
 DEFAULT_TIMEOUT_S = 290.0
@@ -127,10 +126,11 @@ class SwerexFace:
             "read_file": ("POST", self.read_file), "write_file": ("POST", self.write_file),
             "upload": ("POST", self.upload), "close": ("POST", self.close)}
 
-    def token_for(self, sid: str) -> str:
+    def token_for(self, info: SandboxInfo) -> str:
         """The sandbox's own SWE-ReX token: good for this sandbox's face only, verifiable on
-        any replica without being stored."""
-        return self.api.tokens.derive(TOKEN_PURPOSE, sid)
+        any replica without being stored, and bound to the token that made the sandbox (it
+        ends when that one is revoked or expires: dsec.iam.bound)."""
+        return self.api.tokens.bound.mint_for(SWEREX_PURPOSE, info)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
@@ -170,7 +170,10 @@ class SwerexFace:
             key = cred.strip()
         if not key:
             raise Unauthorized("missing X-API-Key: a dsec token, or this sandbox's SWE-ReX token", field="x-api-key")
-        if hmac.compare_digest(key.encode(), self.token_for(sid).encode()):
+        if self.api.tokens.bound.signed_by(SWEREX_PURPOSE, sid, key) is not None:  # the sandbox's own token
+            if await self.api.tokens.bound.check(SWEREX_PURPOSE, sid, key) is None:
+                raise Unauthorized("this sandbox's SWE-ReX token was revoked with the token that made the sandbox",
+                                   field="x-api-key")
             return self.api.edge_for(sid)
         principal = await self.api.tokens.verify(key.encode())
         if principal is None:
@@ -200,8 +203,8 @@ class SwerexFace:
         return JSONResponse({"message": f"dsec SWE-ReX face of {sid}"})
 
     async def token(self, sid: str, edge: EdgeAPI, request: Request) -> Response:
-        await edge.get(sid)  # an unknown sandbox is a 404, not a token for nothing
-        return JSONResponse({"auth_token": self.token_for(sid), "sandbox_id": sid})
+        info = await edge.get(sid)  # an unknown sandbox is a 404, not a token for nothing
+        return JSONResponse({"auth_token": self.token_for(info), "sandbox_id": sid})
 
     async def is_alive(self, sid: str, edge: EdgeAPI, request: Request) -> BaseModel:
         info = await edge.get(sid)

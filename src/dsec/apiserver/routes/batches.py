@@ -55,8 +55,9 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.get("/v1/batches/admission")
     async def admission() -> BatchAdmission:
-        """Creates starting per edge now and the most so far, the per-edge bound, items queued."""
-        return runner.admission()
+        """Creates starting per edge now and the most so far, the per-edge bound, items queued
+        (of the caller's projects: a project's token counts only its own subtree's)."""
+        return runner.admission(current_principal.get().covers)
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, offset: int = Query(default=0, ge=0),

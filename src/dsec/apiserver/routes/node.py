@@ -33,6 +33,11 @@ def routes(api: Apiserver) -> APIRouter:
 
     @router.get("/v1/storage")
     async def storage() -> list[StorageStats]:
-        """Per edge: the layer store it reads, its chunk cache, and what it fetched per data blob."""
-        return [await e.storage_stats() for e in api.edges.values()]
+        """Per edge: the layer store it reads, its chunk cache, and what it fetched per data blob.
+        A project's token gets the node's figures only: the blobs name the layers every project
+        runs."""
+        stats = [await e.storage_stats() for e in api.edges.values()]
+        if current_principal.get().all_projects:
+            return stats
+        return [s.model_copy(update={"blobs": []}) for s in stats]
     return router
