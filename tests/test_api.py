@@ -13,6 +13,7 @@ import sys
 import httpx
 import pytest
 import websockets
+import websockets.exceptions
 
 import dsec
 from tests.conftest import TOKEN, Platform

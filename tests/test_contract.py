@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
+import websockets.exceptions
 
 import dsec
 from tests.conftest import SECRET, TOKEN, Cluster, own_cluster

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
+import websockets.exceptions
 
 import dsec
 from dsec.wire.iam import ProjectQuota

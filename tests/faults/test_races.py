@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import websockets
+import websockets.exceptions
 
 import dsec
 from tests.conftest import TOKEN, Platform, leftovers, own_platform, wait_for

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import websockets
+import websockets.exceptions
 from conftest import TOKEN, Platform
 
 import dsec

@@ -13,6 +13,7 @@ import termios
 import tty
 
 import websockets
+import websockets.exceptions
 
 
 async def run_tty(url: str, token: str | None) -> int:
