@@ -31,5 +31,7 @@ class ClusterConfig(BaseModel):
     tracing_env: dict[str, str] = Field(
         default_factory=dict, description="OTEL_* variables (docs/tracing.md) every edge daemon and replica gets "
                                           "where its node's environment does not set them; `cluster up` passes its own")
+    tls: bool = Field(default=True, description="mutual TLS between replicas and edges (the cluster CA in the "
+                                                "registry, a certificate per daemon: dsec.cluster.certs)")
     resource: str = EDGE_RESOURCE
     log_level: str = "info"
