@@ -138,6 +138,9 @@ def test_daemon_tls_options_are_all_or_none(tmp_path: os.PathLike[str]) -> None:
     r = subprocess.run([*cli, "apiserver", "--edges", "n1=https://127.0.0.1:1", "--secret-file", key,
                         "--tls-cert", key], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tls-key" in r.stderr, r.stderr
+    r = subprocess.run([*cli, "apiserver", "--edges", "n1=https://127.0.0.1:1", "--secret-file", key],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--edges" in r.stderr and "--tls-cert" in r.stderr, r.stderr
     r = subprocess.run([*cli, "edge", "serve", "--name", "n1", "--secret-file", key, "--tls-cert", key,
                         "--tls-key", key, "--ca", "/no/such/ca.crt"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--ca" in r.stderr, r.stderr

@@ -299,7 +299,12 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
                 err.print(f"[red]error[/red]: --db: {str(e).splitlines()[0]}")
                 raise typer.Exit(2) from None
     else:
-        fastapi_app = build_apiserver(_edge_pairs(edges or ""), secret, data_dir or data_dir_default(), token, store,
+        pairs = _edge_pairs(edges or "")
+        if tls is None and (bad := [n for n, u in pairs.items() if u.startswith("https://")]):
+            err.print(f"[red]error[/red]: --edges: {bad[0]} is https://: give this apiserver its certificate "
+                      "(--tls-cert, --tls-key, --ca)")
+            raise typer.Exit(2)
+        fastapi_app = build_apiserver(pairs, secret, data_dir or data_dir_default(), token, store,
                                       tls)
     _run_uvicorn(fastapi_app, host, port, log_level, access_log)
 
