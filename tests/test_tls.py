@@ -151,3 +151,37 @@ def test_an_https_edge_needs_a_client_certificate() -> None:
 
     with pytest.raises(ValueError, match="tls-cert"):
         remote_edge("n1", "https://127.0.0.1:1", SECRET)
+
+
+def test_the_cluster_ca_lives_in_the_registry_and_a_new_one_is_trusted_beside_the_old(
+        tmp_path: os.PathLike[str]) -> None:
+    from cryptography import x509
+
+    from dsec.cluster import certs
+    from dsec.meta import open_db
+    from dsec.meta.db import sqlite_url
+    from dsec.meta.registry import Registry
+
+    root = str(tmp_path)
+    registry = Registry(open_db(sqlite_url(root)))
+    ca_dir = certs.cluster_ca(registry, root)
+    assert stat.S_IMODE(os.stat(os.path.join(ca_dir, "ca.key")).st_mode) == 0o600
+    assert certs.cluster_ca(registry, root) == ca_dir  # made once: the same CA again
+    first = open(os.path.join(ca_dir, "ca.crt"), "rb").read()
+    edge = certs.daemon_files(registry, os.path.join(root, "e1"), "e1", ["10.0.0.7"])
+    cert = x509.load_pem_x509_certificate(open(edge.cert, "rb").read())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "e1" in san.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
+    assert stat.S_IMODE(os.stat(edge.key).st_mode) == 0o600
+    certs.new_ca(registry)
+    certs.trust_now(registry, os.path.join(root, "e1"))
+    bundle = open(edge.ca, "rb").read()
+    assert bundle.endswith(first) and len(x509.load_pem_x509_certificates(bundle)) == 2
+    # a certificate of the new CA and one of the old both verify against the bundle
+    old_ctx = tls.client_context(edge)  # still holds the old CA's certificate
+    renewed = certs.daemon_files(registry, os.path.join(root, "e2"), "e2", ["127.0.0.1"])
+    new_issuer = x509.load_pem_x509_certificate(open(renewed.cert, "rb").read()).issuer
+    assert new_issuer != cert.issuer
+    server = tls.server_context(renewed)
+    assert old_ctx is not None and server.verify_mode == ssl.CERT_REQUIRED

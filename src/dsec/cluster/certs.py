@@ -26,8 +26,10 @@ TRUST_SETTING = "tls_ca_trust"  # PEM bundle every daemon trusts: the CA, and th
 
 def _ca(registry: Registry) -> tuple[bytes, bytes, bytes]:
     """(CA cert, CA key, trust bundle); the CA made if the cluster has none."""
-    cert, key = tls.make_ca()
-    raw = registry.setting_once(CA_SETTING, json.dumps({"cert": cert.decode(), "key": key.decode()}))
+    raw = registry.setting(CA_SETTING)
+    if raw is None:  # (two makers at once: the first written wins, both use it)
+        cert, key = tls.make_ca()
+        raw = registry.setting_once(CA_SETTING, json.dumps({"cert": cert.decode(), "key": key.decode()}))
     ca = json.loads(raw)
     trust = registry.setting(TRUST_SETTING) or ca["cert"]
     return ca["cert"].encode(), ca["key"].encode(), trust.encode()

@@ -21,6 +21,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import secrets
 import ssl
 import threading
 
@@ -69,14 +70,17 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def make_ca(common_name: str = "dsec cluster CA") -> tuple[bytes, bytes]:
-    """A new CA: (cert PEM, key PEM)."""
+def make_ca(common_name: str | None = None) -> tuple[bytes, bytes]:
+    """A new CA: (cert PEM, key PEM). Each its own name by default (``dsec cluster CA
+    <random>``): during a rotation two CAs are trusted at once, and a chain is then found by
+    name (and key id) without a doubt which one signed it."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
+    common_name = common_name or f"dsec cluster CA {secrets.token_hex(4)}"
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
