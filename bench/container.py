@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import httpx
 
@@ -223,13 +224,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], headers: dict[str, str] | None = None) -> None:
-    """Until ``url``/healthz answers 200 (at most a minute); the process is killed if not."""
+def wait_ready(url: str, proc: subprocess.Popen[bytes], headers: dict[str, str] | None = None,
+               verify: Any = True) -> None:
+    """Until ``url``/healthz answers 200 (at most a minute); the process is killed if not.
+    ``verify``: an SSLContext for an https daemon (bench/remote_edge.py's mutual TLS)."""
     for _ in range(600):
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/healthz", timeout=1, headers=headers).status_code == 200:
+            if httpx.get(url + "/healthz", timeout=1, headers=headers, verify=verify).status_code == 200:
                 return
         except httpx.TransportError:
             pass

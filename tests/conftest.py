@@ -8,10 +8,12 @@ import glob
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -52,11 +54,12 @@ class Service:
     ready when its /healthz answers."""
 
     def __init__(self, argv: list[str], log_path: str, env: dict[str, str] | None = None,
-                 health_headers: dict[str, str] | None = None) -> None:
+                 health_headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.argv = argv
         self.env = env or {}  # added to this process's environment (the fault tests' failpoints)
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls  # an https daemon's probe: a client certificate and the CA (tests/test_tls.py)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.health_headers = health_headers or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = open(log_path, "ab")  # noqa: SIM115
@@ -73,7 +76,8 @@ class Service:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}; see {self.log.name}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1, headers=self.health_headers).status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=1, headers=self.health_headers,
+                             verify=self.tls or True).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -118,9 +122,17 @@ class Cluster:
     mount (as nodes do). Offers what tests use of a :class:`Platform`."""
 
     def __init__(self, root: str, names: tuple[str, ...] = ("n1",), store: str | None = None,
-                 edge_args: dict[str, list[str]] | None = None) -> None:
+                 edge_args: dict[str, list[str]] | None = None, tls: bool = False) -> None:
+        """``tls``: mutual TLS on the edge wire, a CA and a certificate per daemon in ROOT/tls."""
         assert store is not None or len(names) == 1, "edges of one cluster share a store"
         self.root, self.store = root, store
+        self.tls_dir = os.path.join(root, "tls")
+        self.probe: ssl.SSLContext | None = None
+        if tls:
+            from dsec.edge.remote import tls as wire_tls
+
+            self.ca_cert, self.ca_key = wire_tls.make_ca()
+            self.probe = wire_tls.client_context(self.tls_files("probe"))
         self.secret_file = os.path.join(root, "cluster.key")
         with open(self.secret_file, "w") as f:
             f.write(SECRET + "\n")
@@ -129,10 +141,11 @@ class Cluster:
             d = os.path.join(root, name)
             os.makedirs(d, exist_ok=True)
             (_seed_vm if store else _seed_layers)(d)
-            e = Service([], os.path.join(d, "edge.log"), health_headers={"Authorization": f"Bearer {SECRET}"})
+            e = Service([], os.path.join(d, "edge.log"), health_headers={"Authorization": f"Bearer {SECRET}"},
+                        tls=self.probe)
             e.argv = ["edge", "serve", "--name", name, "--listen", f"127.0.0.1:{e.port}", "--secret-file",
                       self.secret_file, "--data-dir", d, *(["--store", store] if store else []),
-                      *(edge_args or {}).get(name, [])]
+                      *(self.tls_args(name) if tls else []), *(edge_args or {}).get(name, [])]
             self.edges[name] = e
         if store:
             LayerStore(store, "sharedfs").link_from(os.path.join(SRC_DATA, "layers"), SHARED_LAYERS)
@@ -140,10 +153,22 @@ class Cluster:
         os.makedirs(self.data_dir, exist_ok=True)
         edges = ",".join(f"{n}={e.url}" for n, e in self.edges.items())
         self.api = Service(["apiserver", "--edges", edges, "--secret-file", self.secret_file, "--data-dir",
-                            self.data_dir, *(["--store", store] if store else []), "--token", TOKEN],
+                            self.data_dir, *(["--store", store] if store else []), "--token", TOKEN,
+                            *(self.tls_args("apiserver") if tls else [])],
                            os.path.join(self.data_dir, "apiserver.log"))
         self.api.argv += ["--port", str(self.api.port)]
         self.url = self.api.url
+
+    def tls_files(self, name: str) -> Any:
+        """A certificate for ``name`` (and 127.0.0.1) by this cluster's CA, in ROOT/tls/NAME."""
+        from dsec.edge.remote import tls as wire_tls
+
+        return wire_tls.write_daemon_files(os.path.join(self.tls_dir, name), self.ca_cert, self.ca_cert, self.ca_key,
+                                           name, ["127.0.0.1"])
+
+    def tls_args(self, name: str) -> list[str]:
+        f = self.tls_files(name)
+        return ["--tls-cert", f.cert, "--tls-key", f.key, "--ca", f.ca]
 
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
@@ -168,10 +193,11 @@ SHARED_LAYERS = {"base/busybox:latest", "base/debian:12"}  # what a cluster on M
 
 
 def own_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, names: tuple[str, ...] = ("n1",),
-                store: str | None = None, edge_args: dict[str, list[str]] | None = None) -> Iterator[Cluster]:
+                store: str | None = None, edge_args: dict[str, list[str]] | None = None,
+                tls: bool = False) -> Iterator[Cluster]:
     """A cluster on fresh dirs, for a fixture to yield from; its sandboxes are stopped
     when the fixture ends."""
-    c = Cluster(str(tmp_path_factory.mktemp(name)), names, store, edge_args)
+    c = Cluster(str(tmp_path_factory.mktemp(name)), names, store, edge_args, tls)
     try:
         c.start()
         yield c

@@ -5,10 +5,12 @@ back with what it had committed. A real server, Debian's postgresql-15."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -79,4 +81,49 @@ def test_an_unclean_stop_mid_write_comes_back_with_what_it_committed(pg_dir: str
         again.stop()
     finally:
         engine.dispose()
+        pg.stop()
+
+
+def _ssl_in_use(url: str) -> bool:
+    engine = create_engine(normalize_url(url))
+    try:
+        with engine.connect() as c:
+            return bool(c.execute(text("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")).scalar())
+    finally:
+        engine.dispose()
+
+
+def _plain(url: str) -> str:
+    return url.split("?")[0] + "?sslmode=disable"
+
+
+def test_the_network_reaches_it_over_tls_only_and_an_old_data_dir_is_upgraded(pg_dir: str) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from dsec.cluster import postgres
+
+    ip = postgres.advertised("0.0.0.0")
+    assert not ipaddress.ip_address(ip).is_loopback
+    pg = Postgres(pg_dir, host=ip, port=_free_port())
+    try:
+        url = pg.start()
+        assert "sslmode=require" in url and "channel_binding=require" in url
+        assert _ssl_in_use(url)  # the server's own view: this session is encrypted
+        with pytest.raises(OperationalError, match="no encryption|pg_hba"):
+            _ssl_in_use(_plain(url))  # a client that does not do TLS is refused
+        assert stat.S_IMODE(os.stat(os.path.join(pg_dir, postgres.KEY)).st_mode) == 0o600
+        pg.stop()
+        # a data dir as an older dsec left it: no certificate, its networks on `host` lines
+        for name in (postgres.KEY, postgres.CERT):
+            os.unlink(os.path.join(pg_dir, name))
+        hba = os.path.join(pg_dir, "pg_hba.conf")
+        with open(hba) as f:
+            old = f.read().replace("hostssl    dsec", "host    dsec")
+        with open(hba, "w") as f:
+            f.write(old)
+        url = pg.start()
+        assert _ssl_in_use(url)
+        with pytest.raises(OperationalError, match="no encryption|pg_hba"):
+            _ssl_in_use(_plain(url))
+    finally:
         pg.stop()

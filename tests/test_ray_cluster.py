@@ -12,6 +12,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ import ray
 import websockets
 
 import dsec
-from dsec.cluster import ops
+from dsec.cluster import ops, rayauth
 from dsec.cluster.config import NAMESPACE
 from dsec.cluster.local import LocalCluster
 from dsec.wire.models import FNCALL_IMAGE
@@ -154,13 +156,69 @@ async def test_creates_spread_and_any_replica_reaches_any_edge(rc: RayDsec) -> N
             await asyncio.gather(*(k.stop() for k in kids))
 
 
-def test_an_edge_refuses_callers_without_the_cluster_secret(rc: RayDsec) -> None:
+def test_an_edge_refuses_callers_without_a_cluster_certificate_or_the_secret(rc: RayDsec) -> None:
+    """Mutual TLS on the edge wire (docs/cluster.md, "TLS"): a caller without a certificate
+    the cluster CA signed is refused at the handshake; with one, the secret is still asked."""
+    import ssl
+
+    from dsec.cluster import certs
+    from dsec.meta import open_db
+    from dsec.meta.registry import Registry
+
     edges = ops.status(rc.address)["edges"]
     url = next(e["url"] for e in edges if e["name"] == "r2")
-    assert httpx.post(f"{url}/v1/call/stats", json={}).status_code == 401
-    assert httpx.post(f"{url}/v1/call/stats", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.post(f"{url}/v1/call/stats", json={},
+    assert url.startswith("https://")
+    ca = os.path.join(rc.local.root, "tls", "ca.crt")  # `cluster up` left the CA here
+    assert oct(os.stat(os.path.join(rc.local.root, "tls", "ca.key")).st_mode & 0o777) == "0o600"
+    with pytest.raises(httpx.TransportError):  # no client certificate
+        httpx.post(f"{url}/v1/call/stats", json={}, verify=ssl.create_default_context(cafile=ca))
+    with pytest.raises(httpx.TransportError):  # plain HTTP
+        httpx.post(url.replace("https://", "http://") + "/v1/call/stats", json={})
+    assert rc.local.up is not None
+    mine = certs.daemon_files(Registry(open_db(rc.local.up.db, migrate=False)),
+                              os.path.join(rc.local.root, "test-client"), "testclient", ["127.0.0.1"])
+    ctx = ssl.create_default_context(cafile=mine.ca)
+    ctx.load_cert_chain(mine.cert, mine.key)
+    assert httpx.post(f"{url}/v1/call/stats", json={}, verify=ctx).status_code == 401
+    assert httpx.post(f"{url}/v1/call/stats", json={}, verify=ctx,
                       headers={"Authorization": f"Bearer {rc.token}"}).status_code == 401  # the API token is not it
+
+
+def test_ray_refuses_a_client_without_the_token(rc: RayDsec) -> None:
+    """Every raylet and the GCS run with token auth (dsec.cluster.rayauth): a driver
+    without the token, or with another, cannot connect."""
+    code = ("import ray, sys\n"
+            "try:\n"
+            f"    ray.init(address={rc.address!r}, logging_level='error')\n"
+            "except Exception as e:\n"
+            "    print('refused:', type(e).__name__, str(e)[:200]); sys.exit(3)\n"
+            "print('connected', ray.cluster_resources())\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    for env in ({**base, "HOME": rc.local.root},  # no token anywhere
+                {**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}):  # a wrong one
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "connected" not in out.stdout, (out.stdout, out.stderr[-2000:])
+    # and the same driver with the token gets in: what refused the others was the token
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **rayauth.env(rc.local.ray_token)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "connected" in out.stdout, (out.stdout, out.stderr[-2000:])
+    # the token file is the operator's only: 0600
+    assert oct(os.stat(rc.local.ray_token).st_mode & 0o777) == "0o600"
+
+
+async def test_rotate_certs_with_a_new_ca_drops_no_sandbox(rc: RayDsec) -> None:
+    async with rc.client(rc.url) as c:
+        sb = await c.run_container(dsec.ContainerArgs(image="base/busybox"))
+        try:
+            in_flight = asyncio.create_task(sb.exec("sleep 3; echo survived", timeout=60))
+            done = await asyncio.to_thread(ops.rotate_certs, rc.address, True)
+            assert done["new_ca"] and done["daemons"] == len(NAMES) + 2 + 1  # edges, replicas, controller
+            assert (await in_flight).stdout == "survived\n"
+            assert (await sb.exec("echo after")).stdout == "after\n"
+            edges = ops.status(rc.address)["edges"]
+            assert all(e["healthy"] for e in edges if e["name"] in NAMES), edges
+        finally:
+            await sb.stop()
 
 
 def test_e2b_sdk_through_a_replica(rc: RayDsec, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import secrets
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -156,14 +157,14 @@ def build_embedded(data_dir: str, token: str | None = None, edge_name: str = "ed
 
 
 def build_apiserver(edges: dict[str, str], secret: str, data_dir: str, token: str | None = None,
-                    store: str | None = None) -> FastAPI:
+                    store: str | None = None, tls: ssl.SSLContext | None = None) -> FastAPI:
     """``dsec apiserver --edges``: the apiserver in front of edge daemons named by hand
     (name -> URL), its tokens in the data dir."""
     from dsec.edge.remote.client import remote_edge
 
     data_dir = os.path.abspath(data_dir)
     os.makedirs(data_dir, exist_ok=True)
-    remote = {name: remote_edge(name, url, secret) for name, url in edges.items()}
+    remote = {name: remote_edge(name, url, secret, tls) for name, url in edges.items()}
 
     async def close() -> None:
         for e in remote.values():
@@ -171,7 +172,8 @@ def build_apiserver(edges: dict[str, str], secret: str, data_dir: str, token: st
     return build_platform(dict(remote), local_tokens(data_dir, token), open_store(data_dir, store), stop=close)
 
 
-def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | None = None) -> FastAPI:
+def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | None = None,
+                  tls: ssl.SSLContext | None = None) -> FastAPI:
     """``dsec apiserver --db``: one stateless replica of a cluster. Its edges come from the
     registry, its fleet view from the controller's watcher, its tokens and sandbox index
     from the cluster's database; the data dir holds nothing but scratch."""
@@ -181,6 +183,6 @@ def build_replica(db: str, secret: str, token: str, data_dir: str, store: str | 
     os.makedirs(data_dir, exist_ok=True)
     engine = open_db(db)
     registry = Registry(engine)
-    edges = ClusterEdges(registry, secret)
+    edges = ClusterEdges(registry, secret, tls=tls)
     return build_platform(edges, TokenStore(engine, token), open_store(data_dir, store, engine), watcher=edges,
                           index=registry, routes=edges)

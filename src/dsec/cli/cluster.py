@@ -40,7 +40,9 @@ def up(ray_address: RayOpt = "auto",
            help="an address, network (CIDR) or host name no sandbox may reach (repeatable), besides the "
                 "cluster's nodes, database, edges, replicas and MooseFS master, which are walled off anyway: "
                 "chunkservers, a metadata service, anything else of the infrastructure")] = None,
-       token_file: Annotated[str | None, typer.Option(help="where to write the admin token (0600)")] = None) -> None:
+       token_file: Annotated[str | None, typer.Option(help="where to write the admin token (0600)")] = None,
+       tls: Annotated[bool, typer.Option(
+           help="mutual TLS between replicas and edges (a cluster CA, a certificate per daemon)")] = True) -> None:
     """Start dsec on a Ray cluster: an edge on every node with the dsec_edge resource, the
     apiserver replicas, the controller; prints the apiserver URLs."""
     interruptible()  # it waits minutes for the cluster: Ctrl-C quits within a second
@@ -69,7 +71,7 @@ def up(ray_address: RayOpt = "auto",
         res = ops.up(ray_address, db, store=store or os.environ.get("DSEC_STORE"), apiservers=apiservers,
                      apiserver_resource=apiserver_resource,
                      data_root=data_root, listen_host=listen_host, edge_port=edge_port, api_port=api_port,
-                     edge_args=edge_arg or [], db_allow=db_allow or [], protect=protect or [],
+                     edge_args=edge_arg or [], db_allow=db_allow or [], protect=protect or [], tls=tls,
                      say=lambda line: err.print(f"[dim]{line}[/dim]"))
     except (TimeoutError, RuntimeError, ValueError, ConnectionError, SQLAlchemyError) as e:
         err.print(f"[red]error[/red]: {str(e).splitlines()[0]}")
@@ -115,6 +117,23 @@ def status(ray_address: RayOpt = "auto", as_json: Annotated[bool, typer.Option("
         err.print(f"[red]{what} fails to start[/red] ({f['tries']} tries, trying again): {last[0][:300]}")
     if st["last_error"]:
         console.print(f"[yellow]controller[/yellow]: {st['last_error']}")
+
+
+@cluster_app.command("rotate-certs")
+def rotate_certs(ray_address: RayOpt = "auto",
+                 new_ca: Annotated[bool, typer.Option(
+                     help="sign with a new cluster CA (trusted alongside the old one until the next rotation)")]
+                 = False) -> None:
+    """New TLS certificates for every replica, edge and the controller, taken up while they
+    run: no sandbox, connection or request is dropped."""
+    from dsec.cluster import ops
+
+    try:
+        done = ops.rotate_certs(ray_address, new_ca)
+    except (ops.ClusterDown, ConnectionError) as e:
+        err.print(f"[red]error[/red]: {e}")
+        raise typer.Exit(2) from None
+    console.print(f"new certificates for {done['daemons']} daemons" + (" (a new CA)" if new_ca else ""))
 
 
 @cluster_app.command()

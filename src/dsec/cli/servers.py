@@ -103,6 +103,51 @@ def _read_secret(path: str) -> str:
     return secret
 
 
+TLSCertOpt = Annotated[str | None, typer.Option(
+    help="mutual TLS on the edge wire: this daemon's certificate (PEM; with --tls-key and --ca)")]
+TLSKeyOpt = Annotated[str | None, typer.Option(help="this daemon's private key (PEM, a file readable by it only)")]
+CAOpt = Annotated[str | None, typer.Option(
+    help="the cluster CA's certificate(s) (PEM): the peers this daemon accepts are those it signed")]
+
+
+def _tls_files(cert: str | None, key: str | None, ca: str | None) -> Any:
+    """The TLS files a daemon run by hand was given: all three or none (else exit 2,
+    naming the one missing). Re-read whenever they change (``dsec cluster rotate-certs``)."""
+    from dsec.edge.remote.tls import TLSFiles
+
+    given = {"--tls-cert": cert, "--tls-key": key, "--ca": ca}
+    if not any(given.values()):
+        return None
+    missing = [opt for opt, v in given.items() if not v]
+    if missing:
+        err.print(f"[red]error[/red]: {missing[0]}: mutual TLS needs --tls-cert, --tls-key and --ca together")
+        raise typer.Exit(2)
+    files = TLSFiles(cert=str(cert), key=str(key), ca=str(ca))
+    try:
+        files.check()
+    except ValueError as e:
+        err.print(f"[red]error[/red]: {e}")
+        raise typer.Exit(2) from None
+    return files
+
+
+def _tls_context(files: Any, server: bool) -> Any:
+    """The SSLContext for ``files`` (None: plain HTTP), reloaded when they change."""
+    import ssl
+
+    from dsec.edge.remote.tls import Reloader, client_context, server_context
+
+    if files is None:
+        return None
+    try:
+        ctx = server_context(files) if server else client_context(files)
+    except (ssl.SSLError, OSError) as e:
+        err.print(f"[red]error[/red]: --tls-cert {files.cert}: {e}")
+        raise typer.Exit(2) from None
+    Reloader(files, [ctx]).start()
+    return ctx
+
+
 AccessLogOpt = Annotated[bool, typer.Option(
     help="log every request (uvicorn's access log, signatures cut out); off by default: a line per request "
          "costs ~0.1 ms of the apiserver's CPU, a tenth of a session command")]
@@ -170,6 +215,7 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
                    envvar="DSEC_DB", help="a cluster's database (postgresql://...; default $DSEC_DB): the layer "
                                           "catalog lives there, shared by the cluster (what `dsec cluster up` "
                                           "gives)")] = None,
+               tls_cert: TLSCertOpt = None, tls_key: TLSKeyOpt = None, ca: CAOpt = None,
                **edge: Any) -> None:
     """Run this node's edge daemon until SIGTERM: the edge contract over HTTP and
     WebSocket, for apiservers holding the cluster secret."""
@@ -189,6 +235,7 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
         err.print(f"[red]error[/red]: --listen must be HOST:PORT, not {listen!r}")
         raise typer.Exit(2)
     secret = _read_secret(secret_file)
+    tls = _tls_context(_tls_files(tls_cert, tls_key, ca), server=True)
     data_dir, store, cfg = _edge_settings(edge)
     with _errors():
         try:
@@ -209,7 +256,7 @@ def edge_serve(name: Annotated[str, typer.Option(help="this edge's name in the c
     app.on_cleanup.append(stop)
     # keep-alive longer than a RemoteEdge keeps idle connections (30 s)
     web.run_app(app, host=host.strip("[]"), port=int(port), shutdown_timeout=SHUTDOWN_GRACE_S,
-                keepalive_timeout=75, print=None, access_log=None)
+                keepalive_timeout=75, print=None, access_log=None, ssl_context=tls)
 
 
 def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cluster secret")],
@@ -223,7 +270,8 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
               data_dir: Annotated[str | None, typer.Option(help="tokens and IAM (default /var/lib/dsec)")] = None,
               token: Annotated[str | None, typer.Option(help="API token (default: generated into DATA_DIR/token)")]
               = None,
-              store: StoreOpt = None, log_level: str = "info", access_log: AccessLogOpt = False) -> None:
+              store: StoreOpt = None, log_level: str = "info", access_log: AccessLogOpt = False,
+              tls_cert: TLSCertOpt = None, tls_key: TLSKeyOpt = None, ca: CAOpt = None) -> None:
     """Run the apiserver (with placement and the watcher) in front of edge daemons: named
     by hand (--edges), or a cluster's (--db)."""
     from dsec import tracing
@@ -234,6 +282,8 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
         err.print("[red]error[/red]: give --edges (edges named by hand) or --db (a cluster's registry), not both")
         raise typer.Exit(2)
     secret = _read_secret(secret_file)
+    # the client side of the edges' mutual TLS (the API itself is served as before)
+    tls = _tls_context(_tls_files(tls_cert, tls_key, ca), server=False)
     token = token or os.environ.get("DSEC_TOKEN")
     _prepare_process(log_level)
     if db is not None:
@@ -244,12 +294,18 @@ def apiserver(secret_file: Annotated[str, typer.Option(help="file holding the cl
 
         with _errors():
             try:
-                fastapi_app = build_replica(db, secret, token, data_dir or data_dir_default(), store)
+                fastapi_app = build_replica(db, secret, token, data_dir or data_dir_default(), store, tls)
             except (ValueError, ConnectionError, SQLAlchemyError) as e:  # ConnectionError: unreachable, why
                 err.print(f"[red]error[/red]: --db: {str(e).splitlines()[0]}")
                 raise typer.Exit(2) from None
     else:
-        fastapi_app = build_apiserver(_edge_pairs(edges or ""), secret, data_dir or data_dir_default(), token, store)
+        pairs = _edge_pairs(edges or "")
+        if tls is None and (bad := [n for n, u in pairs.items() if u.startswith("https://")]):
+            err.print(f"[red]error[/red]: --edges: {bad[0]} is https://: give this apiserver its certificate "
+                      "(--tls-cert, --tls-key, --ca)")
+            raise typer.Exit(2)
+        fastapi_app = build_apiserver(pairs, secret, data_dir or data_dir_default(), token, store,
+                                      tls)
     _run_uvicorn(fastapi_app, host, port, log_level, access_log)
 
 

@@ -27,6 +27,7 @@ import os
 import pwd
 import re
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -38,11 +39,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dsec.checkpoints.mover import Mover
 from dsec.checkpoints.store import CheckpointStore
-from dsec.cluster import postgres
+from dsec.cluster import certs, postgres
 from dsec.cluster.config import EDGE_NAME_LABEL, NAMESPACE, ClusterConfig
 from dsec.cluster.daemon import Daemon, dsec_argv, free_port, http_ok, start_retrying
 from dsec.cluster.view import ClusterEdges
 from dsec.edge.network import wall
+from dsec.edge.remote import tls
 from dsec.errors import DsecError
 from dsec.health.events import FleetEvents
 from dsec.meta import open_db
@@ -80,6 +82,37 @@ def _addresses(cfg: ClusterConfig) -> tuple[str, str]:
     return bind, node_ip if bind in postgres.ANY_HOST else bind
 
 
+class _DaemonTLS:
+    """A daemon's side of the cluster's mutual TLS: its certificate (made here, on its own
+    node, signed by the cluster CA from the registry) in DIRECTORY/tls, the options that
+    hand it the files, and the renewals of ``dsec cluster rotate-certs``."""
+
+    def __init__(self, cfg: ClusterConfig, registry: Registry, directory: str, name: str, hosts: list[str]) -> None:
+        self.registry, self.name = registry, name
+        self.hosts = [h for h in dict.fromkeys(hosts) if h and h not in postgres.ANY_HOST]
+        self.dir = os.path.join(directory, "tls")
+        self.files = certs.daemon_files(registry, self.dir, name, self.hosts) if cfg.tls else None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.files else "http"
+
+    def argv(self) -> list[str]:
+        f = self.files
+        return ["--tls-cert", f.cert, "--tls-key", f.key, "--ca", f.ca] if f else []
+
+    def client(self) -> ssl.SSLContext | None:
+        return tls.client_context(self.files) if self.files else None
+
+    def trust(self) -> None:
+        if self.files:
+            certs.trust_now(self.registry, self.dir)
+
+    def renew(self) -> None:
+        if self.files:
+            certs.daemon_files(self.registry, self.dir, self.name, self.hosts)
+
+
 def _tracing_env(cfg: ClusterConfig) -> dict[str, str]:
     """The tracing variables `cluster up` was given (docs/tracing.md), under the node's own:
     the daemon's ``dsec.tracing.setup`` reads them."""
@@ -106,22 +139,31 @@ class EdgeActor:
         port = self.cfg.edge_port or free_port(host)
         data = os.path.join(self.cfg.data_root, name)
         secret_file = _secret_file(data, self.cfg.secret)
-        self.url = f"http://{reached}:{port}"
+        registry = Registry(open_db(self.cfg.db, migrate=False))
+        self.tls = _DaemonTLS(self.cfg, registry, data, name, [reached, host])
+        self.url = f"{self.tls.scheme}://{reached}:{port}"
         argv = dsec_argv("edge", "serve", "--name", name, "--listen", f"{host}:{port}", "--secret-file", secret_file,
-                         "--data-dir", data, "--log-level", self.cfg.log_level,
+                         "--data-dir", data, "--log-level", self.cfg.log_level, *self.tls.argv(),
                          *(["--store", self.cfg.store] if self.cfg.store else []),
                          *self.cfg.edge_args, *self.cfg.edge_args_by_name.get(name, []))
-        registry = Registry(open_db(self.cfg.db, migrate=False))
+        # the probe presents the edge's own certificate (the daemon requires one)
+        probe = self.tls.client()
         # the layer catalog's database through the environment, not argv: its URL has a password
         self.daemon = start_retrying(
             lambda: Daemon(argv, os.path.join(data, "edge.log"),
-                           http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}),
+                           http_ok(f"{self.url}/healthz", {"Authorization": f"Bearer {self.cfg.secret}"}, probe),
                            env={**_tracing_env(self.cfg), "DSEC_DB": self.cfg.db}),
             _reporter(registry, f"edge:{name}"))
         registry.register(name, self.url, self.node_id)
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "node_id": self.node_id, "pid": self.daemon.proc.pid}
+
+    def trust(self) -> None:
+        self.tls.trust()
+
+    def renew(self) -> None:
+        self.tls.renew()
 
     def shutdown(self) -> int | None:
         return self.daemon.stop()
@@ -136,12 +178,14 @@ class ApiserverActor:
         data = os.path.join(self.cfg.data_root, f"apiserver-{index}")
         secret_file = _secret_file(data, self.cfg.secret)
         self.url = f"http://{reached}:{port}"
+        registry = Registry(open_db(self.cfg.db, migrate=False))
+        # its certificate as the edges' client (the API it serves is plain HTTP as before)
+        self.tls = _DaemonTLS(self.cfg, registry, data, f"apiserver-{index}", [reached])
         argv = dsec_argv("apiserver", "--secret-file", secret_file, "--host", host,
                          "--port", str(port), "--data-dir", data, "--log-level", self.cfg.log_level,
-                         *(["--store", self.cfg.store] if self.cfg.store else []))
+                         *self.tls.argv(), *(["--store", self.cfg.store] if self.cfg.store else []))
         # the token and the database's password through the environment, not argv (which
         # every user of the node can read)
-        registry = Registry(open_db(self.cfg.db, migrate=False))
         self.daemon = start_retrying(
             lambda: Daemon(argv, os.path.join(data, "apiserver.log"), http_ok(f"{self.url}/healthz", {}),
                            env={**_tracing_env(self.cfg), "DSEC_TOKEN": self.cfg.admin_token,
@@ -151,6 +195,12 @@ class ApiserverActor:
 
     def info(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "pid": self.daemon.proc.pid}
+
+    def trust(self) -> None:
+        self.tls.trust()
+
+    def renew(self) -> None:
+        self.tls.renew()
 
     def shutdown(self) -> int | None:
         return self.daemon.stop()
@@ -247,6 +297,12 @@ class Controller:
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = ClusterConfig(**cfg)
         self.registry = Registry(open_db(self.cfg.db))
+        # the controller polls the edges: a client certificate of its own, reloaded on rotation
+        self.tls = _DaemonTLS(self.cfg, self.registry, os.path.join(self.cfg.data_root, "controller"), "controller",
+                              [ray.util.get_node_ip_address()])
+        self.client_tls = self.tls.client()
+        if self.tls.files and self.client_tls:
+            tls.Reloader(self.tls.files, [self.client_tls]).start()
         self.edges: dict[str, tuple[str, Any]] = {}  # node id -> (edge name, actor)
         self.apiservers: dict[int, Any] = {}
         self.events: list[dict[str, Any]] = []
@@ -299,8 +355,25 @@ class Controller:
         self.registry.drop_settings("apiserver:")
         return {"sandboxes_stopped": stopped, "edges": len(self.edges), "apiservers": len(self.apiservers)}
 
+    def rotate_certs(self, new_ca: bool = False) -> dict[str, Any]:
+        """``dsec cluster rotate-certs``: a new CA if asked, then in two phases over every
+        daemon (replicas, edges, this controller): all trust the new bundle (the new CA and
+        the old), then all get new certificates. Each daemon reloads its files in place
+        (dsec.edge.remote.tls.Reloader): no connection, request or sandbox is dropped."""
+        if not self.cfg.tls:
+            raise ValueError("this cluster runs without TLS (cluster up --no-tls)")
+        if new_ca:
+            certs.new_ca(self.registry)
+        actors = [a for _, a in self.edges.values()] + list(self.apiservers.values())
+        for phase in ("trust", "renew"):
+            ray.get([getattr(a, phase).remote() for a in actors], timeout=120)
+            getattr(self.tls, phase)()
+            # every daemon polls its files each RELOAD_POLL_S: all hold the phase before the next
+            time.sleep(2.5 * tls.RELOAD_POLL_S)
+        return {"daemons": len(actors) + 1, "new_ca": new_ca}
+
     async def _stop_sandboxes(self) -> int:
-        view = ClusterEdges(self.registry, self.cfg.secret)
+        view = ClusterEdges(self.registry, self.cfg.secret, tls=self.client_tls)
         n = 0
         try:
             # an edge still starting (Ray restarting it, a node just back) is waited for, bounded:
@@ -334,7 +407,7 @@ class Controller:
         asyncio.run(self._loop())
 
     async def _loop(self) -> None:
-        self._view = ClusterEdges(self.registry, self.cfg.secret, poll=True)
+        self._view = ClusterEdges(self.registry, self.cfg.secret, poll=True, tls=self.client_tls)
         view = self._view
         self._mover = Mover(lambda: view, Placement(lambda: view.view), self.registry,
                             CheckpointStore(self.registry.db, None), FleetEvents(self.registry.db))

@@ -34,5 +34,7 @@ class ClusterConfig(BaseModel):
     protect: list[str] = Field(
         default_factory=list, description="more addresses, networks (CIDR) or host names no sandbox may reach, "
                                           "besides the cluster's own nodes, database and storage (which are found)")
+    tls: bool = Field(default=True, description="mutual TLS between replicas and edges (the cluster CA in the "
+                                                "registry, a certificate per daemon: dsec.cluster.certs)")
     resource: str = EDGE_RESOURCE
     log_level: str = "info"

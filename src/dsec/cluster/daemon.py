@@ -13,6 +13,7 @@ import os
 import pwd
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -46,10 +47,12 @@ def dsec_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "dsec.cli.main", *args]
 
 
-def http_ok(url: str, headers: dict[str, str]) -> Callable[[], bool]:
+def http_ok(url: str, headers: dict[str, str], context: ssl.SSLContext | None = None) -> Callable[[], bool]:
+    """A probe of ``url`` (``context``: the client side of an https daemon's mutual TLS)."""
     def check() -> bool:
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2,
+                                        context=context) as r:
                 return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-from dsec.cluster import ops
+from dsec.cluster import ops, rayauth
 from dsec.cluster.config import EDGE_NAME_LABEL, EDGE_RESOURCE
 from dsec.cluster.daemon import free_port
 from dsec.cluster.postgres import Postgres
@@ -48,6 +48,9 @@ class LocalCluster:
         self.nodes: dict[str, Any] = {}  # edge name -> ray node
         self.store = os.path.join(self.fs.mount, "dsec")
         self.up: ops.UpResult | None = None
+        # Ray's token (dsec.cluster.rayauth): every raylet, worker and this driver use it
+        self.ray_token = rayauth.token_file(os.path.join(root, "ray-auth-token"))
+        self._env_before: dict[str, str | None] | None = None
 
     @staticmethod
     def node_args(name: str) -> dict[str, Any]:
@@ -67,6 +70,8 @@ class LocalCluster:
         # the replicas live on the head node, which is never removed: a node taken away to
         # test node loss takes an edge, not the replicas the test talks through
         head["resources"] = {**head["resources"], REPLICA_RESOURCE: 1}
+        if self._env_before is None:
+            self._env_before = rayauth.enable_here(self.ray_token)
         self.ray = Cluster(initialize_head=True, head_node_args={
             **head, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
         self.nodes[self.names[0]] = self.ray.head_node
@@ -127,7 +132,8 @@ class LocalCluster:
         if self.ray is not None:
             address, ray_cluster = self.address, self.ray
             steps += [lambda: ops.down(address, stop_sandboxes=True), ray.shutdown, ray_cluster.shutdown]
-        steps += [self.pg.remove, lambda: shutil.rmtree(self.pg_root, ignore_errors=True), self._sweep, self.fs.stop]
+        steps += [self.pg.remove, lambda: shutil.rmtree(self.pg_root, ignore_errors=True), self._sweep, self.fs.stop,
+                  self._auth_off]
         failed = []
         for step in steps:
             try:
@@ -135,6 +141,11 @@ class LocalCluster:
             except Exception as e:
                 failed.append(e)
         return failed
+
+    def _auth_off(self) -> None:
+        if self._env_before is not None:
+            rayauth.restore(self._env_before)
+            self._env_before = None
 
     def _sweep(self) -> None:
         """What a dead edge leaves by design (its lazy layer reader outlives it, for the

@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dsec.cluster import rayauth
+
 # what bounds Ray on a small machine: one CPU, a 100 MB object store, no usage report
 RAY_BOUNDS = ("--num-cpus", "1", "--object-store-memory", str(100 << 20), "--disable-usage-stats")
 
@@ -130,6 +132,7 @@ class RayHosts:
 
     bed: NetBed | None = None
     tmp: dict[int, str] = field(default_factory=dict)
+    auth: str = ""  # Ray's token file, shared by the hosts (one machine's filesystem)
 
     @property
     def ids(self) -> list[int]:
@@ -138,7 +141,10 @@ class RayHosts:
     def env(self, i: int) -> dict[str, str]:
         if i not in self.tmp:
             self.tmp[i] = tempfile.mkdtemp(prefix=f"rt{i}-", dir="/tmp")  # short: Ray's sockets live there
-        return {**os.environ, "RAY_TMPDIR": self.tmp[i]}
+        # Ray's token auth on every host (docs/cluster.md): the same token file, 0600, by path
+        if not self.auth:
+            self.auth = rayauth.token_file(os.path.join(tempfile.mkdtemp(prefix="rayauth-"), "token"))
+        return {**os.environ, "RAY_TMPDIR": self.tmp[i], **rayauth.env(self.auth)}
 
     def run(self, i: int, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """``argv`` on host ``i``; its program (``ray``, ``dsec``, ``python``) from this
@@ -189,6 +195,8 @@ class RayHosts:
             self.bed.down()
         for t in self.tmp.values():
             shutil.rmtree(t, ignore_errors=True)
+        if self.auth:
+            shutil.rmtree(os.path.dirname(self.auth), ignore_errors=True)
 
 
 def _pids_with_env(marks: set[str]) -> list[int]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dsec import tracing
-from dsec.cluster import postgres
+from dsec.cluster import certs, postgres
 from dsec.cluster.actors import CONTROLLER, PostgresActor, controller
 from dsec.cluster.config import NAMESPACE, ClusterConfig
 from dsec.meta import open_db
@@ -78,6 +78,8 @@ def up(ray_address: str = "auto", db: str | None = None, timeout_s: float = UP_T
     token = registry.setting_once("admin_token", "dsec_" + secrets.token_urlsafe(32))
     settings.setdefault("tracing_env", tracing.forwarded_env())  # a collector named here reaches every node
     cfg = ClusterConfig(db=db, secret=secret, admin_token=token, **settings)
+    if cfg.tls:  # the cluster CA: made once, kept in the registry, its files here for daemons run by hand
+        say(f"the cluster CA is in {certs.cluster_ca(registry, data_root)}")
     ctl = controller(cfg)
     ray.get(ctl.ready.remote(), timeout=60)
     deadline = time.monotonic() + timeout_s
@@ -133,6 +135,13 @@ def _controller() -> Any:
 def status(ray_address: str = "auto") -> dict[str, Any]:
     connect(ray_address)
     return dict(ray.get(_controller().status.remote(), timeout=30))
+
+
+def rotate_certs(ray_address: str = "auto", new_ca: bool = False) -> dict[str, Any]:
+    """New certificates for every daemon of the cluster (signed by a new CA when asked),
+    taken up while they run (Controller.rotate_certs)."""
+    connect(ray_address)
+    return dict(ray.get(_controller().rotate_certs.remote(new_ca), timeout=600))
 
 
 def down(ray_address: str = "auto", stop_sandboxes: bool = False, keep_db: bool = False) -> dict[str, Any]:

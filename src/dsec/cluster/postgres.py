@@ -1,7 +1,11 @@
 """A private PostgreSQL (Debian's postgresql-15) for a cluster that brings no database of
 its own, and for the tests: a fresh data dir owned by the ``postgres`` user (the server
 refuses to run as root), listening on the address given, admitting (pg_hba.conf, with a
-password: scram-sha-256) dsec's user from the networks of that address and those named.
+password: scram-sha-256) dsec's user from the networks of that address and those named,
+over TLS only (``hostssl``: a server certificate made at init; the URL asks for
+``sslmode=require&channel_binding=require``, and SCRAM's channel binding proves the server
+holds the password's verifier, so clients need no CA). Loopback and the unix socket are
+initdb's, as before. A data dir made before TLS gets its certificate at its next start.
 ``dsec cluster up`` without ``--db`` runs it under a Ray actor on the node it runs on."""
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def init(data_dir: str) -> str:
     pw = pwd.getpwnam(USER)
     pass_file = os.path.join(os.path.dirname(data_dir.rstrip("/")), os.path.basename(data_dir) + ".password")
     if os.path.exists(os.path.join(data_dir, "PG_VERSION")):
+        server_cert(data_dir)  # (a data dir from before TLS: its certificate now)
         with open(pass_file) as f:
             return f.read().strip()
     password = secrets.token_urlsafe(24)
@@ -67,7 +72,27 @@ def init(data_dir: str) -> str:
     fd = os.open(pass_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(password + "\n")
+    server_cert(data_dir)
     return password
+
+
+CERT, KEY = "server.crt", "server.key"
+
+
+def server_cert(data_dir: str) -> None:
+    """The server's TLS certificate (self-signed: clients check the server through SCRAM's
+    channel binding, not a CA) in the data dir, its key 0600 and the server's own, made
+    once."""
+    from dsec.edge.remote import tls
+
+    if os.path.exists(os.path.join(data_dir, CERT)) and os.path.exists(os.path.join(data_dir, KEY)):
+        return
+    ca_cert, ca_key = tls.make_ca("dsec private PostgreSQL")
+    cert, key = tls.issue(ca_cert, ca_key, "postgres", [socket.gethostname()])
+    pw = pwd.getpwnam(USER)
+    for name, data, mode in ((KEY, key, 0o600), (CERT, cert + ca_cert, 0o644)):
+        tls.write_private(os.path.join(data_dir, name), data, mode)
+        os.chown(os.path.join(data_dir, name), pw.pw_uid, pw.pw_gid)
 
 
 HBA_BEGIN = "# dsec: the cluster's networks (rewritten at every start of the cluster)"
@@ -130,7 +155,8 @@ def admit(data_dir: str, nets: Sequence[str]) -> bool:
         kept = lines[:start] + lines[end + 1:]
     else:
         kept = lines
-    block = [HBA_BEGIN, *(f"host    dsec    {DB_USER}    {n}    scram-sha-256" for n in nets), HBA_END]
+    # hostssl: from the network, TLS or nothing (a plain connection matches no line: refused)
+    block = [HBA_BEGIN, *(f"hostssl    dsec    {DB_USER}    {n}    scram-sha-256" for n in nets), HBA_END]
     text = "\n".join(kept + block) + "\n"
     if before == text:
         return False
@@ -147,7 +173,9 @@ def admit(data_dir: str, nets: Sequence[str]) -> bool:
 def argv(data_dir: str, host: str, port: int) -> list[str]:
     """The server's command line (run it as the ``postgres`` user)."""
     return [os.path.join(bin_dir(), "postgres"), "-D", data_dir, "-h", host, "-p", str(port),
-            "-k", data_dir, "-c", "max_connections=400", "-c", "fsync=on", "-c", "listen_addresses=" + host]
+            "-k", data_dir, "-c", "max_connections=400", "-c", "fsync=on", "-c", "listen_addresses=" + host,
+            "-c", "ssl=on", "-c", f"ssl_cert_file={os.path.join(data_dir, CERT)}",
+            "-c", f"ssl_key_file={os.path.join(data_dir, KEY)}", "-c", "password_encryption=scram-sha-256"]
 
 
 def create_database(data_dir: str, port: int) -> None:
@@ -192,7 +220,8 @@ def advertised(host: str) -> str:
 
 
 def url(host: str, port: int, password: str) -> str:
-    return f"postgresql://{DB_USER}:{password}@{host}:{port}/dsec"
+    # TLS, and SCRAM bound to that TLS channel: a server that is not ours cannot answer it
+    return f"postgresql://{DB_USER}:{password}@{host}:{port}/dsec?sslmode=require&channel_binding=require"
 
 
 class Postgres:

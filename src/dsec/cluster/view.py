@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Iterator, Mapping
 
@@ -35,8 +36,10 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
     """``poll=True`` (the controller): poll every active edge and write the view to the
     registry. ``poll=False`` (a replica): read the view, polling only stale edges."""
 
-    def __init__(self, registry: Registry, secret: str, poll: bool = False, interval_s: float = 1.0) -> None:
+    def __init__(self, registry: Registry, secret: str, poll: bool = False, interval_s: float = 1.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.registry, self.secret, self.poll, self.interval_s = registry, secret, poll, interval_s
+        self.tls = tls  # the client side of the edges' mutual TLS (their URLs are https://)
         self._edges: dict[str, EdgeAPI] = {}
         self._urls: dict[str, str] = {}
         self.rows: dict[str, EdgeRow] = {}
@@ -85,7 +88,7 @@ class ClusterEdges(Refresher, Mapping[str, EdgeAPI]):
             if self._urls.get(r.name) == key:
                 continue
             await self._drop(r.name)
-            self._edges[r.name] = (remote_edge(r.name, r.url, self.secret) if r.state == "active"
+            self._edges[r.name] = (remote_edge(r.name, r.url, self.secret, self.tls) if r.state == "active"
                                    else lost_edge(r.name, r.reason, self.registry, self._forward))
             self._urls[r.name] = key
 

@@ -56,7 +56,10 @@ def _unreachable(url: str, e: OperationalError) -> DatabaseUnreachable | None:
     first = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])
     why = " ".join(ln.strip() for ln in first[:2])[:300]
     low = why.lower()
-    if "pg_hba.conf" in low:
+    if "pg_hba.conf" in low and "no encryption" in low:
+        hint = ("the server takes network clients over TLS only: add ?sslmode=require&channel_binding=require "
+                "to the URL")
+    elif "pg_hba.conf" in low:
         hint = ("the server does not admit this node's address (a cluster's private database admits the "
                 "subnet of its node's address: name others with `dsec cluster up --db-allow CIDR`)")
     elif "password authentication failed" in low:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,10 +33,16 @@ HEARTBEAT_S = 20.0
 
 class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.NodeOps, api.LayerOps,
                  api.FnCallOps, api.FleetOps):
-    """An edge daemon at ``url`` (``http://host:port``), known to the cluster as ``name``."""
+    """An edge daemon at ``url`` (``http://host:port``, or ``https://`` with ``tls``: the
+    client context of dsec.edge.remote.tls, which presents this side's certificate and
+    checks the edge's), known to the cluster as ``name``."""
 
-    def __init__(self, name: str, url: str, secret: str, max_connections: int = 256) -> None:
+    def __init__(self, name: str, url: str, secret: str, max_connections: int = 256,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.name, self.url = name, url.rstrip("/")
+        if self.url.startswith("https://") and tls is None:
+            raise ValueError(f"edge {name}: {url} is TLS, and this apiserver has no certificate (--tls-cert)")
+        self._tls = tls
         self._auth = {"Authorization": f"Bearer {secret}"}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -45,7 +52,9 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
         if self._session is None or self._session.closed:
             # idle connections are dropped before the daemon's keep-alive would (75 s), so
             # a request never goes out on a connection the daemon is closing
-            conn = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30)
+            # (kept alive, a TLS connection's handshake is paid once, not per request)
+            conn = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30,
+                                        ssl=self._tls if self._tls is not None else True)
             self._session = aiohttp.ClientSession(
                 connector=conn, headers=self._auth,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
@@ -249,7 +258,7 @@ for _name, _op in ops().items():
     setattr(RemoteEdge, _name, _method(_op))
 
 
-def remote_edge(name: str, url: str, secret: str) -> RemoteEdge:
+def remote_edge(name: str, url: str, secret: str, tls: ssl.SSLContext | None = None) -> RemoteEdge:
     """A client of the edge daemon at ``url``. (mypy sees the contract's methods as the
     Protocol's empty ones; the loop above gives the class every one of them.)"""
-    return RemoteEdge(name, url, secret)  # type: ignore[abstract]
+    return RemoteEdge(name, url, secret, tls=tls)  # type: ignore[abstract]
