@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -94,13 +95,20 @@ def status(ray_address: RayOpt = "auto", as_json: Annotated[bool, typer.Option("
 
     from dsec.cluster import ops
 
+    # Ray's driver prints what it hears of the cluster (a lost raylet, say) to stdout, from
+    # its own threads and at exit: with --json, stdout holds the document and nothing else
+    doc = os.fdopen(os.dup(1), "w") if as_json else None
+    if doc is not None:
+        sys.stdout.flush()
+        os.dup2(2, 1)
     try:
         st = ops.status(ray_address)
     except (ops.ClusterDown, ConnectionError) as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2) from None
-    if as_json:
-        console.print_json(json.dumps(st))
+    if doc is not None:
+        with doc:
+            doc.write(json.dumps(st, indent=2) + "\n")
         return
     t = Table("edge", "state", "healthy", "url", "sandboxes", "cpu reserved", "memory reserved", "why")
     for edge in st["edges"]:
