@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -145,14 +145,16 @@ class Soak:
                 return f
         return None
 
-    async def call(self, op: str, coro: Callable[[], Awaitable[T]], sid: str | None = None) -> T:
-        """One counted call. Raises what it raised (typed) after counting it."""
+    async def call(self, op: str, coro: Callable[[], Awaitable[T]], sid: str | None = None,
+                   spans: Iterable[str] = ()) -> T:
+        """One counted call (on sandbox ``sid``, or on each of ``spans``: a job-wide call).
+        Raises what it raised (typed) after counting it."""
         t0 = time.monotonic()
         fault = self.active(t0)
-        node = edge_of(sid) if sid else None
-        if fault is not None and sid and node == fault.node:
-            self.hit.add(sid)
-        outside = not (sid and sid in self.hit)
+        on = [sid] if sid else list(spans)
+        if fault is not None:
+            self.hit |= {x for x in on if edge_of(x) == fault.node}
+        outside = not any(x in self.hit for x in on)
         self.ledger.calls += 1
         self.ledger.outside_calls += outside
         try:
@@ -280,7 +282,7 @@ class Soak:
                     self.wrong(f"{s.sandbox_id}: exec answered {r.stdout!r}")
         for _ in range(5):
             try:
-                await self.call("stop_many", lambda: self.c.stop_many(job=job))
+                await self.call("stop_many", lambda: self.c.stop_many(job=job), spans=[x.sandbox_id for x in made])
                 break
             except dsec.DsecError:
                 await asyncio.sleep(2)
@@ -436,11 +438,6 @@ class Soak:
                 return True
             f.recovery_s = await self.until(made, f.t0)
         elif kind == "chunkserver stalled":
-            self.local.fs.stall_chunkserver()
-            try:
-                await asyncio.sleep(15)
-            finally:
-                self.local.fs.resume_chunkserver()
 
             async def made_cp() -> bool:
                 sb = await self.c.run_container(small("chaos-probe"))
@@ -450,8 +447,14 @@ class Soak:
                 finally:
                     await sb.stop()
                 return True
-            f.recovery_s = await self.until(made_cp, f.t0)
-            f.note = "recovery: a create and a checkpoint after the 15 s stall"
+            self.local.fs.stall_chunkserver()
+            try:  # measured from the stall on: a create and a checkpoint that need no chunk read go through
+                probing = asyncio.create_task(self.until(made_cp, f.t0))
+                await asyncio.sleep(15)
+            finally:
+                self.local.fs.resume_chunkserver()
+            f.recovery_s = await probing
+            f.note = "recovery: a create and a checkpoint, tried from the stall on (15 s)"
         elif kind == "fork-bomb neighbour":
             bomb = await self.c.run_container(dsec.ContainerArgs(image="base/busybox", job="chaos-probe"))
             self.ledger.made.add(bomb.sandbox_id)
@@ -459,8 +462,8 @@ class Soak:
             self.hit |= {s for s, n in self.live.items() if n == bombed}
             await bomb.exec(f"setsid sh -c '{BOMB}' >/dev/null 2>&1 < /dev/null &")
             await self.probe(bombed)
-            await asyncio.sleep(20)
-            f.recovery_s = await self.until(lambda: self.exec_on(bombed), f.t0)
+            f.recovery_s = await self.until(lambda: self.exec_on(bombed), f.t0)  # while the bomb goes on
+            await asyncio.sleep(max(0.0, 20 - (time.monotonic() - f.t0)))
             t = time.monotonic()
             await bomb.stop()
             f.note = f"neighbour exec answered through the bomb; its stop took {time.monotonic() - t:.1f} s"
@@ -521,7 +524,7 @@ def sandbox_leftovers(root: str, sandbox_id: str) -> list[str]:
     return found
 
 
-def cluster_leftovers(root: str, tables: list[str]) -> list[str]:
+def cluster_leftovers(root: str, tables: dict[str, str]) -> list[str]:
     """What the stopped cluster left: its daemons, mounts under its dirs, its edges' nft tables."""
     found = [f"process {p}" for p in pgrep(f"dsec.cli.main .*{root}/")]
     with open("/proc/self/mountinfo") as f:
@@ -609,13 +612,13 @@ async def soak(a: argparse.Namespace) -> tuple[str, bool]:
                          apiservers=2)
     t_setup = time.monotonic()
     leaks: dict[str, list[str]] = {}
-    tables: list[str] = []
+    tables: dict[str, str] = {}
     try:
         up = local.start()
         setup_s = time.monotonic() - t_setup
         s = Soak(local, up.token, a.seed)
         await s.refresh_urls()
-        print(f"cluster up in {setup_s:.0f} s: replicas {s.urls}; soak for {a.minutes:g} min", flush=True)
+        print(f"cluster up in {setup_s:.0f} s in {root}: replicas {s.urls}; soak for {a.minutes:g} min", flush=True)
         t0 = time.monotonic()
         deadline = t0 + a.minutes * 60
         load = [asyncio.create_task(s.worker(s.episode, 0.5)) for _ in range(a.episodes)]
@@ -660,13 +663,16 @@ async def soak(a: argparse.Namespace) -> tuple[str, bool]:
         for c in (*s.old_clients, s.client):
             if c is not None:
                 await c.close()
-        tables = [f"dsec_{hashlib.sha1(d.encode()).hexdigest()[:8]}" for d in glob.glob(f"{root}/*/edges/*")]
+        tables = {f"dsec_{hashlib.sha1(d.encode()).hexdigest()[:8]}": d for d in glob.glob(f"{root}/*/edges/*")}
     finally:
         failed = local.stop()
         if failed:
             print(f"cluster stop met: {failed}", flush=True)
     cluster_leaks = cluster_leftovers(root, tables)
-    shutil.rmtree(root, ignore_errors=True)
+    if leaks or cluster_leaks:  # the edges' logs say why
+        print(f"leftovers: the cluster's dirs and logs are kept in {root}; nft tables by edge: {tables}", flush=True)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     body = render(s, a, minutes, leaks, cluster_leaks, setup_s)
     lg = s.ledger
     good = (not lg.violations and not lg.keys_doubled and not lg.keys_missing and not leaks and not cluster_leaks
