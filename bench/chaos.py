@@ -115,6 +115,7 @@ class Soak:
         self.live: dict[str, str] = {}  # sandbox id -> node, while the load holds it
         self.probes: dict[str, dsec.SandboxInfo] = {}  # node -> a sandbox the fault loop measures through
         self.stopping = asyncio.Event()
+        self.cgroup_parents: dict[str, str] = {}  # edge -> the cgroup its sandboxes' cgroups are made in
         self.n = 0
 
     # ---- the client, following the replicas (a restarted one listens on a new port) ----
@@ -181,6 +182,9 @@ class Soak:
         info = (await self.call("create", lambda: self.c.run_container(small(job)))).info
         self.ledger.made.add(info.sandbox_id)
         self.live[info.sandbox_id] = edge_of(info.sandbox_id)
+        if edge_of(info.sandbox_id) not in self.cgroup_parents:  # where the edge puts its sandboxes' cgroups
+            for cg in glob.glob(f"/sys/fs/cgroup/*/*/{info.sandbox_id}"):
+                self.cgroup_parents[edge_of(info.sandbox_id)] = os.path.dirname(cg)
         f = self.active(time.monotonic())
         if f is not None and f.node == edge_of(info.sandbox_id):
             self.hit.add(info.sandbox_id)
@@ -403,10 +407,11 @@ class Soak:
         elif kind == "raylet killed":
             assert node is not None
             gone = node
-            await asyncio.to_thread(self.local.remove_node, node)
+            # on this thread, not another: Ray's node handling installs signal handlers
+            self.local.remove_node(node)
             self.probes.pop(node, None)
             await asyncio.sleep(10)
-            await asyncio.to_thread(self.local.add_node, node)
+            self.local.add_node(node)
             f.recovery_s = await self.until(lambda: self.edge_healthy(gone), f.t0)
             f.note = "recovery: the node back (after 10 s down) and its edge healthy"
         elif kind == "replica SIGKILL":
@@ -524,13 +529,17 @@ def sandbox_leftovers(root: str, sandbox_id: str) -> list[str]:
     return found
 
 
-def cluster_leftovers(root: str, tables: dict[str, str]) -> list[str]:
+def cluster_leftovers(root: str, tables: dict[str, str], parents: list[str]) -> list[str]:
     """What the stopped cluster left: its daemons, mounts under its dirs, its edges' nft tables."""
     found = [f"process {p}" for p in pgrep(f"dsec.cli.main .*{root}/")]
     with open("/proc/self/mountinfo") as f:
         found += [f"mount {line.split()[4]}" for line in f if root in line.split()[4]]
     listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout.split()
     found += [f"nft table {t}" for t in tables if t in listed]
+    for parent in parents:  # any sandbox's cgroup (the FnCall pool's too): its edges are gone
+        hierarchy = os.path.dirname(os.path.dirname(parent))
+        for p in glob.glob(os.path.join(hierarchy, "*", os.path.basename(parent), "*", "")):
+            found.append(f"cgroup {p}")
     return found
 
 
@@ -613,6 +622,7 @@ async def soak(a: argparse.Namespace) -> tuple[str, bool]:
     t_setup = time.monotonic()
     leaks: dict[str, list[str]] = {}
     tables: dict[str, str] = {}
+    parents: list[str] = []
     try:
         up = local.start()
         setup_s = time.monotonic() - t_setup
@@ -663,12 +673,13 @@ async def soak(a: argparse.Namespace) -> tuple[str, bool]:
         for c in (*s.old_clients, s.client):
             if c is not None:
                 await c.close()
+        parents = list(s.cgroup_parents.values())
         tables = {f"dsec_{hashlib.sha1(d.encode()).hexdigest()[:8]}": d for d in glob.glob(f"{root}/*/edges/*")}
     finally:
         failed = local.stop()
         if failed:
             print(f"cluster stop met: {failed}", flush=True)
-    cluster_leaks = cluster_leftovers(root, tables)
+    cluster_leaks = cluster_leftovers(root, tables, parents)
     if leaks or cluster_leaks:  # the edges' logs say why
         print(f"leftovers: the cluster's dirs and logs are kept in {root}; nft tables by edge: {tables}", flush=True)
     else:
