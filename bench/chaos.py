@@ -707,7 +707,10 @@ def main() -> None:
     if unknown:
         ap.error(f"--faults: unknown {unknown}; known: {', '.join(FAULTS)}")
     body, good = asyncio.run(soak(a))
-    report(body, a.write, f"chaos.py --minutes {a.minutes:g}", "chaos",
+    how = f"chaos.py --minutes {a.minutes:g} --gap {a.gap[0]:g} {a.gap[1]:g} --seed {a.seed}"
+    if set(a.faults) != set(FAULTS):
+        how += f" --faults '{','.join(a.faults)}'"
+    report(body, a.write, how, "chaos",
            "Chaos soak: faults under a steady RL-shaped load (`bench/chaos.py`)")
     sys.exit(0 if good else 1)
 
