@@ -279,6 +279,7 @@ class Soak:
             self.ledger.by_window[f.kind if f else "no fault"] += 1
         for s in made:
             self.ledger.made.add(s.sandbox_id)
+            self.live[s.sandbox_id] = edge_of(s.sandbox_id)
             with contextlib.suppress(dsec.DsecError):
                 r = await self.call("exec", functools.partial(self.sb(s.info).exec, "echo b", timeout=30),
                                     s.sandbox_id)
@@ -290,6 +291,8 @@ class Soak:
                 break
             except dsec.DsecError:
                 await asyncio.sleep(2)
+        for s in made:
+            self.live.pop(s.sandbox_id, None)
 
     async def fork(self, n: int) -> None:
         try:
