@@ -14,13 +14,18 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import web
 
 import dsec
 from dsec.storage.moosefs import MooseFS
+from dsec.wire.models import FnCallArgs, SandboxInfo
 from tests.conftest import TOKEN, Cluster, leftovers, own_cluster
 
 REFUSING = ["--admit-max-psi", "-1", "--pause-below-mb", str(1 << 20)]  # any pressure is too much
@@ -144,3 +149,71 @@ async def test_one_edge_down_the_others_serve(cluster: Cluster) -> None:
         await c.resume_many(job="down")
         stopped = await c.stop_many(job="down")
         assert sorted(i.sandbox_id for i in stopped) == sorted(s.sandbox_id for s in sbs)
+
+
+async def test_a_call_that_never_reached_an_edge_says_so() -> None:
+    """What lets a FnCall placed on an edge just lost go to another one without ever running
+    twice (it failed outright: bench/chaos.py): a call to an edge no connection could be made
+    to was surely not sent; one to an edge that took the connection and dropped it may
+    have been."""
+    from dsec.edge.remote.client import remote_edge
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # bound, never listening: refused
+    edge = remote_edge("gone", f"http://127.0.0.1:{closed}", "secret")
+    try:
+        with pytest.raises(dsec.EdgeUnavailable) as refused:
+            await edge.fncall(FnCallArgs(language="python", code="print(1)"))
+        assert refused.value.sent is False, refused.value
+    finally:
+        await edge.close()
+
+    # an edge that takes the call on its WebSocket, then goes away without an answer
+    async def calls(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()
+        await ws.close()
+        return ws
+    app = web.Application()
+    app.router.add_get("/v1/calls", calls)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    edge = remote_edge("flaky", f"http://127.0.0.1:{port}", "secret")
+    try:
+        with pytest.raises(dsec.EdgeUnavailable) as dropped:
+            await edge.fncall(FnCallArgs(language="python", code="print(1)"))
+        assert dropped.value.sent is True, dropped.value
+    finally:
+        await edge.close()
+        await runner.cleanup()
+
+
+async def test_a_job_operation_misses_only_the_down_edges_that_hold_its_sandboxes(tmp_path: Path) -> None:
+    """By the cluster's sandbox index (a real database): a down edge that holds none of a
+    job's sandboxes does not fail the job's stop (it failed whole while any edge was down:
+    bench/chaos.py); one that holds some still does."""
+    from types import SimpleNamespace
+
+    from dsec.apiserver.core import Apiserver
+    from dsec.meta import open_db, sqlite_url
+    from dsec.meta.registry import Registry
+
+    registry = Registry(open_db(sqlite_url(str(tmp_path))))
+    now = time.time()
+    for sid, edge, job, labels in [("n1-aaaaaaaaaaaa", "n1", "a", {"k": "v"}), ("n2-bbbbbbbbbbbb", "n2", "b", {}),
+                                   ("n3-cccccccccccc", "n3", "a", {"k": "w"})]:
+        registry.index_put(SandboxInfo(sandbox_id=sid, edge=edge, backend="container", state="running",
+                                       image="base/busybox:latest", layers=[], created_at=now, last_active_at=now,
+                                       job=job, labels=labels, memory_limit_mb=64, cpu_cores_limit=1), "p")
+    api = SimpleNamespace(index=registry)
+    holding = Apiserver._holding
+    assert await holding(api, ["n1", "n2", "n3"], "a", {}) == ["n1", "n3"]  # type: ignore[arg-type]
+    assert await holding(api, ["n2", "n3"], "a", {"k": "v"}) == []  # type: ignore[arg-type]
+    assert await holding(api, ["n1", "n2"], None, {"k": "v"}) == ["n1"]  # type: ignore[arg-type]
+    registry.index_drop(["n1-aaaaaaaaaaaa"])
+    assert await holding(api, ["n1", "n2"], "a", {}) == []  # type: ignore[arg-type]

@@ -168,6 +168,9 @@ class JobNotActive(DsecError):
 class EdgeUnavailable(DsecError):
     status = 503
     code = "edge_unavailable"
+    # False only when the request surely never reached the edge (no connection could be
+    # made): then a stateless call may go to another edge without running twice
+    sent = True
 
 
 class MetadataUnavailable(DsecError):

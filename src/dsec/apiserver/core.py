@@ -9,6 +9,7 @@ import asyncio
 import builtins
 import contextlib
 import contextvars
+import json
 import logging
 import math
 import os
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from dsec import tracing
 from dsec.batches import BatchRunner, BatchStore
@@ -107,6 +109,8 @@ class SandboxIndex(Protocol):
         """The statement index_put runs and its parameters, for a transaction of the
         caller's on ``db``."""
     def index_drop(self, sandbox_ids: list[str]) -> None: ...
+    def index_infos(self, edge_names: list[str]) -> list[tuple[str, str]]:
+        """(edge, info JSON) of what these edges hold, by the index."""
 
 
 class Routes(Protocol):
@@ -406,10 +410,24 @@ class Apiserver:
     async def fncall(self, args: FnCallArgs) -> FnCallResult:
         """An FnCall on the edge for its image, as the calling project's (its ``tenant``)."""
         args = args.model_copy(update={"tenant": acting_project(None)})
-        return await self.fncall_edge(args.image).fncall(args)
+        tried: set[str] = set()
+        while True:
+            name = self._fncall_place(args.image, tried)
+            try:
+                return await self.edges[name].fncall(args)
+            except EdgeUnavailable as e:
+                # an edge just lost, before the watcher marks it: placed again, but only when
+                # the call never reached it (a call may run only once)
+                if e.sent or len(tried) >= FNCALL_PLACEMENTS - 1:
+                    raise
+                log.warning("fncall re-placed: edge %s did not answer: %s", name, e)
+                tried.add(name)
 
     def fncall_edge(self, image: str) -> EdgeAPI:
         """The edge for a FnCall: placed like a small sandbox; its pool does the rest."""
+        return self.edges[self._fncall_place(image, set())]
+
+    def _fncall_place(self, image: str, exclude: set[str]) -> str:
         try:
             known = self.layers.has(image)
         except ValueError:
@@ -417,11 +435,12 @@ class Apiserver:
         if not known:
             raise NotFound(f"unknown layer {image!r}", field="image")
         if not self.watcher.view:
-            for edge in self.edges.values():
-                return edge
-            raise EdgeUnavailable("this cluster has no edge yet")
-        name = self.placement.choose(ContainerArgs(image=image, memory_limit_mb=64, cpu_cores_limit=0.1), exclude=set())
-        return self.edges[name]
+            for name in self.edges:
+                if name not in exclude:
+                    return name
+            raise EdgeUnavailable("this cluster has no edge yet" if not self.edges else "no edge answered")
+        return self.placement.choose(ContainerArgs(image=image, memory_limit_mb=64, cpu_cores_limit=0.1),
+                                     exclude=exclude)
 
     async def fork(self, req: ForkRequest) -> list[SandboxInfo]:
         """n sandboxes stacked exactly as the snapshot was taken, created concurrently;
@@ -588,10 +607,33 @@ class Apiserver:
                 raise part
             else:
                 items += part
+        if missing and (job is not None or labels) and self.index is not None:
+            missing = await self._holding(missing, job, labels)
         unreachable.set(tuple(missing))
         if principal.role == "admin" and not principal.all_projects:  # a subtree's admin: its subtree's
             items = [i for i in items if principal.covers(project_of_sandbox(i))]
         return sorted(items, key=lambda i: i.created_at)
+
+    async def _holding(self, names: builtins.list[str], job: str | None,
+                       labels: dict[str, str]) -> builtins.list[str]:
+        """Of the edges that did not answer a filtered list, those the cluster's index says
+        hold a sandbox it matches: a job's stop failed whole while any edge was down, even
+        one holding none of the job's sandboxes (bench/chaos.py). The index unreadable, all
+        of them, as before."""
+        assert self.index is not None
+        try:
+            rows = await asyncio.to_thread(self.index.index_infos, names)
+        except SQLAlchemyError:
+            return names
+        held = set()
+        for edge, raw in rows:
+            if edge in held:
+                continue
+            info = json.loads(raw)
+            found = info.get("labels") or {}
+            if (job is None or info.get("job") == job) and all(found.get(k) == v for k, v in labels.items()):
+                held.add(edge)
+        return [n for n in names if n in held]
 
     async def quota_sweep_forever(self, every_s: float) -> None:
         """Now and then, bring the project quotas' holds to what the edges hold
@@ -651,6 +693,7 @@ BUILT_PREFIX = "tk/e2bt-"  # the layers template builds publish (dsec.templates.
 SWEEP_SHARE = 10  # a quota sweep waits at least this many times its own length before the next
 UNREACHABLE_HEADER = "X-Dsec-Unreachable-Edges"
 # the edges that did not answer this request's list (a context variable: one per request)
+FNCALL_PLACEMENTS = 3  # edges a FnCall tries when the first could not be connected to
 unreachable: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("unreachable", default=())
 
 

@@ -125,6 +125,13 @@ class Registry:
             with self.db.begin() as c:
                 c.execute(delete(sandboxes).where(sandboxes.c.id.in_(sandbox_ids)))
 
+    def index_infos(self, edge_names: list[str]) -> list[tuple[str, str]]:
+        """(edge, the sandbox's info at create, JSON) of every sandbox the index says these
+        edges hold and the cluster has not reported lost."""
+        with self.db.connect() as c:
+            return [(e, i) for e, i in c.execute(select(sandboxes.c.edge, sandboxes.c.info).where(
+                sandboxes.c.edge.in_(edge_names), sandboxes.c.lost_reason.is_(None)))]
+
     def index_ids(self, edge: str) -> list[str]:
         with self.db.connect() as c:
             return list(c.execute(select(sandboxes.c.id).where(sandboxes.c.edge == edge)).scalars())

@@ -65,9 +65,13 @@ class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.N
         if self._session is not None:
             await self._session.close()
 
-    def _unreachable(self, op: str, e: BaseException) -> EdgeUnavailable:
-        return EdgeUnavailable(f"edge {self.name} ({self.url}) did not answer {op}: {type(e).__name__}: {e}"
-                               .rstrip(": "), operation=op)
+    def _unreachable(self, op: str, e: BaseException, connecting: bool = False) -> EdgeUnavailable:
+        out = EdgeUnavailable(f"edge {self.name} ({self.url}) did not answer {op}: {type(e).__name__}: {e}"
+                              .rstrip(": "), operation=op)
+        # a connection never made carried nothing (a timeout while connecting may have: a
+        # frozen daemon accepts TCP, and a TLS handshake may end after the request went)
+        out.sent = not (connecting or isinstance(e, aiohttp.ClientConnectorError))
+        return out
 
     async def _call(self, op: Op, arguments: dict[str, Any]) -> Any:
         data = op.encode_args(arguments)
@@ -174,8 +178,8 @@ class _Calls:
                     raise error_from({"error": "unauthorized" if e.status == 401 else "edge_unavailable",
                                       "message": f"edge {self.edge.name}: {op}: HTTP {e.status} {e.message}"},
                                      "") from None
-                except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                    raise self.edge._unreachable(op, e) from None
+                except (aiohttp.ClientError, TimeoutError, OSError) as e:  # no call was sent on it
+                    raise self.edge._unreachable(op, e, connecting=True) from None
                 self.reader = asyncio.create_task(self._read(self.ws))
             return self.ws
 
