@@ -57,6 +57,7 @@ from dsec.iam.rates import FnCallRates
 from dsec.iam.visibility import AclRow, LayerAcl
 from dsec.jobs import JobGate, JobStore
 from dsec.layers.store import Layer, LayerStore
+from dsec.meta.db import ride_through
 from dsec.meta.lease import release_lease, take_lease
 from dsec.meta.registry import Registry
 from dsec.placement.engine import Placement, Plan
@@ -198,12 +199,15 @@ class Apiserver:
         is admitted against its state and quota first (dsec.jobs.quota). ``bounded`` (a batch's
         item) waits for one of the chosen edge's batch slots; a plain create never does. A
         gang's item (:meth:`reserve_gang`) names its reserved ``hold`` and the gang's ``plan``."""
-        await self.check_visible(req.args)
+        # the steps before placement change nothing until they succeed: a database restart
+        # is waited out (ride_through) rather than failing the create at once
+        await ride_through(lambda: self.check_visible(req.args))
         req = self._own(req)
         job = req.args.job
         project = req.args.labels.get(PROJECT_LABEL, "default")
         # the job's record, read once for all that asks it (its state, quota, rate, checkpoints)
-        rec = await asyncio.to_thread(self.job_store.get, project, job) if job is not None else None
+        rec = await ride_through(lambda: asyncio.to_thread(self.job_store.get, project, job)) \
+            if job is not None else None
         if rec is not None:
             if req.args.checkpoint_every_s is None and rec.checkpoint_every_s:  # the job's, unless it says its own
                 req = req.model_copy(update={"args": req.args.model_copy(
@@ -212,8 +216,8 @@ class Apiserver:
         disk = getattr(req.args, "disk_limit_mb", None) or getattr(req.args, "disk_mb", None)
         if hold is None:
             with tracing.span("quota.admit", project=project):
-                hold = await self.blocks.admit(project, job,
-                                               Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk))
+                need = Need.of(req.args.cpu_cores_limit, req.args.memory_limit_mb, disk)
+                hold = await ride_through(lambda: self.blocks.admit(project, job, need))
         else:
             with tracing.span("quota.start", project=project):
                 if not await self.quotas.run(self.quotas.start, hold):

@@ -4,16 +4,25 @@ PostgreSQL, so replicas starting together migrate once)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sqlite3
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    OperationalError,
+    SQLAlchemyError,
+)
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from dsec.errors import MetadataUnavailable
@@ -24,6 +33,7 @@ STATEMENT_TIMEOUT_MS = 10_000
 MIGRATION_LOCK = 0x64736563  # "dsec"
 POOL_SIZE = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
 PING_IDLE_S = 5.0
+T = TypeVar("T")
 
 
 def unavailable(e: BaseException) -> MetadataUnavailable | None:
@@ -37,6 +47,26 @@ def unavailable(e: BaseException) -> MetadataUnavailable | None:
         first = str(getattr(e, "orig", None) or e).strip().splitlines()[:1] or [type(e).__name__]
         return MetadataUnavailable(f"the cluster's database did not answer ({first[0][:200]}); try again shortly")
     return None
+
+
+RIDE_THROUGH_S = 10.0  # how long a request waits out a database restart before its 503
+
+
+async def ride_through(call: Callable[[], Awaitable[T]], limit_s: float = RIDE_THROUGH_S) -> T:
+    """``call()``, tried again while the database is away (restarting, unreachable: what
+    :func:`unavailable` names), for up to ``limit_s``; then its 503. Only for steps that
+    change nothing until they succeed (a read, an admission's one transaction): a create
+    during a PostgreSQL restart failed at once (bench/chaos.py) where waiting 1 s would do."""
+    deadline = time.monotonic() + limit_s
+    delay = 0.1
+    while True:
+        try:
+            return await call()
+        except (SQLAlchemyError, MetadataUnavailable) as e:
+            if (isinstance(e, SQLAlchemyError) and unavailable(e) is None) or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 class DatabaseUnreachable(ConnectionError):
