@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextvars
 import hmac
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from dsec.iam.tokens import TokenStore
     from dsec.wire.models import SandboxInfo
 
 TOKEN_LABEL = "dsec.token"
+ADMIN_TOKEN_ID = "admin"  # the cluster admin's token (dsec.iam.tokens.ADMIN)
 # the purposes credentials are minted for: one never stands in for another
 ENVD, TRAFFIC, SWEREX, TEMPLATE_FILES = "envd", "traffic", "swerex", "template-files"
 MAC_CHARS = 40  # 160 bits of HMAC-SHA256, hex
@@ -33,15 +33,24 @@ on_behalf_of: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsec_
 def token_of(info: SandboxInfo) -> str:
     """The id of the token a sandbox is bound to. One without the label was made before
     labels were set (or by the platform itself): the cluster admin's, as its creator was."""
-    from dsec.iam.tokens import ADMIN
-    return info.labels.get(TOKEN_LABEL) or ADMIN.token_id
+    return info.labels.get(TOKEN_LABEL) or ADMIN_TOKEN_ID
+
+
+class TokenTable(Protocol):
+    """What minting and checking need of the token store (dsec.iam.tokens.TokenStore): its
+    signing key, and whether a token id is live now."""
+
+    @property
+    def secret(self) -> bytes: ...
+
+    async def live(self, token_id: str) -> bool: ...
 
 
 class BoundKeys:
     """Mints and checks bound credentials against one token store (its secret and its
     table of live tokens)."""
 
-    def __init__(self, tokens: TokenStore) -> None:
+    def __init__(self, tokens: TokenTable) -> None:
         self.tokens = tokens
 
     def mint(self, purpose: str, subject: str, token_id: str) -> str:

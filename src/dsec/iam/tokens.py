@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, delete, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from dsec.iam.bound import BoundKeys
+from dsec.iam.bound import ADMIN_TOKEN_ID, BoundKeys
 from dsec.iam.quota import in_subtree
 from dsec.meta.schema import iam_events, projects, tokens
 from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec, within
@@ -69,7 +69,7 @@ class Principal:
         return self.all_projects or project == self.project or self.administers(project)
 
 
-ADMIN = Principal("admin", "*", "admin")
+ADMIN = Principal(ADMIN_TOKEN_ID, "*", "admin")
 
 
 def project_of_sandbox(info: SandboxInfo) -> str | None:
