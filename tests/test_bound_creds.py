@@ -79,6 +79,12 @@ def test_revocation_ends_every_credential_derived_from_the_token(platform: Platf
             sbx.commands.run("cd /tmp && python3 -m http.server 8321 >/dev/null 2>&1", background=True, user="root")
             _until(lambda: _port(url, sid, 8321, traffic).status_code == 200)
             assert _port(url, sid, 8321, envd).status_code == 401  # a traffic token is not an envd token
+            # Daytona's preview link to the same port, with its own token (the bound traffic credential)
+            link = httpx.get(f"{url}/daytona/sandbox/{sid}/ports/8321/preview-url",
+                             headers={"Authorization": f"Bearer {tok}"}).json()
+            preview = {"x-daytona-preview-token": link["token"]}
+            assert link["token"].startswith(tok_id + ".")
+            assert httpx.get(link["url"] + "/", headers=preview, timeout=10).status_code == 200
             own = httpx.get(f"{url}/swerex/{sid}/token", headers=key).json()["auth_token"]
             assert own.startswith(tok_id + ".")
             assert httpx.get(f"{url}/swerex/{sid}/is_alive", headers={"X-API-Key": own}).status_code == 200
@@ -98,6 +104,7 @@ def test_revocation_ends_every_credential_derived_from_the_token(platform: Platf
                 urllib.request.urlopen(signed)
             assert err.value.code == 401
             assert _port(url, sid, 8321, traffic).status_code == 401
+            assert httpx.get(link["url"] + "/", headers=preview, timeout=10).status_code == 401
             r = httpx.get(f"{url}/swerex/{sid}/is_alive", headers={"X-API-Key": own})
             assert r.status_code == 401 and r.json()["field"] == "x-api-key"
             assert httpx.put(up[1], content=b"x").status_code == 401
