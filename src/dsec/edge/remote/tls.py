@@ -24,8 +24,13 @@ import os
 import secrets
 import ssl
 import threading
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:  # imported where used: the edge's start-up does not load cryptography
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 log = logging.getLogger("dsec.edge.remote")
 CERT_DAYS = 365
@@ -75,7 +80,7 @@ def make_ca(common_name: str | None = None) -> tuple[bytes, bytes]:
     <random>``): during a rotation two CAs are trusted at once, and a chain is then found by
     name (and key id) without a doubt which one signed it."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
@@ -94,6 +99,13 @@ def make_ca(common_name: str | None = None) -> tuple[bytes, bytes]:
                            critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
+    return _pem(cert, key)
+
+
+def _pem(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[bytes, bytes]:
+    """(cert PEM, unencrypted PKCS8 key PEM): the key file is 0600, written by path only."""
+    from cryptography.hazmat.primitives import serialization
+
     return (cert.public_bytes(serialization.Encoding.PEM),
             key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                               serialization.NoEncryption()))
@@ -131,9 +143,7 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, name: str, hosts: list[str]) ->
                            critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    return (cert.public_bytes(serialization.Encoding.PEM),
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
+    return _pem(cert, key)
 
 
 def write_daemon_files(directory: str, ca_bundle_pem: bytes, ca_cert_pem: bytes, ca_key_pem: bytes, name: str,
