@@ -16,7 +16,7 @@ projects nested 3 deep (quotas on each) and one RL job.
      nothing accepted is lost or doubled (counted from the edges).
 
     .venv/bin/python bench/scale.py --edges 160 --replicas 1,2,4 --sandboxes 40000 \
-        [--batch 32768] [--chaos] [--json FILE] [--write docs/benchmarks.md]
+        [--fleets 2] [--batch 32768] [--chaos] [--json FILE] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Bench:
         self.key = os.path.join(self.root, "cluster.key")
         with open(self.key, "w") as f:
             f.write(SECRET + "\n")
-        self.fleet: subprocess.Popen[str] | None = None
+        self.fleets: list[subprocess.Popen[str]] = []
         self.controller: subprocess.Popen[bytes] | None = None
         self.replicas: list[tuple[subprocess.Popen[bytes], str]] = []
 
@@ -103,15 +103,23 @@ class Bench:
     def start(self) -> None:
         self.db = self.pg.start()
         t0 = time.monotonic()
-        self.fleet = subprocess.Popen(
-            [*CLI, "edge", "hollow", "--count", str(self.a.edges), "--db", self.db, "--secret-file", self.key,
-             "--data-root", os.path.join(self.root, "edges"), "--max-sandboxes", str(self.a.per_edge),
-             "--sweep-s", str(self.a.sweep_s)],
-            stdout=subprocess.PIPE, stderr=open(os.path.join(self.root, "fleet.log"), "w"), text=True, cwd=ROOT)
-        assert self.fleet.stdout is not None
-        for _ in range(self.a.edges):
-            if not self.fleet.stdout.readline():
-                raise RuntimeError(f"the hollow fleet ended; see {self.root}/fleet.log")
+        # the edges split over --fleets processes (each one event loop, one core at most):
+        # edges h0.. in the first, the next share in the second, and so on
+        n, k = self.a.edges, self.a.fleets
+        bounds = [n * i // k for i in range(k + 1)]
+        for i in range(k):
+            count = bounds[i + 1] - bounds[i]
+            self.fleets.append(subprocess.Popen(
+                [*CLI, "edge", "hollow", "--count", str(count), "--first", str(bounds[i]), "--db", self.db,
+                 "--secret-file", self.key, "--data-root", os.path.join(self.root, "edges"),
+                 "--max-sandboxes", str(self.a.per_edge), "--sweep-s", str(self.a.sweep_s)],
+                stdout=subprocess.PIPE, stderr=open(os.path.join(self.root, f"fleet{i}.log"), "w"), text=True,
+                cwd=ROOT))
+        for i, f in enumerate(self.fleets):
+            assert f.stdout is not None
+            for _ in range(bounds[i + 1] - bounds[i]):
+                if not f.stdout.readline():
+                    raise RuntimeError(f"hollow fleet {i} ended; see {self.root}/fleet{i}.log")
         self.fleet_up_s = time.monotonic() - t0
         self.controller = subprocess.Popen([sys.executable, __file__, "--controller", self.db, self.key], cwd=ROOT,
                                            stderr=open(os.path.join(self.root, "controller.log"), "w"))
@@ -145,10 +153,10 @@ class Bench:
     def stop(self) -> None:
         for p, _ in self.replicas:
             p.terminate()
-        for p in [self.controller, self.fleet]:
+        for p in [self.controller, *self.fleets]:
             if p is not None:
                 p.terminate()
-        for p in [*(p for p, _ in self.replicas), self.controller, self.fleet]:
+        for p in [*(p for p, _ in self.replicas), self.controller, *self.fleets]:
             if p is not None:
                 try:
                     p.wait(600)  # the fleet stops every hollow sandbox it holds first
@@ -160,12 +168,15 @@ class Bench:
             shutil.rmtree(f"/run/dsec/{hashlib.sha1(d.encode()).hexdigest()[:8]}-h{i}", ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def fleet_rss_mb(self) -> int:
+        return round(sum(rss_mb(f.pid) for f in self.fleets))
+
     def cpu(self, replicas: int) -> dict[str, float]:
-        assert self.fleet is not None and self.controller is not None
+        assert self.fleets and self.controller is not None
         return {"replicas": sum(cpu_s(p.pid, children=False) for p, _ in self.replicas[:replicas]),
                 "postgresql": sum(cpu_s(p, children=False) for p in pg_pids(self.pg.data_dir)),
                 "controller": cpu_s(self.controller.pid, children=False),
-                "hollow edges": cpu_s(self.fleet.pid, children=False)}
+                "hollow edges": sum(cpu_s(f.pid, children=False) for f in self.fleets)}
 
     async def setup_tree(self) -> str:
         async with dsec.AsyncClient(url=self.replicas[0][1], token=TOKEN) as admin:
@@ -363,15 +374,16 @@ async def holding(b: Bench, token: str) -> dict[str, Any]:
     out["console_query_p50_ms"] = round(lat[len(lat) // 2] * 1000, 1)
     out["console_query_p99_ms"] = round(lat[-1] * 1000, 1)
     out["replica_rss_mb"] = [round(rss_mb(p.pid)) for p, _ in b.replicas]
-    assert b.controller is not None and b.fleet is not None
+    assert b.controller is not None and b.fleets
     out["controller_rss_mb"] = round(rss_mb(b.controller.pid))
-    out["hollow_fleet_rss_mb"] = round(rss_mb(b.fleet.pid))
-    out["rss_per_hollow_edge_mb"] = round(rss_mb(b.fleet.pid) / b.a.edges, 1)
+    out["hollow_fleet_rss_mb"] = b.fleet_rss_mb()
+    out["rss_per_hollow_edge_mb"] = round(b.fleet_rss_mb() / b.a.edges, 1)
     return out
 
 
 def render(r: dict[str, Any], a: argparse.Namespace) -> str:
-    lines = [f"{a.edges} hollow edges (up in {r['fleet_up_s']:.1f} s, {r['hollow_rss_at_start_mb']} MB, "
+    lines = [f"{a.edges} hollow edges in {a.fleets} process(es) (up in {r['fleet_up_s']:.1f} s, "
+             f"{r['hollow_rss_at_start_mb']} MB, "
              f"{r['hollow_rss_at_start_mb'] / a.edges:.1f} MB each), PostgreSQL 15, replicas "
              f"{','.join(map(str, a.replicas))}; {platform.node()}, {os.cpu_count()} cores", "",
              "a. sustained creations/s, one project tree 3 deep, one job "
@@ -424,6 +436,8 @@ async def main() -> None:
                    "PostgreSQL restart (d)")
     p.add_argument("--sandboxes", type=int, default=0, help="hold this many in all, then measure (c)")
     p.add_argument("--per-edge", type=int, default=4096)
+    p.add_argument("--fleets", type=int, default=1,
+                   help="hollow edges split over this many processes (one core each at most)")
     p.add_argument("--fill-s", type=float, default=float("inf"),
                    help="stop filling toward --sandboxes after this long and measure (c) at what is held")
     p.add_argument("--sweep-s", type=float, default=20.0,
@@ -445,8 +459,7 @@ async def main() -> None:
     try:
         b.start()
         r["fleet_up_s"] = b.fleet_up_s
-        assert b.fleet is not None
-        r["hollow_rss_at_start_mb"] = round(rss_mb(b.fleet.pid))
+        r["hollow_rss_at_start_mb"] = b.fleet_rss_mb()
         token = await b.setup_tree()
         r["sustained"] = []
         for n in a.replicas:
