@@ -6,6 +6,7 @@ project's sandbox as a 404."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import httpx
@@ -159,6 +160,30 @@ def test_rl_backend_calls_async(dtn_env: None, platform: Platform) -> None:
                 if sb.state != "destroyed":
                     await d.delete(sb)
     asyncio.run(main())
+
+
+def test_rllm_python_interpreter_calls(dtn_env: None, platform: Platform) -> None:
+    """The calls rLLM's DaytonaPythonInterpreter makes (rllm/tools/code_tools/daytona_tool.py,
+    read from its source): the key in DaytonaConfig and the URL from the environment, n sandboxes
+    from ``CreateSandboxFromSnapshotParams(language="python")`` (no snapshot named), code_run
+    with a timeout round-robin, a failing run read as exit_code != 0 with the traceback in
+    ``result``, a restart (delete, then create again) and the cleanup."""
+    d = Daytona(DaytonaConfig(api_key=TOKEN))
+    sbs = [d.create(CreateSandboxFromSnapshotParams(language="python")) for _ in range(2)]
+    try:
+        r = sbs[0].process.code_run("print('Hello, world!')\nimport math\nprint(math.sqrt(4))", timeout=20)
+        assert (r.exit_code, r.result.split()) == (0, ["Hello,", "world!", "2.0"])
+        r = sbs[1].process.code_run("import math\nmath.sqrt(4)\nmath.lol", timeout=20)
+        assert r.exit_code != 0 and "AttributeError" in r.result and "lol" in r.result
+        d.delete(sbs[0])
+        sbs[0] = d.create(CreateSandboxFromSnapshotParams(language="python"))
+        assert sbs[0].process.code_run("print(6 * 7)", timeout=20).result.strip() == "42"
+    finally:
+        for sb in sbs:
+            with contextlib.suppress(DaytonaNotFoundError):
+                d.delete(sb)
+    with pytest.raises(DaytonaNotFoundError):
+        d.get(sbs[1].id)
 
 
 def test_git(dtn_env: None) -> None:
