@@ -54,6 +54,7 @@ from container import report  # noqa: E402
 import dsec  # noqa: E402
 from dsec.cluster import ops  # noqa: E402
 from dsec.cluster.local import LocalCluster  # noqa: E402
+from dsec.edge.leftovers import sandbox_leftovers  # noqa: E402
 from dsec.wire.models import FNCALL_IMAGE  # noqa: E402
 
 T = TypeVar("T")
@@ -507,31 +508,6 @@ def pgrep(pattern: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def sandbox_leftovers(root: str, sandbox_id: str) -> list[str]:
-    """What ``sandbox_id`` still holds on this host (the suite's tests/conftest.py check)."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        found += [f"mount {line.split()[4]}" for line in f if sandbox_id in line]
-    found += [f"cgroup {p}" for p in glob.glob(f"/sys/fs/cgroup/**/{sandbox_id}", recursive=True)]
-    for cg in glob.glob("/proc/[0-9]*/cgroup"):
-        try:
-            with open(cg) as f:
-                if sandbox_id not in f.read():
-                    continue
-            with open(cg.replace("/cgroup", "/stat"), "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":  # a zombie holds only its pid
-                    continue
-            found.append(f"process {cg.split('/')[2]}")
-        except (OSError, IndexError):
-            pass
-    for where in ("sandboxes", "volume/sandboxes"):
-        found += [f"file {p}" for p in glob.glob(os.path.join(root, "*", "edges", "*", where, sandbox_id))]
-    found += [f"runtime {p}" for p in glob.glob(f"/run/dsec/*/s/{sandbox_id}")]
-    found += [f"crun {p}" for p in glob.glob(f"/run/dsec/*/crun/{sandbox_id}")]
-    found += [f"netns {p}" for p in glob.glob(f"/run/netns/*{sandbox_id}*")]
-    return found
-
-
 def cluster_leftovers(root: str, tables: dict[str, str], parents: list[str]) -> list[str]:
     """What the stopped cluster left: its daemons, mounts under its dirs, its edges' nft tables."""
     found = [f"process {p}" for p in pgrep(f"dsec.cli.main .*{root}/")]
@@ -550,7 +526,7 @@ async def settle(ids: set[str], root: str, limit: float) -> dict[str, list[str]]
     """Each sandbox's leftovers, waited for (an edge back from a lost node cleans up after a while)."""
     deadline = time.monotonic() + limit
     while True:
-        left = {s: x for s in ids if (x := sandbox_leftovers(root, s))}
+        left = {s: x for s in ids if (x := sandbox_leftovers(s, [os.path.join(root, "*")]))}
         if not left or time.monotonic() > deadline:
             return left
         await asyncio.sleep(2)

@@ -4,7 +4,6 @@ loopback port, with its own data dir whose layer store is hard-linked from the o
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import socket
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 import dsec
+from dsec.edge.leftovers import qemu_pids, sandbox_leftovers  # noqa: F401 (tests import qemu_pids from here)
 from dsec.layers.store import LayerStore
 
 SRC_DATA = os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec")
@@ -273,53 +273,9 @@ def sandbox_dir(platform: Platform, sandbox_id: str) -> str:
 
 
 def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
-    """Everything of ``sandbox_id`` still on this host: mounts, cgroups, processes,
-    runtime state, files and sockets. Empty means fully released."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        found += [f"mount {line.split()[4]}" for line in f if sandbox_id in line]
-    found += [f"cgroup {p}" for p in glob.glob(f"/sys/fs/cgroup/**/{sandbox_id}", recursive=True)]
-    for cg in glob.glob("/proc/[0-9]*/cgroup"):
-        try:
-            with open(cg) as f:
-                if sandbox_id not in f.read():
-                    continue
-            # a zombie holds nothing but its pid until its parent reaps it: the edge reaps
-            # the inits it started; one re-adopted after an edge restart is the host
-            # init's to reap, which on some hosts takes its time
-            with open(cg.replace("/cgroup", "/stat"), "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            found.append(f"process {cg.split('/')[2]}")
-        except (OSError, IndexError):
-            pass
-    for where in (("sandboxes",), ("volume", "sandboxes")):
-        for d in platform.edge_dirs:
-            found += [f"file {p}" for p in glob.glob(os.path.join(d, "edges", "*", *where, sandbox_id))]
-    found += [f"runtime {p}" for p in glob.glob(f"/run/dsec/*/s/{sandbox_id}")]
-    found += [f"crun {p}" for p in glob.glob(f"/run/dsec/*/crun/{sandbox_id}")]
-    found += [f"netns {p}" for p in glob.glob(f"/run/netns/*{sandbox_id}*")]
-    found += [f"vm socket {p}" for p in glob.glob(f"/run/dsec/*/v/{sandbox_id}.*")]
-    found += [f"qemu {pid}" for pid in qemu_pids(sandbox_id)]
-    return found
-
-
-def qemu_pids(sandbox_id: str) -> list[int]:
-    """QEMU processes serving ``sandbox_id`` (their socket paths name it)."""
-    out = []
-    for cmd in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(cmd[:-7] + "comm", "rb") as f:  # cheap, unlike the arguments (see VMRuntime.qemus)
-                if not f.read().startswith(b"qemu-system"):
-                    continue
-            with open(cmd, "rb") as f:
-                argv = f.read()
-        except OSError:
-            continue
-        if argv.startswith(b"qemu-system") or b"/qemu-system" in argv.split(b"\0")[0]:
-            if sandbox_id.encode() in argv:
-                out.append(int(cmd.split("/")[2]))
-    return out
+    """Everything of ``sandbox_id`` still on this host (dsec.edge.leftovers). Empty means
+    fully released."""
+    return sandbox_leftovers(sandbox_id, platform.edge_dirs)
 
 
 def wait_for(pred, timeout: float = 10.0, interval: float = 0.1) -> bool:  # type: ignore[no-untyped-def]
