@@ -26,11 +26,10 @@ from sqlalchemy import Engine, create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
 from dsec.cluster.postgres import Postgres
-from dsec.embedded import open_store
 from dsec.errors import InvalidRequest, LayerInUse, NotFound
 from dsec.layers.base import build_busybox
 from dsec.layers.catalog import FILE_NAME, Catalog
-from dsec.layers.store import ImportOptions, LayerStore
+from dsec.layers.store import ImportOptions, LayerStore, open_store
 from dsec.meta import open_db, sqlite_url
 from dsec.meta.db import normalize_url
 from tests.conftest import _free_port

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
-from sqlalchemy import Engine
 
 from dsec.apiserver.app import Apiserver, build_app
 from dsec.apiserver.core import Routes, SandboxIndex
@@ -27,11 +26,10 @@ from dsec.health.fleet import FleetHealth
 from dsec.host.prep import prepare_cgroups
 from dsec.iam import TokenStore
 from dsec.layers.base import build_busybox
-from dsec.layers.store import LayerStore
+from dsec.layers.store import LayerStore, open_store
 from dsec.meta import open_db, sqlite_url
 from dsec.meta.registry import Registry
 from dsec.placement.engine import Placement
-from dsec.storage.chunks import DEFAULT_CHUNK_SIZE
 from dsec.watcher.watcher import FleetView, Watcher
 
 DEFAULT_DATA_DIR = "/var/lib/dsec"
@@ -43,22 +41,6 @@ log = logging.getLogger("dsec")
 
 def data_dir_default() -> str:
     return os.environ.get("DSEC_DATA_DIR", DEFAULT_DATA_DIR)
-
-
-def open_store(data_dir: str, store: str | None = None, db: str | Engine | None = None) -> LayerStore:
-    """The layer store: ``store`` (or $DSEC_STORE) is a shared filesystem path mounted on
-    every node; without one, the local data dir. $DSEC_CHUNK_SIZE sets the chunk size
-    new layers are indexed with (bytes, default 1 MiB). Its catalog is in ``db`` (a
-    cluster's database: its URL, or its engine when the caller has one open) when given,
-    else in the store's own file. Only when given: $DSEC_DB is read by the commands that
-    serve a cluster (their --db), never here, so a variable left in a shell cannot move
-    the catalog of an embedded or hand-run store into some cluster's database."""
-    store = store or os.environ.get("DSEC_STORE") or None
-    chunk = int(os.environ.get("DSEC_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
-    engine = open_db(db) if isinstance(db, str) else db
-    if store:
-        return LayerStore(store, "sharedfs", chunk_size=chunk, db=engine)
-    return LayerStore(os.path.join(os.path.abspath(data_dir), "layers"), "local", chunk_size=chunk, db=engine)
 
 
 def load_or_create_token(data_dir: str, token: str | None = None) -> str:

@@ -267,7 +267,8 @@ def stop(sandbox_ids: list[str], url: UrlOpt = None, token: TokenOpt = None) -> 
 def _store(data_dir: str | None, store: str | None = None):  # type: ignore[no-untyped-def]
     """The layer store the local `dsec layer` commands work on; with $DSEC_DB set, a
     cluster's (its catalog is in that database)."""
-    from dsec.embedded import data_dir_default, open_store
+    from dsec.embedded import data_dir_default
+    from dsec.layers.store import open_store
 
     return open_store(data_dir or data_dir_default(), store, os.environ.get("DSEC_DB") or None)
 

@@ -10,9 +10,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dsec.iam.tokens import project_of_sandbox
 from dsec.wire.console import SandboxPage, SandboxQuery
-from dsec.wire.iam import within
+from dsec.wire.iam import project_of_sandbox, within
 from dsec.wire.models import SandboxInfo
 
 TOP_JOBS = 50

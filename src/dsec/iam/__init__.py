@@ -8,15 +8,16 @@ token sees and touches only its project's sandboxes.
 
 from dsec.iam.tokens import (
     ADMIN,
-    PROJECT_LABEL,
     Principal,
     TokenStore,
     acting_project,
     current_principal,
     permission_for,
-    project_of_sandbox,
     project_scope,
 )
+
+# the project label and a sandbox's project are the wire's: an edge filters by them too
+from dsec.wire.iam import PROJECT_LABEL, project_of_sandbox
 
 __all__ = ["ADMIN", "PROJECT_LABEL", "Principal", "TokenStore", "acting_project", "current_principal",
            "permission_for", "project_of_sandbox", "project_scope"]

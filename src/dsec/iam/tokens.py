@@ -24,11 +24,8 @@ from dsec.iam.bound import ADMIN_TOKEN_ID, BoundKeys
 from dsec.iam.quota import in_subtree
 from dsec.meta.schema import iam_events, projects, tokens
 from dsec.wire.iam import IamEvent, TokenInfo, TokenSpec, within
-from dsec.wire.models import SandboxInfo
 
 log = logging.getLogger("dsec.iam")
-
-PROJECT_LABEL = "dsec.project"
 
 # what each role may do: "read" is cluster information (nodes, layers, storage);
 # "sandbox:read" reading its sandboxes (not a terminal: that is "sandbox"); "iam" managing
@@ -72,14 +69,6 @@ class Principal:
 ADMIN = Principal(ADMIN_TOKEN_ID, "*", "admin")
 
 
-def project_of_sandbox(info: SandboxInfo) -> str | None:
-    """A sandbox's project: its ``dsec.project`` label; without one (made by the cluster's
-    admin) "default"; None for the platform's own FnCall pool containers, which run every
-    project's code and belong to none."""
-    project = info.labels.get(PROJECT_LABEL)
-    if project is not None:
-        return project
-    return None if info.labels.get("dsec-role") == "fncall" else "default"
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("dsec_principal", default=ADMIN)
 
 

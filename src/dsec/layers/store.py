@@ -30,6 +30,7 @@ from sqlalchemy.engine import RowMapping
 
 from dsec.errors import InvalidRequest, LayerInUse, NotFound
 from dsec.layers.catalog import FILE_NAME, Catalog, JournalMode
+from dsec.meta import open_db
 from dsec.storage.backend import BackendKind, BlobBackend, open_backend
 from dsec.storage.chunks import DEFAULT_CHUNK_SIZE, ChunkIndex, check_chunk_size
 from dsec.wire.layers import Layer
@@ -328,3 +329,19 @@ def sha256_file(path: str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def open_store(data_dir: str, store: str | None = None, db: str | Engine | None = None) -> LayerStore:
+    """The layer store: ``store`` (or $DSEC_STORE) is a shared filesystem path mounted on
+    every node; without one, the local data dir. $DSEC_CHUNK_SIZE sets the chunk size
+    new layers are indexed with (bytes, default 1 MiB). Its catalog is in ``db`` (a
+    cluster's database: its URL, or its engine when the caller has one open) when given,
+    else in the store's own file. Only when given: $DSEC_DB is read by the commands that
+    serve a cluster (their --db), never here, so a variable left in a shell cannot move
+    the catalog of an embedded or hand-run store into some cluster's database."""
+    store = store or os.environ.get("DSEC_STORE") or None
+    chunk = int(os.environ.get("DSEC_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
+    engine = open_db(db) if isinstance(db, str) else db
+    if store:
+        return LayerStore(store, "sharedfs", chunk_size=chunk, db=engine)
+    return LayerStore(os.path.join(os.path.abspath(data_dir), "layers"), "local", chunk_size=chunk, db=engine)

@@ -31,9 +31,9 @@ import aiohttp
 from pydantic import BaseModel
 
 from dsec.errors import AdmissionRejected, DsecError, JobNotActive, NotFound, RolloutLost, SandboxNotRunning
-from dsec.iam import PROJECT_LABEL
 from dsec.rollouts.context import LLM, Journal, RolloutContext
 from dsec.sdk.client import AsyncClient, AsyncSandbox
+from dsec.wire.iam import PROJECT_LABEL
 from dsec.wire.models import ContainerArgs, ExecRequest, SandboxState
 from dsec.wire.rollouts import (
     ROLLOUT_LABEL,

@@ -8,13 +8,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from dsec.wire.models import Strict
+from dsec.wire.models import SandboxInfo, Strict
 
 PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")  # one segment of a project's path (fullmatch)
 MAX_PROJECT_DEPTH = 8
 TokenRole = Literal["admin", "builder", "runner", "reader"]
 # the quota's resources, as fields of ProjectQuota and Usage
 RESOURCES = ("sandboxes", "cpu_cores", "memory_mb", "disk_mb", "starting")
+# the label that puts a sandbox in a project
+PROJECT_LABEL = "dsec.project"
 
 
 def check_project(v: str) -> str:
@@ -140,3 +142,13 @@ class ProjectInfo(BaseModel):
     created_by: str | None = None
     children: list[ProjectInfo] | None = Field(default=None, description="with ?tree=true: the sub-projects")
     jobs: dict[str, Usage] | None = Field(default=None, description="with ?tree=true: its own jobs' usage")
+
+
+def project_of_sandbox(info: SandboxInfo) -> str | None:
+    """A sandbox's project: its ``dsec.project`` label; without one (made by the cluster's
+    admin) "default"; None for the platform's own FnCall pool containers, which run every
+    project's code and belong to none."""
+    project = info.labels.get(PROJECT_LABEL)
+    if project is not None:
+        return project
+    return None if info.labels.get("dsec-role") == "fncall" else "default"

@@ -22,6 +22,7 @@ from dsec.edge.config import EdgeConfig
 from dsec.edge.remote.server import build_app
 from dsec.edge.service import Edge
 from dsec.layers.base import build_busybox
+from dsec.layers.store import open_store
 from dsec.meta import open_db, sqlite_url
 from dsec.meta.registry import Registry
 
@@ -41,8 +42,6 @@ async def start_fleet(count: int, prefix: str, data_root: str, secret: str, host
                       cfg: Mapping[str, Any] | None = None, first: int = 0) -> list[HollowEdge]:
     """``count`` hollow edges named PREFIX<first>..; on ``port``, ``port+1``, ... (0: free ports).
     They share one layer catalog (the cluster's with ``db``) and one metadata database."""
-    from dsec.embedded import open_store
-
     os.makedirs(data_root, exist_ok=True)
     engine: Engine = open_db(db) if db else open_db(sqlite_url(data_root))
     layers = open_store(data_root, store, engine if db else None)
