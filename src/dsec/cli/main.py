@@ -430,6 +430,9 @@ from dsec.cli.top import top  # noqa: E402
 
 app.add_typer(node_app, name="node")
 app.add_typer(checkpoint_app, name="checkpoint")
+from dsec.cli.snapshots import snapshot_app  # noqa: E402
+
+app.add_typer(snapshot_app, name="snapshot")
 app.command("move")(move)
 app.command("restore")(restore)
 node_app.command("drain")(drain)

@@ -133,12 +133,17 @@ class SandboxVolume:
         finally:
             os.close(fd)
         if limit_mb is not None:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:  # qgroup id 0: the subvolume this fd is in
-                fcntl.ioctl(fd, QGROUP_LIMIT, bytearray(struct.pack("QQQQQQ", 0, LIMIT_MAX_RFER,
-                                                                   limit_mb << 20, 0, 0, 0)), True)
-            finally:
-                os.close(fd)
+            self.limit(path, limit_mb)
+
+    def limit(self, path: str, limit_mb: int) -> None:
+        """The subvolume at ``path`` holds at most ``limit_mb`` (a snapshot does not inherit
+        its source's limit: a rollback sets it again on the copy it swaps in)."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # qgroup id 0: the subvolume this fd is in
+            fcntl.ioctl(fd, QGROUP_LIMIT, bytearray(struct.pack("QQQQQQ", 0, LIMIT_MAX_RFER,
+                                                               limit_mb << 20, 0, 0, 0)), True)
+        finally:
+            os.close(fd)
 
     def snapshot(self, src: str, dst: str) -> None:
         """A writable snapshot of the subvolume ``src`` at ``dst`` (same volume): constant
@@ -191,8 +196,10 @@ class SandboxVolume:
     def subvolume_id(self, path: str) -> int | None:
         return _subvol_id(path) if self.is_subvolume(path) else None
 
-    def referenced(self, lo: int = FIRST_FREE_OBJECTID, hi: int = 2**48 - 1) -> dict[int, int]:
-        """Level-0 qgroups lo..hi -> referenced bytes, by a search of the quota tree."""
+    def referenced(self, lo: int = FIRST_FREE_OBJECTID, hi: int = 2**48 - 1, exclusive: bool = False
+                   ) -> dict[int, int]:
+        """Level-0 qgroups lo..hi -> referenced bytes (``exclusive``: the bytes no other
+        subvolume shares), by a search of the quota tree."""
         out: dict[int, int] = {}
         fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -207,8 +214,9 @@ class SandboxVolume:
                 pos = 104
                 for _ in range(found):
                     _, _, qgroup, typ, length = struct.unpack_from("QQQII", buf, pos)
-                    if typ == QGROUP_INFO_KEY and length >= 16:
-                        out[qgroup] = int(struct.unpack_from("QQ", buf, pos + 32)[1])
+                    if typ == QGROUP_INFO_KEY and length >= 40:
+                        # btrfs_qgroup_info_item: generation, rfer, rfer_cmpr, excl, excl_cmpr
+                        out[qgroup] = int(struct.unpack_from("QQQQ", buf, pos + 32)[3 if exclusive else 1])
                     lo = qgroup + 1
                     pos += 32 + length
         finally:
