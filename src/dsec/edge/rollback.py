@@ -46,6 +46,7 @@ MAX_SNAPSHOTS = 32  # per sandbox: each one pins the blocks the sandbox has chan
 KILL_TIMEOUT_S = 10.0  # the workload's SIGKILL, as in a teardown
 INFLIGHT_WAIT_S = 5.0  # keyed commands killed by a rollback: their records settle before the log is cut
 MS_MOVE = 8192
+_DISCARDS: set[asyncio.Future[None]] = set()  # old roots being removed (a reference keeps each task alive)
 
 
 def inplace_dir(volume: SandboxVolume, sandbox_id: str) -> str:
@@ -223,54 +224,77 @@ class InplaceSnapshots(EdgeCore):
             if snap is None:
                 raise NotFound(f"sandbox {sandbox_id} has no snapshot {snapshot!r}", field="snapshot")
             info = sb.rec.info
+            steps: dict[str, float] = {}
             # requests arriving meanwhile wait for the lock (_ready resumes a paused sandbox)
             info.state = SandboxState.paused
             try:
-                killed, frozen_ms = await self._swap_root(sb, src)
+                killed, frozen_ms = await self._swap_root(sb, src, steps)
             except BaseException:
                 if sb.agent is None or sb.stopping:
                     raise
                 info.state = SandboxState.running
                 raise
             info.state = SandboxState.running
+            t = time.perf_counter()
             sessions = await self._restart_sessions(sb, snap)
             dropped = await self._cut_command_log(sb, snap)
+            steps["sessions_and_log"] = round((time.perf_counter() - t) * 1e3, 3)
         ms = (time.perf_counter() - t_start) * 1e3
         self.on_event(sb.id, "rollback", f"to {snapshot} in {ms:.1f} ms (frozen {frozen_ms:.1f} ms): {killed} "
                       f"processes killed, {len(sessions)} sessions restarted, {dropped} command records dropped")
         return RollbackResult(sandbox_id=sb.id, snapshot=snapshot, rollback_ms=ms, frozen_ms=frozen_ms, killed=killed,
-                              sessions=sessions, commands_dropped=dropped)
+                              sessions=sessions, commands_dropped=dropped, steps_ms=steps)
 
-    async def _swap_root(self, sb: Sandbox, src: str) -> tuple[int, float]:
-        """Steps 1-4 of the module's docstring; (processes killed, ms frozen)."""
+    async def _swap_root(self, sb: Sandbox, src: str, steps: dict[str, float]) -> tuple[int, float]:
+        """Steps 1-4 of the module's docstring; (processes killed, ms frozen). ``steps``
+        gets each step's milliseconds."""
         parent, name = os.path.split(sb.dir)
         fresh = os.path.join(parent, f".{name}.{secrets.token_hex(4)}")
+        t = time.perf_counter()
+
+        def lap(step: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[step] = round((now - t) * 1e3, 3)
+            t = now
+
         lowers = await self.containers.lowers(sb)
         await asyncio.to_thread(self.volume.snapshot, src, fresh)
+        lap("copy")
         try:
             await asyncio.to_thread(self.containers.mount_root, fresh, lowers)
-        except BaseException:
-            await asyncio.to_thread(self.volume.remove, fresh)
-            raise
-        try:
+            lap("mount")
             await self.containers.freeze(sb)
+            lap("freeze")
         except BaseException:
             await asyncio.to_thread(self._discard, fresh)
             raise
         t0 = time.perf_counter()
         try:
-            killed = await asyncio.to_thread(self.containers.kill_workload, sb, KILL_TIMEOUT_S)  # (thaws)
-            frozen_ms = (time.perf_counter() - t0) * 1e3
+            killed = self.containers.signal_workload(sb)
+            # init is frozen too: pivot_root moves its root all the same, and nothing of the
+            # workload runs again before it dies
             await self.containers.reroot(sb, os.path.join(fresh, "rootfs"))
+            lap("reroot")
         except BaseException:
             await self.containers.thaw(sb)
             await asyncio.to_thread(self._discard, fresh)
             raise
-        await asyncio.to_thread(self._take_place, sb, fresh)
+        await self.containers.thaw(sb)
+        frozen_ms = (time.perf_counter() - t0) * 1e3
+        await asyncio.to_thread(self.containers.workload_gone, sb, KILL_TIMEOUT_S)
+        lap("killed")
+        old = await asyncio.to_thread(self._take_place, sb, fresh)
+        lap("swap")
+        # the old root is detached (nothing of the sandbox reaches it): unmounted and destroyed
+        # off the rollback's path, which need not wait for btrfs to let go of it
+        task = asyncio.create_task(asyncio.to_thread(self._discard, old))
+        _DISCARDS.add(task)
+        task.add_done_callback(_DISCARDS.discard)
         return killed, frozen_ms
 
-    def _take_place(self, sb: Sandbox, fresh: str) -> None:
-        """The new subvolume becomes the sandbox's directory; the old one goes."""
+    def _take_place(self, sb: Sandbox, fresh: str) -> str:
+        """The new subvolume becomes the sandbox's directory; where the old one is now."""
         assert isinstance(sb.rec.args, ContainerArgs)
         old = f"{fresh}.old"
         os.rename(sb.dir, old)
@@ -283,7 +307,7 @@ class InplaceSnapshots(EdgeCore):
         if sb.rec.args.disk_limit_mb is not None:
             self.volume.limit(sb.dir, sb.rec.args.disk_limit_mb)
         sb.qgroup = self.volume.subvolume_id(sb.dir)
-        self._discard(old)
+        return old
 
     def _discard(self, path: str) -> None:
         try:

@@ -31,8 +31,8 @@ class SandboxSnapshot(BaseModel):
                                           "by a rollback to it")
     sessions: dict[str, str] = Field(default_factory=dict, description="shell sessions at the snapshot and their "
                                                                        "working directories")
-    bytes: int | None = Field(default=None, description="disk the snapshot alone holds (data the sandbox changed since), "
-                                                "counted against its disk quota; None until measured")
+    bytes: int | None = Field(default=None, description="disk the snapshot alone holds (data the sandbox changed "
+                              "since), counted against its disk quota; None until measured")
 
 
 class RollbackResult(BaseModel):
@@ -46,3 +46,5 @@ class RollbackResult(BaseModel):
     sessions: list[str] = Field(description="shell sessions restarted, at their snapshot working directories")
     commands_dropped: int = Field(description="command log records after the snapshot, dropped (their keys run "
                                               "again)")
+    steps_ms: dict[str, float] = Field(default_factory=dict, description="where the time went: copy (the snapshot's "
+                                       "writable copy), mount, freeze, reroot, killed, swap, sessions_and_log")

@@ -179,23 +179,32 @@ class ContainerSandboxes:
             for fd in fds:
                 os.close(fd)
 
-    def kill_workload(self, sb: Sandbox, timeout: float) -> int:
+    def signal_workload(self, sb: Sandbox) -> int:
         """SIGKILL every process of the workload (its cgroup ``S/w``: everything but
-        dsec-init) and wait until they are gone; how many there were. Called frozen: the
-        signals are pending when it thaws, so nothing forks in between."""
+        dsec-init); how many. Called frozen: the signals are pending when it thaws, and
+        nothing forks in between."""
         import signal
 
-        cg = Cgroup(self.cgroup_path(sb.id))
-        work = Cgroup(os.path.join(self.cgroup_path(sb.id), WORKLOAD))
-        pids = work.procs()
+        pids = Cgroup(os.path.join(self.cgroup_path(sb.id), WORKLOAD)).procs()
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        cg.freeze(False)
-        if not work.kill(timeout):
-            raise SandboxError(f"processes left in its workload cgroup after {timeout:g} s of SIGKILL: "
-                               f"{sorted(work.procs())[:10]}")
         return len(pids)
+
+    def workload_gone(self, sb: Sandbox, timeout: float) -> None:
+        """Wait (thawed) until the killed workload has exited: killed tasks only need a
+        moment of CPU, so this polls often; past a few ms, Cgroup.kill's loop takes over."""
+        import time
+
+        work = Cgroup(os.path.join(self.cgroup_path(sb.id), WORKLOAD))
+        deadline = time.monotonic() + 0.02
+        while work.procs():
+            if time.monotonic() > deadline:
+                if not work.kill(timeout):
+                    raise SandboxError(f"processes left in its workload cgroup after {timeout:g} s of SIGKILL: "
+                                       f"{sorted(work.procs())[:10]}")
+                return
+            time.sleep(0.0002)
 
     async def reroot(self, sb: Sandbox, new_root: str) -> None:
         """Make the overlay mounted at ``new_root`` the container's root (dsec-reroot:
