@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -35,7 +36,7 @@ import time
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import Sandbox, unmount_all
 from dsec.edge.volume import SandboxVolume
-from dsec.errors import InvalidRequest, NotFound, NotSupported, SandboxNotRunning, SnapshotLimit
+from dsec.errors import InvalidRequest, NotFound, NotSupported, SandboxError, SandboxNotRunning, SnapshotLimit
 from dsec.host import linux
 from dsec.wire.models import ContainerArgs, SandboxState
 from dsec.wire.snapshots import SNAPSHOT_NAME, RollbackResult, SandboxSnapshot
@@ -46,6 +47,8 @@ MAX_SNAPSHOTS = 32  # per sandbox: each one pins the blocks the sandbox has chan
 KILL_TIMEOUT_S = 10.0  # the workload's SIGKILL, as in a teardown
 INFLIGHT_WAIT_S = 5.0  # keyed commands killed by a rollback: their records settle before the log is cut
 MS_MOVE = 8192
+FULL_SLACK = 1 << 20  # a sandbox within this of its disk limit takes no snapshot more
+GROUP_FILE = ".group.json"  # beside the snapshots: the level-1 qgroup holding the sandbox and them
 _DISCARDS: set[asyncio.Future[None]] = set()  # old roots being removed (a reference keeps each task alive)
 
 
@@ -57,16 +60,36 @@ def drop_all(volume: SandboxVolume, sandbox_id: str) -> int:
     """At the end of a sandbox: every snapshot of it goes (their subvolumes and the
     directory); how many there were."""
     d = inplace_dir(volume, sandbox_id)
-    n = 0
-    for entry in os.listdir(d):
-        path = os.path.join(d, entry)
-        if entry.endswith(".json"):
-            os.unlink(path)
-        else:
-            volume.remove(path)
-            n += 1
-    os.rmdir(d)
+    n, group = 0, _group_of(d)
+    for attempt in range(3):  # a spare copy being made as the sandbox ended lands meanwhile
+        for entry in os.listdir(d):
+            path = os.path.join(d, entry)
+            if entry.endswith(".json"):
+                os.unlink(path)
+            else:
+                volume.remove(path)
+                n += not entry.startswith(".")
+        try:
+            os.rmdir(d)
+            break
+        except OSError:
+            if attempt == 2:
+                raise
+            time.sleep(0.05)
+    if group is not None:  # (its members are gone or going: btrfs drops a deleted subvolume's qgroup)
+        with contextlib.suppress(OSError):
+            volume.group_remove(group)
     return n
+
+
+def _group_of(d: str) -> int | None:
+    """The sandbox's level-1 qgroup, from the file beside its snapshots (None: none)."""
+    try:
+        with open(os.path.join(d, GROUP_FILE)) as f:
+            group = int(json.load(f)["group"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return group if group > 0 else None
 
 
 def sweep(volume: SandboxVolume, live: set[str]) -> int:
@@ -85,6 +108,8 @@ def sweep(volume: SandboxVolume, live: set[str]) -> int:
 class InplaceSnapshots(EdgeCore):
     """snapshot, list_snapshots, drop_snapshot, rollback (containers on the btrfs volume)."""
 
+    _inplace_spares: dict[str, tuple[str, asyncio.Task[str | None]]]
+
     # ---- where they are ---------------------------------------------------------------
     def _inplace_dir(self, sandbox_id: str) -> str:
         return inplace_dir(self.volume, sandbox_id)
@@ -101,6 +126,37 @@ class InplaceSnapshots(EdgeCore):
                                "snapshot needs one (a copy would take time in proportion to the data)",
                                field="sandbox_id")
         return sb
+
+    def _group(self, sb: Sandbox) -> int | None:
+        """The level-1 qgroup holding the sandbox's subvolume and all its snapshots under its
+        disk limit, so the kernel counts blocks shared among them once and refuses writes
+        past it (EDQUOT) however they are split; made at its first snapshot. None: no limit,
+        or btrfs could not account the sandbox in a group without a rescan (then the edge
+        checks live + each snapshot's exclusive bytes at each snapshot instead)."""
+        assert isinstance(sb.rec.args, ContainerArgs)
+        limit = sb.rec.args.disk_limit_mb
+        if limit is None:
+            return None
+        d = self._inplace_dir(sb.id)
+        if os.path.exists(os.path.join(d, GROUP_FILE)):  # decided at its first snapshot
+            return _group_of(d)
+        live = self.volume.subvolume_id(sb.dir)
+        assert live is not None
+        group = (1 << 48) | live
+        with contextlib.suppress(FileExistsError):
+            self.volume.group_create(group)
+        if self.volume.group_assign(live, group):
+            self.volume.group_limit(group, limit)
+        else:
+            self.volume.group_assign(live, group, assign=False)
+            self.volume.group_remove(group)
+            log.warning("sandbox %s: its subvolume shares extents; snapshots are checked against its disk limit "
+                        "by the edge, not by a qgroup", sb.id)
+            group = -1
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, GROUP_FILE), "w") as f:
+            json.dump({"group": group}, f)
+        return group if group > 0 else None
 
     @staticmethod
     def _check_name(name: str) -> str:
@@ -124,6 +180,59 @@ class InplaceSnapshots(EdgeCore):
                 if self.volume.is_subvolume(os.path.join(d, snap.name)):
                     out.append(snap)
         return sorted(out, key=lambda s: s.taken_at)
+
+    def _read_one(self, path: str) -> SandboxSnapshot | None:
+        try:
+            with open(f"{path}.json") as f:
+                snap = SandboxSnapshot.model_validate_json(f.read())
+        except (OSError, ValueError):
+            return None
+        return snap if self.volume.is_subvolume(path) else None
+
+    # ---- a spare copy: the next rollback's copy, made while the sandbox runs ----------------
+    def _spares(self) -> dict[str, tuple[str, asyncio.Task[str | None]]]:
+        """sandbox id -> (snapshot, the task making its spare copy): made on first use, so
+        the edge's construction (a shared file) does not change for it."""
+        if not hasattr(self, "_inplace_spares"):
+            self._inplace_spares = {}
+        return self._inplace_spares
+
+    def _make_spare(self, sb: Sandbox, name: str) -> None:
+        """Start a writable copy of snapshot ``name`` for the sandbox's next rollback to it
+        (a tree search rolls back to the same node for each of its children). One spare per
+        sandbox: the one for another snapshot goes."""
+        spares = self._spares()
+        for sid in [sid for sid in spares if sid not in self.sandboxes]:  # ended: their directory went with them
+            del spares[sid]
+        prev = spares.pop(sb.id, None)
+        d = self._inplace_dir(sb.id)
+
+        async def make() -> str | None:
+            if prev is not None:
+                with contextlib.suppress(BaseException):
+                    if (old := await prev[1]) is not None:
+                        await asyncio.to_thread(self.volume.remove, old)
+            path = os.path.join(d, f".spare-{name}")
+            if sb.stopping:
+                return None
+            try:
+                await asyncio.to_thread(self.volume.snapshot, os.path.join(d, name), path, _group_of(d))
+            except OSError:
+                return None
+            return path
+
+        spares[sb.id] = (name, asyncio.create_task(make()))
+
+    async def _take_spare(self, sb: Sandbox, name: str) -> str | None:
+        """The spare copy of ``name`` if there is one (waiting for it if it is being made)."""
+        entry = self._spares().pop(sb.id, None)
+        if entry is None:
+            return None
+        path = await entry[1]
+        if entry[0] == name or path is None:
+            return path
+        await asyncio.to_thread(self.volume.remove, path)  # a copy of another snapshot
+        return None
 
     def _measured(self, snaps: list[SandboxSnapshot]) -> list[SandboxSnapshot]:
         """Their exclusive bytes from their qgroups (as of the last commit)."""
@@ -153,7 +262,8 @@ class InplaceSnapshots(EdgeCore):
                 name = f"snap-{max(taken, default=0) + 1}"
             elif any(s.name == name for s in snaps):
                 raise InvalidRequest(f"sandbox {sandbox_id} already has a snapshot {name!r}", field="name")
-            await asyncio.to_thread(self._check_quota, sb, snaps)
+            group = await asyncio.to_thread(self._group, sb)
+            await asyncio.to_thread(self._check_quota, sb, snaps, group)
             d = self._inplace_dir(sb.id)
             os.makedirs(d, exist_ok=True)
             frozen = sb.rec.info.state == SandboxState.paused
@@ -161,7 +271,7 @@ class InplaceSnapshots(EdgeCore):
                 await self.containers.freeze(sb)
             t0, wall = time.perf_counter(), time.time()
             try:
-                await asyncio.to_thread(self.volume.snapshot, sb.dir, os.path.join(d, name))
+                await asyncio.to_thread(self.volume.snapshot, sb.dir, os.path.join(d, name), group)
                 freeze_ms = (time.perf_counter() - t0) * 1e3
             finally:
                 if not frozen:
@@ -173,19 +283,24 @@ class InplaceSnapshots(EdgeCore):
                 sessions={n: s.cwd for n, s in agent.sessions.items()} if agent else {})
             with open(os.path.join(d, f"{name}.json"), "w") as f:
                 f.write(snap.model_dump_json())
+        self._make_spare(sb, name)
         self.on_event(sb.id, "snapshot", f"{name}: frozen {freeze_ms:.1f} ms")
         return snap
 
-    def _check_quota(self, sb: Sandbox, snaps: list[SandboxSnapshot]) -> None:
-        """Snapshots count against the sandbox's disk quota: what it references now plus
-        what its snapshots alone hold (blocks it changed since) must fit its limit."""
+    def _check_quota(self, sb: Sandbox, snaps: list[SandboxSnapshot], group: int | None) -> None:
+        """Snapshots count against the sandbox's disk quota: the blocks it and its snapshots
+        reference, each counted once (its qgroup group's), must leave room under its limit
+        (without a group: what it references plus what each snapshot alone holds)."""
         assert isinstance(sb.rec.args, ContainerArgs)
         limit_mb = sb.rec.args.disk_limit_mb
         if limit_mb is None or not snaps:
             return
         live = self.volume.usage(sb.dir) or 0
-        held = sum(s.bytes or 0 for s in self._measured(snaps))
-        if live + held >= limit_mb << 20:
+        if group is not None:
+            held = max(0, self.volume.referenced(group, group).get(group, 0) - live)
+        else:
+            held = sum(s.bytes or 0 for s in self._measured(snaps))
+        if live + held >= (limit_mb << 20) - FULL_SLACK:  # full: the kernel already refuses its writes
             raise SnapshotLimit(f"sandbox {sb.id}'s snapshots hold {held >> 20} MiB beside its {live >> 20} MiB, "
                                 f"its whole disk quota ({limit_mb} MiB): drop one first", field="name")
 
@@ -200,6 +315,8 @@ class InplaceSnapshots(EdgeCore):
             path = os.path.join(self._inplace_dir(sb.id), name)
             if not self.volume.is_subvolume(path):
                 raise NotFound(f"sandbox {sandbox_id} has no snapshot {name!r}", field="name")
+            if (spare := await self._take_spare(sb, name)) is not None:
+                await asyncio.to_thread(self.volume.remove, spare)
             await asyncio.to_thread(self._drop_one, path)
 
     def _drop_one(self, path: str) -> None:
@@ -219,8 +336,7 @@ class InplaceSnapshots(EdgeCore):
         async with sb.lock:
             if sb.stopping:
                 raise SandboxNotRunning(f"sandbox {sandbox_id} is stopping")
-            snaps = {s.name: s for s in await asyncio.to_thread(self._read_snapshots, sb.id)}
-            snap = snaps.get(snapshot)
+            snap = self._read_one(src)
             if snap is None:
                 raise NotFound(f"sandbox {sandbox_id} has no snapshot {snapshot!r}", field="snapshot")
             info = sb.rec.info
@@ -240,6 +356,7 @@ class InplaceSnapshots(EdgeCore):
             dropped = await self._cut_command_log(sb, snap)
             steps["sessions_and_log"] = round((time.perf_counter() - t) * 1e3, 3)
         ms = (time.perf_counter() - t_start) * 1e3
+        self._make_spare(sb, snapshot)
         self.on_event(sb.id, "rollback", f"to {snapshot} in {ms:.1f} ms (frozen {frozen_ms:.1f} ms): {killed} "
                       f"processes killed, {len(sessions)} sessions restarted, {dropped} command records dropped")
         return RollbackResult(sandbox_id=sb.id, snapshot=snapshot, rollback_ms=ms, frozen_ms=frozen_ms, killed=killed,
@@ -259,10 +376,14 @@ class InplaceSnapshots(EdgeCore):
             t = now
 
         lowers = await self.containers.lowers(sb)
-        await asyncio.to_thread(self.volume.snapshot, src, fresh)
-        lap("copy")
+        spare = await self._take_spare(sb, os.path.basename(src))
+        if spare is not None:
+            os.rename(spare, fresh)
+        else:
+            await asyncio.to_thread(self.volume.snapshot, src, fresh, _group_of(os.path.dirname(src)))
+        lap("copy")  # (a snapshot takes its source's qgroup limit: the copy has the sandbox's)
         try:
-            await asyncio.to_thread(self.containers.mount_root, fresh, lowers)
+            await asyncio.to_thread(self._mount_copy, sb, fresh, lowers)
             lap("mount")
             await self.containers.freeze(sb)
             lap("freeze")
@@ -293,6 +414,24 @@ class InplaceSnapshots(EdgeCore):
         task.add_done_callback(_DISCARDS.discard)
         return killed, frozen_ms
 
+    def _mount_copy(self, sb: Sandbox, fresh: str, lowers: list[str]) -> None:
+        """The copy's overlay. Mounting writes a little (its work dir): a sandbox at its disk
+        limit (a reason to roll back) gets room for that, its group's limit raised by
+        ``FULL_SLACK`` for the mount only (the old root's blocks go once it is destroyed).
+        An overlay that went read-only anyway is refused, not swapped in."""
+        assert isinstance(sb.rec.args, ContainerArgs)
+        group, limit = _group_of(self._inplace_dir(sb.id)), sb.rec.args.disk_limit_mb
+        if group is not None and limit is not None:
+            self.volume.group_limit(group, limit + (FULL_SLACK >> 20))
+        try:
+            self.containers.mount_root(fresh, lowers)
+        finally:
+            if group is not None and limit is not None:
+                self.volume.group_limit(group, limit)
+        if os.statvfs(os.path.join(fresh, "rootfs")).f_flag & os.ST_RDONLY:
+            raise SandboxError(f"sandbox {sb.id}: the snapshot's copy mounted read-only (its disk is full?); "
+                               "the sandbox was left as it was")
+
     def _take_place(self, sb: Sandbox, fresh: str) -> str:
         """The new subvolume becomes the sandbox's directory; where the old one is now."""
         assert isinstance(sb.rec.args, ContainerArgs)
@@ -304,8 +443,6 @@ class InplaceSnapshots(EdgeCore):
                 mp = os.path.join(old, "lower", str(i))
                 if os.path.ismount(mp):
                     linux.mount(mp, os.path.join(sb.dir, "lower", str(i)), "", MS_MOVE)
-        if sb.rec.args.disk_limit_mb is not None:
-            self.volume.limit(sb.dir, sb.rec.args.disk_limit_mb)
         sb.qgroup = self.volume.subvolume_id(sb.dir)
         return old
 
