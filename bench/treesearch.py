@@ -9,7 +9,8 @@ breadth-first with ``--branching`` children each, ``--expansions`` in all, no de
 than ``--depth`` (the default, 64 expansions with 3 children each, reaches depth 4).
 
 - rollback: one sandbox; an expansion is a rollback to the parent's in-place snapshot,
-  the action, and a snapshot of the child (a leaf at the depth bound takes none);
+  the action, and a snapshot of the child (a leaf at the depth bound takes none); a node's
+  snapshot is dropped once its last child is expanded (not timed);
 - recreate: an expansion is a fresh sandbox, the setup and every action on the path from
   the root replayed, the action, and a stop (what branching without snapshots costs).
 
@@ -106,6 +107,8 @@ async def by_rollback(c: dsec.AsyncClient, a: argparse.Namespace, outputs: dict[
                 snaps[child] = (await sb.snapshot(child)).name
             t3 = time.perf_counter()
             outputs[child] = out.stdout
+            if k == a.branching - 1:  # the parent is fully expanded: its snapshot goes (32 per sandbox at most)
+                await sb.drop_snapshot(snaps.pop(parent.name))
             t["expansion"].append((t3 - t0) * 1e3)
             t["rollback"].append((t1 - t0) * 1e3)
             t["edge_rollback"].append(res.rollback_ms)
