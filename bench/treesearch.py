@@ -182,7 +182,8 @@ def render(a: argparse.Namespace, rb: dict[str, list[float]], rc: dict[str, list
     out = [
         f"{a.expansions} expansions, {a.branching} children per node, depth <= {a.depth}; the root state is "
         f"{a.files} files of ~10 KiB and a test script; an action edits one file and runs the tests. Image "
-        f"{ARGS['image']}; {os.cpu_count()} cores. Times are the SDK's (client to apiserver to edge) unless "
+        f"{ARGS['image']}; {os.cpu_count()} cores, load average {a.load[0]:.1f} before and {a.load[1]:.1f} after "
+        "(the machine is shared). Times are the SDK's (client to apiserver to edge) unless "
         "marked edge. Every child's test output was the same both ways: " + ("yes." if same else "**NO**."), "",
         "| per expansion (ms) | median | p90 |", "|---|---|---|",
         f"| rollback: whole expansion (rollback, action, snapshot) | {med(rb['expansion']):.1f} | "
@@ -221,6 +222,7 @@ async def main() -> None:
     ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
     a = ap.parse_args()
     prepare_cgroups()
+    load0 = os.getloadavg()[0]
     d = tempfile.mkdtemp(prefix="dsec-bench-")
     LayerStore(os.path.join(d, "layers")).link_from(os.path.join(a.data_dir, "layers"))
     token = "bench-" + os.urandom(8).hex()
@@ -236,6 +238,7 @@ async def main() -> None:
         proc.terminate()
         proc.wait()
         shutil.rmtree(d, ignore_errors=True)
+    a.load = (load0, os.getloadavg()[0])
     same = out_rb == out_rc and len(out_rb) == a.expansions
     report(render(a, rb, rc, sizes, same), a.write, "treesearch.py", "treesearch",
            "Tree search: in-place rollback against recreate + replay (`bench/treesearch.py`)")

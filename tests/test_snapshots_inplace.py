@@ -251,3 +251,18 @@ def test_without_the_btrfs_volume_a_typed_501(no_btrfs: Platform) -> None:
             assert "btrfs" in e.value.message and e.value.field == "sandbox_id"
         finally:
             sb.stop()
+
+
+def test_a_read_only_root_and_tmpfs_mounts_survive_a_rollback(platform: Platform) -> None:
+    with dsec.Client(url=platform.url, token=TOKEN) as c:
+        sb = c.run_container(dsec.ContainerArgs(**BUSYBOX, readonly_rootfs=True,  # type: ignore[arg-type]
+                                                tmpfs={"/scratch": 16}))
+        try:
+            sb.exec("echo kept > /scratch/f")
+            snap = sb.snapshot()
+            sb.rollback(snap)
+            out = sb.exec("touch /x; cat /scratch/f; grep -c ' /scratch tmpfs' /proc/mounts")
+            assert "Read-only file system" in out.stderr, out  # the root stays read-only
+            assert out.stdout.split() == ["kept", "1"], out  # the same tmpfs, moved over with its contents
+        finally:
+            sb.stop()

@@ -198,9 +198,9 @@ class InplaceSnapshots(EdgeCore):
         return self._inplace_spares
 
     def _make_spare(self, sb: Sandbox, name: str) -> None:
-        """Start a writable copy of snapshot ``name`` for the sandbox's next rollback to it
-        (a tree search rolls back to the same node for each of its children). One spare per
-        sandbox: the one for another snapshot goes."""
+        """Start a writable copy of snapshot ``name``, just rolled back to, for the sandbox's
+        next rollback to it (a tree search rolls back to the same node for each of its
+        children). One spare per sandbox: the one for another snapshot goes."""
         spares = self._spares()
         for sid in [sid for sid in spares if sid not in self.sandboxes]:  # ended: their directory went with them
             del spares[sid]
@@ -283,7 +283,6 @@ class InplaceSnapshots(EdgeCore):
                 sessions={n: s.cwd for n, s in agent.sessions.items()} if agent else {})
             with open(os.path.join(d, f"{name}.json"), "w") as f:
                 f.write(snap.model_dump_json())
-        self._make_spare(sb, name)
         self.on_event(sb.id, "snapshot", f"{name}: frozen {freeze_ms:.1f} ms")
         return snap
 
