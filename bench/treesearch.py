@@ -196,6 +196,9 @@ def render(a: argparse.Namespace, rb: dict[str, list[float]], rc: dict[str, list
         f"{med(rc['expansion']):.1f} | {p90(rc['expansion']):.1f} |",
         f"| &nbsp;&nbsp;of which the create | {med(rc['create']):.1f} | {p90(rc['create']):.1f} |",
         f"| &nbsp;&nbsp;of which the setup and replay | {med(rc['replay']):.1f} | {p90(rc['replay']):.1f} |",
+        "", "A child's snapshot first writes out what the action wrote (btrfs puts a snapshot's data on disk), "
+        "so its time is the disk's: on this shared machine's loop-mounted volume, tens of ms under load. The "
+        "rollback itself writes nothing (its copy of the parent's snapshot is readied in the background).",
         "", f"Recreate + replay / rollback, medians per expansion: **{ratio:.1f}x**. Memory: the rollback way holds "
         "one sandbox for the whole search (and its snapshots, on disk: only the blocks each changed); recreate "
         "holds one at a time here (a search that keeps nodes alive would hold one sandbox per node).", "",

@@ -196,6 +196,10 @@ def test_stop_leaves_nothing_on_the_volume(platform: Platform) -> None:
         sb.rollback("snap-1")
         assert _leftovers(platform, sb.sandbox_id) != []
         sb.stop()
+        for _ in range(50):  # (an old root's removal may still be finishing in the background)
+            if not _leftovers(platform, sb.sandbox_id):
+                break
+            time.sleep(0.1)
         assert _leftovers(platform, sb.sandbox_id) == []
 
 

@@ -76,6 +76,13 @@ def drop_all(volume: SandboxVolume, sandbox_id: str) -> int:
             if attempt == 2:
                 raise
             time.sleep(0.05)
+    # a rollback's copy or old root not removed yet (their removal runs in the background)
+    sandboxes = os.path.join(volume.mnt, "sandboxes")
+    for entry in os.listdir(sandboxes):
+        if entry.startswith(f".{sandbox_id}."):
+            with contextlib.suppress(OSError):
+                unmount_all(os.path.join(sandboxes, entry))
+                volume.remove(os.path.join(sandboxes, entry))
     if group is not None:  # (its members are gone or going: btrfs drops a deleted subvolume's qgroup)
         with contextlib.suppress(OSError):
             volume.group_remove(group)
