@@ -150,13 +150,18 @@ class InplaceSnapshots(EdgeCore):
         live = self.volume.subvolume_id(sb.dir)
         assert live is not None
         group = (1 << 48) | live
-        with contextlib.suppress(FileExistsError):
-            self.volume.group_create(group)
-        if self.volume.group_assign(live, group):
+        # a subvolume sharing extents (a checkpoint's snapshot of it under way) cannot join a
+        # group without btrfs marking every qgroup inconsistent until a rescan: not then
+        shares = self.volume.referenced(live, live).get(live) != self.volume.referenced(live, live, True).get(live)
+        if not shares:
+            with contextlib.suppress(FileExistsError):
+                self.volume.group_create(group)
+        if not shares and self.volume.group_assign(live, group):
             self.volume.group_limit(group, limit)
         else:
-            self.volume.group_assign(live, group, assign=False)
-            self.volume.group_remove(group)
+            if not shares:
+                self.volume.group_assign(live, group, assign=False)
+                self.volume.group_remove(group)
             log.warning("sandbox %s: its subvolume shares extents; snapshots are checked against its disk limit "
                         "by the edge, not by a qgroup", sb.id)
             group = -1
