@@ -116,6 +116,7 @@ class InplaceSnapshots(EdgeCore):
     """snapshot, list_snapshots, drop_snapshot, rollback (containers on the btrfs volume)."""
 
     _inplace_spares: dict[str, tuple[str, asyncio.Task[str | None]]]
+    _reroot_built: bool
 
     # ---- where they are ---------------------------------------------------------------
     def _inplace_dir(self, sandbox_id: str) -> str:
@@ -295,6 +296,9 @@ class InplaceSnapshots(EdgeCore):
                 sessions={n: s.cwd for n, s in agent.sessions.items()} if agent else {})
             with open(os.path.join(d, f"{name}.json"), "w") as f:
                 f.write(snap.model_dump_json())
+        if not getattr(self, "_reroot_built", False):  # the first rollback's helper, compiled now
+            self._reroot_built = True
+            asyncio.get_running_loop().run_in_executor(None, self.containers.reroot_binary)
         self.on_event(sb.id, "snapshot", f"{name}: frozen {freeze_ms:.1f} ms")
         return snap
 

@@ -206,15 +206,20 @@ class ContainerSandboxes:
                 return
             time.sleep(0.0002)
 
+    def reroot_binary(self) -> str:
+        """dsec-reroot beside dsec-init, compiled the first time (a snapshot starts that, so
+        the first rollback does not wait for the compiler)."""
+        from dsec.agent.native import ensure_binary
+
+        return ensure_binary("dsec-reroot", os.path.join(os.path.dirname(self.init_binary), "dsec-reroot"))
+
     async def reroot(self, sb: Sandbox, new_root: str) -> None:
         """Make the overlay mounted at ``new_root`` the container's root (dsec-reroot:
         moves /proc, /dev, /sys and its tmpfs mounts over, then pivot_root, so init's
         root and cwd follow). The workload must be dead: a survivor keeps the old root."""
-        from dsec.agent.native import ensure_binary
         from dsec.backends.container.runtime import _wait_child
 
-        binary = await asyncio.to_thread(ensure_binary, "dsec-reroot",
-                                         os.path.join(os.path.dirname(self.init_binary), "dsec-reroot"))
+        binary = await asyncio.to_thread(self.reroot_binary)
         pid = sb.rec.init_pid
         err_path = os.path.join(self.run_dir, f"reroot-{sb.id}.err")
         err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
