@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 from typing import TYPE_CHECKING
 
 from dsec import tracing
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 KILL_TIMEOUT_S = 10.0  # SIGKILL through the cgroup for at most this long
 FREEZE_TIMEOUT_S = 10.0  # a task in uninterruptible sleep (I/O) delays freezing: this long at most
+_REROOT_BUILD = threading.Lock()  # dsec-reroot's compile, once (a snapshot starts it, a rollback may too)
 
 
 class ContainerSandboxes:
@@ -211,7 +213,8 @@ class ContainerSandboxes:
         the first rollback does not wait for the compiler)."""
         from dsec.agent.native import ensure_binary
 
-        return ensure_binary("dsec-reroot", os.path.join(os.path.dirname(self.init_binary), "dsec-reroot"))
+        with _REROOT_BUILD:  # one compile at a time (its temporary file is named by the pid)
+            return ensure_binary("dsec-reroot", os.path.join(os.path.dirname(self.init_binary), "dsec-reroot"))
 
     async def reroot(self, sb: Sandbox, new_root: str) -> None:
         """Make the overlay mounted at ``new_root`` the container's root (dsec-reroot:
