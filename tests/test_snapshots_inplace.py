@@ -304,3 +304,20 @@ def test_snapshots_outlive_an_edge_restart(restartable: Platform) -> None:
         assert sb.exec("cat /f").stdout == "3\n"
         sb.stop()
         assert _settled_leftovers(p, sb.sandbox_id) == []
+
+
+def test_pack_diff_and_checkpoint_see_the_rolled_back_files(platform: Platform, sb: dsec.Sandbox) -> None:
+    sb.exec("mkdir -p /work && echo kept > /work/kept")
+    snap = sb.snapshot()
+    sb.exec("echo later > /work/later && rm /work/kept")
+    sb.rollback(snap)
+    # the writable layer the edge reads from is the rolled-back one
+    layer = sb.pack_diff(f"ws/rolled-{uuid.uuid4().hex[:6]}:v1")
+    with dsec.Client(url=platform.url, token=TOKEN) as c:
+        (kid,) = c.fork(layer, n=1)
+        try:
+            assert kid.exec("ls /work").stdout.split() == ["kept"]
+        finally:
+            kid.stop()
+    cp = sb.checkpoint()
+    assert cp.files > 0
