@@ -54,6 +54,12 @@ from tests.test_e2b import test_files as test_e2b_files  # noqa: F401
 from tests.test_fncall import test_cpp_compile_once_run_many_with_verdicts, test_python_hello_and_stdin  # noqa: F401
 from tests.test_layers import test_pack_diff_and_fork_reproduce_the_tree  # noqa: F401
 from tests.test_lifecycle import test_stop_releases_everything, test_workload_crash_is_contained  # noqa: F401
+from tests.test_snapshots_inplace import (  # noqa: F401
+    sb,
+    test_command_log_after_a_rollback,
+    test_rollback_brings_files_back_and_kills_later_processes,
+    test_snapshots_are_listed_dropped_and_named,
+)
 
 
 @pytest.fixture(scope="session")

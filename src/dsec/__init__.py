@@ -15,6 +15,7 @@ from dsec.errors import (
     LayerInUse,
     MetadataUnavailable,
     NotFound,
+    NotSupported,
     PayloadTooLarge,
     ProjectExists,
     ProjectNotEmpty,
@@ -25,6 +26,7 @@ from dsec.errors import (
     SandboxBusy,
     SandboxError,
     SandboxNotRunning,
+    SnapshotLimit,
     Unauthorized,
 )
 from dsec.sdk import (
@@ -62,6 +64,7 @@ from dsec.wire.models import (
     VMInfo,
 )
 from dsec.wire.rollouts import Inference, RolloutCounts, RolloutInfo, RolloutSpec, Step
+from dsec.wire.snapshots import RollbackResult, SandboxSnapshot
 
 __all__ = [
     "CheckpointInfo", "DrainReport", "FleetEvent",
@@ -76,4 +79,5 @@ __all__ = [
     "ProjectExists", "ProjectInfo", "ProjectNotEmpty", "ProjectQuota", "QuotaConflict", "Usage",
     "MetadataUnavailable", "RateLimited", "RequestTimeout",
     "AsyncRollouts", "Inference", "RolloutCounts", "RolloutInfo", "RolloutSpec", "Rollouts", "Step",
+    "NotSupported", "RollbackResult", "SandboxSnapshot", "SnapshotLimit",
 ]

@@ -195,6 +195,26 @@ class InsufficientStorage(DsecError):
     code = "insufficient_storage"
 
 
+class NotSupported(DsecError):
+    """The operation exists, but not for this sandbox or on this node (an in-place
+    snapshot of a VM, or of a container on an edge without its btrfs volume)."""
+
+    status = 501
+    code = "not_supported"
+
+    @property
+    def infra(self) -> bool:  # the request asked for what this sandbox cannot do: the caller's to change
+        return False
+
+
+class SnapshotLimit(DsecError):
+    """A sandbox holds as many in-place snapshots as it may, or its snapshots hold its
+    disk quota: drop one first."""
+
+    status = 409
+    code = "snapshot_limit"
+
+
 class DeadlineExceeded(SandboxError):
     """A call did not finish within its deadline: the edge's call into a sandbox or helper
     (the sandbox's init, crun, the shared store), or the SDK's own request timeout."""
@@ -234,6 +254,8 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         CommandForgotten,
         SandboxBusy,
         LayerInUse,
+        NotSupported,
+        SnapshotLimit,
         PayloadTooLarge,
         AdmissionRejected,
         QuotaExceeded,

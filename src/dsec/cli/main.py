@@ -40,7 +40,7 @@ def _api(url: str | None, token: str | None) -> Iterator[Client]:
 @app.command()
 def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """Prepare this node: cgroups, dsec-init, and the built-in base layers (cached)."""
-    from dsec.agent.native import ensure_init_binary
+    from dsec.agent.native import ensure_binary, ensure_init_binary
     from dsec.e2b.template import ensure_interpreter_layer, ensure_user_layer
     from dsec.embedded import data_dir_default, load_or_create_token
     from dsec.host.prep import prepare_cgroups
@@ -49,6 +49,7 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOp
     d = os.path.abspath(data_dir or data_dir_default())
     console.print(f"cgroups: {prepare_cgroups()}")
     ensure_init_binary(os.path.join(d, "bin", "dsec-init"))
+    ensure_binary("dsec-reroot", os.path.join(d, "bin", "dsec-reroot"))  # in-place rollback (docs/snapshots.md)
     load_or_create_token(d)
     if shutil.which("qemu-system-x86_64"):
         from dsec.backends.vm.guest import ensure_guest
@@ -431,6 +432,9 @@ from dsec.cli.top import top  # noqa: E402
 
 app.add_typer(node_app, name="node")
 app.add_typer(checkpoint_app, name="checkpoint")
+from dsec.cli.snapshots import snapshot_app  # noqa: E402
+
+app.add_typer(snapshot_app, name="snapshot")
 app.command("move")(move)
 app.command("restore")(restore)
 node_app.command("drain")(drain)

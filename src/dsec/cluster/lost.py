@@ -21,7 +21,7 @@ from dsec.wire.models import SandboxInfo
 
 
 class LostEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.NodeOps, api.LayerOps,
-               api.FnCallOps, api.FleetOps):
+               api.FnCallOps, api.FleetOps, api.SnapshotOps):
     def __init__(self, name: str, reason: str, registry: Registry,
                  forward: Callable[[str], api.EdgeAPI | None] = lambda _: None) -> None:
         self.name, self.reason, self.registry, self.forward = name, reason, registry, forward

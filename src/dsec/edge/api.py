@@ -43,6 +43,7 @@ from dsec.wire.models import (
     StorageStats,
     VMArgs,
 )
+from dsec.wire.snapshots import RollbackResult, SandboxSnapshot
 
 
 class SandboxOps(Protocol):
@@ -150,8 +151,20 @@ class FleetOps(Protocol):
     async def evict(self, sandbox_id: str, moved_to: str) -> SandboxInfo: ...
 
 
-class EdgeAPI(SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, FleetOps, Protocol):
+class SnapshotOps(Protocol):
+    """In-place snapshots of a running container and the rollback to one, on its edge
+    (dsec.edge.rollback, docs/snapshots.md)."""
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SandboxSnapshot: ...
+    async def list_snapshots(self, sandbox_id: str) -> list[SandboxSnapshot]: ...
+    async def drop_snapshot(self, sandbox_id: str, name: str) -> None: ...
+    async def rollback(self, sandbox_id: str, snapshot: str) -> RollbackResult: ...
+
+
+class EdgeAPI(SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, FleetOps, SnapshotOps,
+              Protocol):
     name: str
 
 
-GROUPS: tuple[type, ...] = (SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, FleetOps)
+GROUPS: tuple[type, ...] = (SandboxOps, ExecOps, FileOps, NetworkOps, NodeOps, LayerOps, FnCallOps, FleetOps,
+                            SnapshotOps)

@@ -185,6 +185,18 @@ class CommandLog:
         self._counts.pop(sandbox_id, None)
         return n
 
+    def last_seq(self, sandbox_id: str) -> int:
+        return self._counts_of(sandbox_id).seq
+
+    def roll_back(self, sandbox_id: str, seq: int, at: float) -> int:
+        """The sandbox went back to its state at time ``at``, when ``seq`` was its last
+        record: drop every record that had not finished by then (later commands, and any
+        that ran across that instant), so their keys run again. How many were dropped."""
+        n = self._db.execute("DELETE FROM commands WHERE sandbox=? AND (seq>? OR finished_at IS NULL OR finished_at>?)",
+                             (sandbox_id, seq, at)).rowcount
+        self._counts.pop(sandbox_id, None)  # recounted from the rows left (seq goes on from the last kept)
+        return int(n)
+
     def sweep(self, live: set[str]) -> None:
         """Every minute at most: note the sandboxes that ended, and drop the records of those
         that ended longer ago than a sandbox's tombstone lasts."""

@@ -9,6 +9,7 @@ import logging
 import os
 
 from dsec.edge.core import EdgeCore
+from dsec.edge.rollback import sweep as inplace_sweep
 from dsec.edge.sandbox import READOPT_CONCURRENCY, READOPT_TIMEOUT_S, Sandbox, explain
 from dsec.edge.state import Record
 from dsec.errors import (
@@ -65,6 +66,8 @@ class Recovery(EdgeCore):
         for name in os.listdir(self.sandbox_root):
             if name not in self.sandboxes:
                 await asyncio.to_thread(self.volume.remove, os.path.join(self.sandbox_root, name))
+        if self.volume.available and (n := await asyncio.to_thread(inplace_sweep, self.volume, set(self.sandboxes))):
+            log.warning("dropped %d in-place snapshot(s) of sandboxes that ended while the edge was down", n)
         for sb in self.sandboxes.values():
             sb.qgroup = self.volume.subvolume_id(sb.dir)
         self.state.prune()

@@ -46,6 +46,7 @@ from dsec.edge.config import EdgeConfig
 from dsec.edge.core import ID_ALPHABET
 from dsec.edge.interactive import exec_events
 from dsec.edge.recovery import Recovery
+from dsec.edge.rollback import InplaceSnapshots
 from dsec.edge.sandbox import (
     Sandbox,
     explain,
@@ -97,7 +98,7 @@ RESOLVE_TTL_S = 2.0  # a ref's blobs kept this long when the catalog is a cluste
 _RESOLVED: weakref.WeakKeyDictionary[LayerStore, dict[str, tuple[float, list[str]]]] = weakref.WeakKeyDictionary()
 
 
-class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExec, Checkpointing):
+class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExec, Checkpointing, InplaceSnapshots):
     def __init__(self, cfg: EdgeConfig, layers: LayerStore, meta: Engine | None = None) -> None:
         """``meta``: the metadata database checkpoints are recorded in (a cluster's, so that
         another edge can restore them); by default the data dir's own."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from dsec import tracing
 from dsec.edge.core import EdgeCore
+from dsec.edge.rollback import drop_all, inplace_dir
 from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all
 from dsec.errors import SandboxNotRunning
 from dsec.faults import failpoint
@@ -117,6 +119,8 @@ class Teardown(EdgeCore):
             await self._bounded(sb, "save access lists", self._save_access_lists(sb, forget=True))
         await self._bounded(sb, "unmount", asyncio.to_thread(unmount_all, sb.dir))
         await self._bounded(sb, "remove its files", asyncio.to_thread(self.volume.remove, sb.dir), 60)
+        if self.volume.available and os.path.isdir(inplace_dir(self.volume, sb.id)):  # (only if it took any)
+            await self._bounded(sb, "drop its snapshots", asyncio.to_thread(drop_all, self.volume, sb.id), 60)
 
     async def _bounded(self, sb: Sandbox, step: str, aw: Awaitable[T], timeout: float = STEP_TIMEOUT_S) -> T | None:
         """One teardown step with a deadline; a failure is the sandbox's event, not the caller's."""

@@ -15,6 +15,7 @@ btrfs, no loop devices), sandboxes get plain directories and ``status`` says why
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
@@ -41,6 +42,9 @@ INO_LOOKUP = _ioc(_IOC_W | _IOC_R, 18, 4096)
 QGROUP_LIMIT = _ioc(_IOC_R, 43, 48)
 QUOTA_CTL = _ioc(_IOC_W | _IOC_R, 40, 16)
 SNAP_CREATE_V2 = _ioc(_IOC_W, 23, VOL_ARGS)  # struct btrfs_ioctl_vol_args_v2: 4096 bytes
+QGROUP_ASSIGN = _ioc(_IOC_W, 41, 24)
+QGROUP_CREATE = _ioc(_IOC_W, 42, 16)
+SUBVOL_QGROUP_INHERIT = 1 << 2
 QUOTA_TREE = 8
 QGROUP_INFO_KEY = 242
 LIMIT_MAX_RFER = 1
@@ -133,31 +137,66 @@ class SandboxVolume:
         finally:
             os.close(fd)
         if limit_mb is not None:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:  # qgroup id 0: the subvolume this fd is in
-                fcntl.ioctl(fd, QGROUP_LIMIT, bytearray(struct.pack("QQQQQQ", 0, LIMIT_MAX_RFER,
-                                                                   limit_mb << 20, 0, 0, 0)), True)
-            finally:
-                os.close(fd)
+            self.limit(path, limit_mb)
 
-    def snapshot(self, src: str, dst: str) -> None:
+    def limit(self, path: str, limit_mb: int) -> None:
+        """The subvolume at ``path`` holds at most ``limit_mb`` (a snapshot does not inherit
+        its source's limit: a rollback sets it again on the copy it swaps in)."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # qgroup id 0: the subvolume this fd is in
+            fcntl.ioctl(fd, QGROUP_LIMIT, bytearray(struct.pack("QQQQQQ", 0, LIMIT_MAX_RFER,
+                                                               limit_mb << 20, 0, 0, 0)), True)
+        finally:
+            os.close(fd)
+
+    def snapshot(self, src: str, dst: str, group: int | None = None) -> None:
         """A writable snapshot of the subvolume ``src`` at ``dst`` (same volume): constant
         time, and btrfs writes the source's dirty data out first, so the snapshot holds
-        every write that returned before it."""
+        every write that returned before it. ``group``: a level-1 qgroup the snapshot's
+        own qgroup joins as it is made (accounting stays exact: no rescan)."""
         parent, name = os.path.split(dst)
         raw = name.encode()
         if b"/" in raw or len(raw) >= 4040:
             raise ValueError(f"bad snapshot name {name!r}")
+        inherit = None
+        if group is not None:  # struct btrfs_qgroup_inherit: flags, 3 counts, a limit (5 u64), the qgroups
+            inherit = ctypes.create_string_buffer(struct.pack("QQQQ5QQ", 0, 1, 0, 0, 0, 0, 0, 0, 0, group))
         src_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:  # fd, transid, flags (0: writable), 32 bytes of union, then the name
-                args = struct.pack("qQQ", src_fd, 0, 0) + b"\0" * 32 + raw
+            try:  # fd, transid, flags (0: writable), 32 bytes of union (size, inherit pointer), then the name
+                if inherit is None:
+                    args = struct.pack("qQQ", src_fd, 0, 0) + b"\0" * 32 + raw
+                else:
+                    args = struct.pack("qQQQQ", src_fd, 0, SUBVOL_QGROUP_INHERIT, ctypes.sizeof(inherit) - 1,
+                                       ctypes.addressof(inherit)) + b"\0" * 16 + raw
                 fcntl.ioctl(fd, SNAP_CREATE_V2, bytearray(args + b"\0" * (VOL_ARGS - len(args))), True)
             finally:
                 os.close(fd)
         finally:
             os.close(src_fd)
+
+    # ---- level-1 qgroups: a sandbox and its in-place snapshots under one limit ------------
+    def _ctl(self, op: int, args: bytes) -> int:
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return int(fcntl.ioctl(fd, op, bytearray(args), True))
+        finally:
+            os.close(fd)
+
+    def group_create(self, group: int) -> None:
+        self._ctl(QGROUP_CREATE, struct.pack("QQ", 1, group))
+
+    def group_remove(self, group: int) -> None:
+        self._ctl(QGROUP_CREATE, struct.pack("QQ", 0, group))
+
+    def group_assign(self, qgroup: int, group: int, assign: bool = True) -> bool:
+        """Make ``qgroup`` a member of ``group`` (or not); False when the kernel could not
+        account it at once (it shares extents: a rescan would be needed)."""
+        return self._ctl(QGROUP_ASSIGN, struct.pack("QQQ", int(assign), qgroup, group)) == 0
+
+    def group_limit(self, group: int, limit_mb: int) -> None:
+        self._ctl(QGROUP_LIMIT, struct.pack("QQQQQQ", group, LIMIT_MAX_RFER, limit_mb << 20, 0, 0, 0))
 
     def is_subvolume(self, path: str) -> bool:
         """A subvolume's root directory is inode 256 (below the volume, nothing else is)."""
@@ -191,8 +230,10 @@ class SandboxVolume:
     def subvolume_id(self, path: str) -> int | None:
         return _subvol_id(path) if self.is_subvolume(path) else None
 
-    def referenced(self, lo: int = FIRST_FREE_OBJECTID, hi: int = 2**48 - 1) -> dict[int, int]:
-        """Level-0 qgroups lo..hi -> referenced bytes, by a search of the quota tree."""
+    def referenced(self, lo: int = FIRST_FREE_OBJECTID, hi: int = 2**48 - 1, exclusive: bool = False
+                   ) -> dict[int, int]:
+        """Level-0 qgroups lo..hi -> referenced bytes (``exclusive``: the bytes no other
+        subvolume shares), by a search of the quota tree."""
         out: dict[int, int] = {}
         fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -207,8 +248,9 @@ class SandboxVolume:
                 pos = 104
                 for _ in range(found):
                     _, _, qgroup, typ, length = struct.unpack_from("QQQII", buf, pos)
-                    if typ == QGROUP_INFO_KEY and length >= 16:
-                        out[qgroup] = int(struct.unpack_from("QQ", buf, pos + 32)[1])
+                    if typ == QGROUP_INFO_KEY and length >= 40:
+                        # btrfs_qgroup_info_item: generation, rfer, rfer_cmpr, excl, excl_cmpr
+                        out[qgroup] = int(struct.unpack_from("QQQQ", buf, pos + 32)[3 if exclusive else 1])
                     lo = qgroup + 1
                     pos += 32 + length
         finally:

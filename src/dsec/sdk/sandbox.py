@@ -32,6 +32,7 @@ from dsec.wire.models import (
     SandboxInfo,
     SandboxUsage,
 )
+from dsec.wire.snapshots import RollbackResult, SandboxSnapshot
 
 
 def _event(line: bytes) -> ExecEvent:
@@ -193,6 +194,30 @@ class AsyncSandbox:
     async def checkpoints(self) -> builtins.list[CheckpointInfo]:
         """Its checkpoints in the store, oldest first (retention keeps the newest chains)."""
         return [CheckpointInfo.model_validate(c) for c in await self._client._json("GET", f"{self._base}/checkpoints")]
+
+    async def snapshot(self, name: str | None = None, *, timeout: float = 60.0) -> SandboxSnapshot:
+        """Snapshot its files now, in place (a container on a btrfs edge; frozen for
+        milliseconds, whatever it has written): kept on its edge until dropped or it ends,
+        and :meth:`rollback` returns to it (docs/snapshots.md)."""
+        return SandboxSnapshot.model_validate(await self._client._json(
+            "POST", f"{self._base}/snapshot", json={"name": name}, timeout=timeout))
+
+    async def snapshots(self) -> builtins.list[SandboxSnapshot]:
+        """Its in-place snapshots, oldest first."""
+        return [SandboxSnapshot.model_validate(x) for x in await self._client._json("GET", f"{self._base}/snapshots")]
+
+    async def drop_snapshot(self, snapshot: SandboxSnapshot | str) -> None:
+        name = snapshot if isinstance(snapshot, str) else snapshot.name
+        await self._client._request("DELETE", f"{self._base}/snapshots/{name}")
+
+    async def rollback(self, snapshot: SandboxSnapshot | str, *, timeout: float = 60.0) -> RollbackResult:
+        """Its files back to ``snapshot`` exactly, in milliseconds: every process but
+        dsec-init is killed (a command running now ends killed), shell sessions restart at
+        their working directories of then, and command log records after it are dropped
+        (their keys run again). The snapshot stays: roll back to it again at will."""
+        name = snapshot if isinstance(snapshot, str) else snapshot.name
+        return RollbackResult.model_validate(await self._client._json(
+            "POST", f"{self._base}/rollback", json={"snapshot": name}, timeout=timeout))
 
     async def move(self, *, timeout: float = 330.0) -> SandboxInfo:
         """Move it to another edge (cluster admins): paused, checkpointed, restored there

@@ -16,9 +16,10 @@ from dsec.apiserver.routes import (
     projects,
     rollouts,
     sandboxes,
+    snapshots,
     tokens,
 )
 
 # in the order a request's path is matched: the hot path's routes first
-MODULES = (exec, rollouts, fncall, sandboxes, files, ports, batches, jobs, checkpoints, display, layers, tokens,
-           projects, node, nodes, console)
+MODULES = (exec, rollouts, fncall, sandboxes, files, ports, batches, jobs, checkpoints, snapshots, display, layers,
+           tokens, projects, node, nodes, console)

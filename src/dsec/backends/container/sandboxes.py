@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 from typing import TYPE_CHECKING
 
 from dsec import tracing
@@ -19,7 +20,7 @@ from dsec.edge import memory
 from dsec.errors import DsecError, InvalidRequest, SandboxBusy, SandboxError
 from dsec.faults import failpoint
 from dsec.host import linux
-from dsec.host.cgroup import Cgroup
+from dsec.host.cgroup import WORKLOAD, Cgroup
 from dsec.wire.models import ContainerArgs, SandboxState
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 KILL_TIMEOUT_S = 10.0  # SIGKILL through the cgroup for at most this long
 FREEZE_TIMEOUT_S = 10.0  # a task in uninterruptible sleep (I/O) delays freezing: this long at most
+_REROOT_BUILD = threading.Lock()  # dsec-reroot's compile, once (a snapshot starts it, a rollback may too)
 
 
 class ContainerSandboxes:
@@ -156,6 +158,86 @@ class ContainerSandboxes:
 
     async def thaw(self, sb: Sandbox) -> None:
         await asyncio.to_thread(Cgroup(self.cgroup_path(sb.id)).freeze, False)
+
+    # ---- in-place rollback (dsec.edge.rollback): the backend's half -------------------
+    async def lowers(self, sb: Sandbox) -> list[str]:
+        """The lower dirs of its root overlay, top first, as ``prepare`` mounted them
+        (node mounts are shared and already there; a recording sandbox's are its own)."""
+        digests, layers = sb.rec.digests, self.host.node_layers
+        if self._args(sb).record_access:
+            return [os.path.join(sb.dir, "lower", str(i)) for i in reversed(range(len(digests)))]
+        return [await layers.mount(d) for d in reversed(digests)]
+
+    @staticmethod
+    def mount_root(bundle: str, lowers: list[str]) -> None:
+        """An overlay of ``lowers`` under ``bundle``'s upper and work dirs at ``bundle``/rootfs."""
+        fds = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+               for p in (*lowers, f"{bundle}/upper", f"{bundle}/work")]
+        try:
+            *low, up, work = (f"/proc/self/fd/{fd}" for fd in fds)
+            linux.mount("overlay", os.path.join(bundle, "rootfs"), "overlay", 0,
+                        f"lowerdir={':'.join(low)},upperdir={up},workdir={work}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def signal_workload(self, sb: Sandbox) -> int:
+        """SIGKILL every process of the workload (its cgroup ``S/w``: everything but
+        dsec-init); how many. Called frozen: the signals are pending when it thaws, and
+        nothing forks in between."""
+        import signal
+
+        pids = Cgroup(os.path.join(self.cgroup_path(sb.id), WORKLOAD)).procs()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
+    def workload_gone(self, sb: Sandbox, timeout: float) -> None:
+        """Wait (thawed) until the killed workload has exited: killed tasks only need a
+        moment of CPU, so this polls often; past a few ms, Cgroup.kill's loop takes over."""
+        import time
+
+        work = Cgroup(os.path.join(self.cgroup_path(sb.id), WORKLOAD))
+        deadline = time.monotonic() + 0.02
+        while work.procs():
+            if time.monotonic() > deadline:
+                if not work.kill(timeout):
+                    raise SandboxError(f"processes left in its workload cgroup after {timeout:g} s of SIGKILL: "
+                                       f"{sorted(work.procs())[:10]}")
+                return
+            time.sleep(0.0002)
+
+    def reroot_binary(self) -> str:
+        """dsec-reroot beside dsec-init, compiled the first time (a snapshot starts that, so
+        the first rollback does not wait for the compiler)."""
+        from dsec.agent.native import ensure_binary
+
+        with _REROOT_BUILD:  # one compile at a time (its temporary file is named by the pid)
+            return ensure_binary("dsec-reroot", os.path.join(os.path.dirname(self.init_binary), "dsec-reroot"))
+
+    async def reroot(self, sb: Sandbox, new_root: str) -> None:
+        """Make the overlay mounted at ``new_root`` the container's root (dsec-reroot:
+        moves /proc, /dev, /sys and its tmpfs mounts over, then pivot_root, so init's
+        root and cwd follow). The workload must be dead: a survivor keeps the old root."""
+        from dsec.backends.container.runtime import _wait_child
+
+        binary = await asyncio.to_thread(self.reroot_binary)
+        pid = sb.rec.init_pid
+        err_path = os.path.join(self.run_dir, f"reroot-{sb.id}.err")
+        err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            child = os.posix_spawn(  # noqa: ASYNC221 - returns at once; the wait is on the loop
+                binary, [binary, str(pid), new_root, *(["ro"] if self._args(sb).readonly_rootfs else [])],
+                {}, file_actions=[(os.POSIX_SPAWN_DUP2, err, 2)])
+        finally:
+            os.close(err)
+        status = await _wait_child(child, FREEZE_TIMEOUT_S, f"dsec-reroot {sb.id}")
+        with open(err_path, errors="replace") as f:
+            msg = f.read().strip()
+        os.unlink(err_path)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SandboxError(f"sandbox {sb.id}: its root was not swapped: {msg or 'dsec-reroot failed'}")
 
     async def pause(self, sb: Sandbox) -> str:
         await self.freeze(sb)  # frozen first: nothing touches the memory pushed out next

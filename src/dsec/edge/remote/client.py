@@ -32,7 +32,7 @@ HEARTBEAT_S = 20.0
 
 
 class RemoteEdge(api.SandboxOps, api.ExecOps, api.FileOps, api.NetworkOps, api.NodeOps, api.LayerOps,
-                 api.FnCallOps, api.FleetOps):
+                 api.FnCallOps, api.FleetOps, api.SnapshotOps):
     """An edge daemon at ``url`` (``http://host:port``, or ``https://`` with ``tls``: the
     client context of dsec.edge.remote.tls, which presents this side's certificate and
     checks the edge's), known to the cluster as ``name``."""

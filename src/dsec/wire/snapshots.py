@@ -1,0 +1,50 @@
+"""Wire models of in-place snapshots (docs/snapshots.md): a snapshot of a running
+container's files taken in milliseconds on its own edge, and the rollback to one."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, Field
+
+# a snapshot's name: also its subvolume's name on the edge, so no slash and nothing odd
+SNAPSHOT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+SnapshotName = Annotated[str, Field(pattern=SNAPSHOT_NAME, description="letters, digits, '.', '_', '-'; 1-64")]
+
+
+class SnapshotRequest(BaseModel):
+    name: SnapshotName | None = Field(default=None, description="default: snap-N, N one more than the last one's")
+
+
+class RollbackRequest(BaseModel):
+    snapshot: SnapshotName = Field(description="the name of the snapshot to go back to")
+
+
+class SandboxSnapshot(BaseModel):
+    """One in-place snapshot: the sandbox's writable layer as it was at ``taken_at``."""
+
+    sandbox_id: str
+    name: str
+    taken_at: float
+    freeze_ms: float = Field(description="how long the sandbox was frozen for it")
+    commands_seq: int = Field(description="the command log's last record at the snapshot: later ones are dropped "
+                                          "by a rollback to it")
+    sessions: dict[str, str] = Field(default_factory=dict, description="shell sessions at the snapshot and their "
+                                                                       "working directories")
+    bytes: int | None = Field(default=None, description="disk the snapshot alone holds (data the sandbox changed "
+                              "since), counted against its disk quota; None until measured")
+
+
+class RollbackResult(BaseModel):
+    """What a rollback did."""
+
+    sandbox_id: str
+    snapshot: str
+    rollback_ms: float = Field(description="from the request reaching the edge to the sandbox running again")
+    frozen_ms: float = Field(description="how long the sandbox was frozen (its processes killed, its root swapped)")
+    killed: int = Field(description="processes of the workload killed (every process but dsec-init)")
+    sessions: list[str] = Field(description="shell sessions restarted, at their snapshot working directories")
+    commands_dropped: int = Field(description="command log records after the snapshot, dropped (their keys run "
+                                              "again)")
+    steps_ms: dict[str, float] = Field(default_factory=dict, description="where the time went: copy (the snapshot's "
+                                       "writable copy), mount, freeze, reroot, killed, swap, sessions_and_log")
