@@ -11,7 +11,6 @@ import time
 from prometheus_client import generate_latest
 
 from dsec.console.query import answer, matches, needs_usage
-from dsec.edge import memory
 from dsec.edge.core import EdgeCore
 from dsec.edge.metrics import cgroup_usage
 from dsec.edge.sandbox import Sandbox
@@ -19,6 +18,7 @@ from dsec.errors import (
     AdmissionRejected,
     SandboxNotRunning,
 )
+from dsec.host import memory
 from dsec.placement.admission import Room, refusal
 from dsec.wire.console import MAX_PAGE, FnCallStats, SandboxPage, SandboxQuery
 from dsec.wire.models import (

@@ -16,7 +16,6 @@ from dsec.backends.container.sandboxes import ContainerSandboxes
 from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.hollow.runtime import HollowSandboxes
 from dsec.backends.vm.sandboxes import VMSandboxes
-from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.cmdstore import CommandLog
 from dsec.edge.config import EdgeConfig
@@ -33,12 +32,13 @@ from dsec.edge.sandbox import (
 )
 from dsec.edge.signals import Signals
 from dsec.edge.state import EdgeState
-from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
     InvalidRequest,
     NotFound,
     SandboxNotRunning,
 )
+from dsec.host import memory
+from dsec.host.volume import SandboxVolume
 from dsec.layers.store import LayerStore
 from dsec.storage.node import NodeLayers
 from dsec.wire.models import (

@@ -1,14 +1,11 @@
-"""A live sandbox as its edge holds it, the bounds of its teardown and re-adoption, and
-the small process and mount helpers those use."""
+"""A live sandbox as its edge holds it, and the bounds of its teardown and re-adoption
+(the process and mount helpers those use are in :mod:`dsec.host`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
-import os
 import sqlite3
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,7 +13,6 @@ from dsec.agent.aether import Aether
 from dsec.backends.vm.runtime import VMInstance
 from dsec.edge.state import Record
 from dsec.errors import DsecError
-from dsec.host import linux
 from dsec.wire.models import (
     SandboxEvent,
     SandboxInfo,
@@ -72,22 +68,6 @@ def explain(e: BaseException) -> str:
     return (e.message if isinstance(e, DsecError) else str(e)) or type(e).__name__
 
 
-def unmount_all(root: str) -> None:
-    for mp in linux.mounted_under(root):
-        try:
-            linux.umount(mp)
-        except OSError:
-            linux.umount(mp, detach=True)
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie: a killed init waits for whoever reaps it (the host's init,
-    which may take its time), but holds nothing of the sandbox any more."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 def out_of_space(e: BaseException) -> bool:
@@ -96,15 +76,6 @@ def out_of_space(e: BaseException) -> bool:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     return isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e)
 
-
-async def wait_gone(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.002)
-    # the edge is the child subreaper of the inits it started: reap this one (only this
-    # one: a wait for any child would take asyncio's subprocesses' statuses)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
 
 
 def mem_total_mb() -> int:

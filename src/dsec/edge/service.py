@@ -37,7 +37,6 @@ from dsec.backends.api import SandboxLost
 from dsec.backends.vm.display import click, screenshot, send_keys
 from dsec.backends.vm.runtime import VMInstance
 from dsec.checkpoints.store import CheckpointStore
-from dsec.edge import memory
 from dsec.edge.auditing import Auditing
 from dsec.edge.capacity import Capacity
 from dsec.edge.checkpointing import Checkpointing
@@ -67,7 +66,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.faults import failpoint
-from dsec.host import linux
+from dsec.host import linux, memory
 from dsec.layers.store import LayerStore, layer_kind
 from dsec.meta import open_db, sqlite_url
 from dsec.meta.registry import Registry

@@ -9,13 +9,13 @@ import logging
 import random
 import time
 
-from dsec.edge import memory
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import Sandbox
 from dsec.errors import (
     SandboxBusy,
     SandboxError,
 )
+from dsec.host import memory
 from dsec.wire.models import (
     ContainerArgs,
     SandboxState,

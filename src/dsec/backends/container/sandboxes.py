@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 from dsec import tracing
 from dsec.agent.initclient import ChannelLost, InitClient
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
-from dsec.edge import memory
 from dsec.errors import DsecError, InvalidRequest, SandboxBusy, SandboxError
 from dsec.faults import failpoint
-from dsec.host import linux
+from dsec.host import linux, memory
 from dsec.host.cgroup import Cgroup
+from dsec.host.process import alive, wait_gone
 from dsec.wire.models import ContainerArgs, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.api import BackendHost
     from dsec.edge.sandbox import Sandbox
-    from dsec.edge.volume import SandboxVolume
+    from dsec.host.volume import SandboxVolume
 
 KILL_TIMEOUT_S = 10.0  # SIGKILL through the cgroup for at most this long
 FREEZE_TIMEOUT_S = 10.0  # a task in uninterruptible sleep (I/O) delays freezing: this long at most
@@ -180,8 +180,6 @@ class ContainerSandboxes:
                                f"{sorted(cg.procs())[:10]}")
 
     async def destroy(self, sb: Sandbox) -> None:
-        from dsec.edge.sandbox import wait_gone
-
         cg = Cgroup(self.cgroup_path(sb.id))
         try:
             if sb.rec.init_pid:
@@ -205,8 +203,6 @@ class ContainerSandboxes:
     async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> bool:
         """The kernel's freezer, not the record, says whether it is paused: an edge killed
         in the middle of a pause, resume or pack_diff left the record one step behind."""
-        from dsec.edge.sandbox import alive
-
         rec = sb.rec
         if not known_to_runtime or not alive(rec.init_pid):
             raise SandboxError("its container is gone")
