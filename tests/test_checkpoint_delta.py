@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dsec.checkpoints import delta
-from dsec.edge.volume import SandboxVolume
 from dsec.host import linux
+from dsec.host.volume import SandboxVolume
 
 
 @pytest.fixture

@@ -33,9 +33,9 @@ class Auditing(EdgeCore):
     async def protect(self, sandbox_id: str, paths: list[str]) -> int:
         """Fingerprint the files under ``paths`` now; later changes are flagged."""
         sb, _ = await self._ready(sandbox_id)
-        if sb.vm:
+        if (pid := self.backend_of(sb).host_pid(sb)) is None:
             raise InvalidRequest("protected paths are watched in container sandboxes", field="sandbox_id")
-        files = ProcRootFiles(sb.rec.init_pid)
+        files = ProcRootFiles(pid)
         try:
             n = await asyncio.to_thread(self.detectors.protect, sb.id, paths, files.tree, files.read_bytes)
         except ValueError as e:
@@ -44,15 +44,17 @@ class Auditing(EdgeCore):
         return n
 
     async def _run_detectors(self, sb: Sandbox) -> None:
-        if sb.vm or not sb.rec.init_pid:
+        backend = self.backend_of(sb)
+        pid, upper = backend.host_pid(sb), backend.writable_dir(sb)
+        if pid is None or upper is None:
             return
-        files = ProcRootFiles(sb.rec.init_pid)
+        files = ProcRootFiles(pid)
         lowers = [p if os.path.isdir(p := os.path.join(sb.dir, "lower", str(i))) else
                   os.path.join(self.layer_mnt, d) for i, d in enumerate(sb.rec.digests)]
 
         def go() -> None:
             self.detectors.check_protected(sb.id, files.tree, files.read_bytes)
-            self.detectors.check_replaced(sb.id, os.path.join(sb.dir, "upper"), lowers)
+            self.detectors.check_replaced(sb.id, upper, lowers)
         with contextlib.suppress(OSError):
             await asyncio.to_thread(go)
 

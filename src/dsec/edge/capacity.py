@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from prometheus_client import generate_latest
 
 from dsec.console.query import answer, matches, needs_usage
-from dsec.edge import memory
 from dsec.edge.core import EdgeCore
 from dsec.edge.metrics import cgroup_usage
 from dsec.edge.sandbox import Sandbox
@@ -19,6 +17,7 @@ from dsec.errors import (
     AdmissionRejected,
     SandboxNotRunning,
 )
+from dsec.host import memory
 from dsec.placement.admission import Room, refusal
 from dsec.wire.console import MAX_PAGE, FnCallStats, SandboxPage, SandboxQuery
 from dsec.wire.models import (
@@ -102,11 +101,11 @@ class Capacity(EdgeCore):
         use = cgroup_usage(cg)
         mem = memory.cgroup_memory(cg)
         when, disk = sb.disk
-        if sb.qgroup is not None and disk_max_age > 0:  # the qgroup: cheap, at most 5 s old (scrapes)
-            disk = self.volume.referenced(sb.qgroup, sb.qgroup).get(sb.qgroup, disk)
+        backend = self.backend_of(sb)
+        if (qgroup := backend.disk_quota(sb)) is not None and disk_max_age > 0:  # cheap, at most 5 s old (scrapes)
+            disk = self.volume.referenced(qgroup, qgroup).get(qgroup, disk)
         elif time.monotonic() - when > disk_max_age:  # asked for now: walk the tree
-            target = sb.vm.spec.disks[0].path if sb.vm else os.path.join(sb.dir, "upper")
-            disk = memory.disk_usage(target)
+            disk = memory.disk_usage(backend.disk_path(sb))
             sb.disk = (time.monotonic(), disk)
         return SandboxUsage(cpu_s=use.get("cpu_ns", 0) / 1e9, memory_bytes=mem.get("total", 0),
                             anon_bytes=mem.get("anon", 0), file_bytes=mem.get("file", 0),

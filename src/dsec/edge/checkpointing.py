@@ -135,7 +135,8 @@ class Checkpointing(EdgeCore):
         """From the TTL loop's visit of ``sb``: start its checkpoint if one is due (one at a time)."""
         args = sb.rec.args
         if (not args.checkpoint_every_s or sb.stopping or sb.rec.info.state != SandboxState.running
-                or sb.agent is None or (sb.vm is not None and sb.ops)):  # a VM's waits for a quiet moment
+                or sb.agent is None or (sb.ops and self.backend_of(sb).snapshot_files(sb) is not None)):
+            # (a VM's, taken whole with QEMU down, waits for a quiet moment)
             return
         task = self._ckpt_tasks.get(sb.id)
         if task is not None and not task.done():
@@ -160,8 +161,8 @@ class Checkpointing(EdgeCore):
             return None
 
     async def _take_one(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
-        if sb.vm is not None:
-            return await self._take_vm(sb, forced)
+        if (files := self.backend_of(sb).snapshot_files(sb)) is not None:
+            return await self._take_vm(sb, files, forced)
         chain, before = await asyncio.to_thread(self._chain, sb)
         if full or chain.deltas < 0 or chain.deltas + 1 >= FULL_EVERY:
             full, before = True, {}
@@ -222,7 +223,7 @@ class Checkpointing(EdgeCore):
         return public
 
     # ---- VMs: memory and disk, whole -------------------------------------------------------
-    async def _take_vm(self, sb: Sandbox, forced: bool) -> CheckpointInfo | None:
+    async def _take_vm(self, sb: Sandbox, files: dict[str, str], forced: bool) -> CheckpointInfo | None:
         """A VM's checkpoint: its RAM and devices (QEMU's migration stream, as a pause writes
         it) and its disk, copied while QEMU is down, then it runs on from that very state;
         stored whole. A restore brings the VM back running, processes and all."""
@@ -231,7 +232,7 @@ class Checkpointing(EdgeCore):
         async with self._builds:
             try:
                 os.makedirs(work)
-                freeze_ms = await self._vm_snapshot(sb, work, forced)
+                freeze_ms = await self._vm_snapshot(sb, files, work, forced)
                 if freeze_ms is None:
                     return None  # requests in flight: the next interval
                 t0 = time.monotonic()
@@ -258,10 +259,9 @@ class Checkpointing(EdgeCore):
         self._chains[sb.id] = Chain(seq=seq, taken_at=cp.taken_at)
         return self._taken(sb, cp, 0)
 
-    async def _vm_snapshot(self, sb: Sandbox, work: str, forced: bool) -> float | None:
-        """Pause the VM (unless it is), copy its snapshot and disk to ``work`` (reflinks on
-        the volume), resume it; the time QEMU was down, in ms (None: it is busy)."""
-        assert sb.vm is not None
+    async def _vm_snapshot(self, sb: Sandbox, files: dict[str, str], work: str, forced: bool) -> float | None:
+        """Pause the VM (unless it is), copy its snapshot and disk (``files``) to ``work``
+        (reflinks on the volume), resume it; the time QEMU was down, in ms (None: it is busy)."""
         async with sb.lock:
             if sb.stopping:
                 raise SandboxNotRunning(f"sandbox {sb.id} is stopping")
@@ -270,31 +270,33 @@ class Checkpointing(EdgeCore):
                     raise SandboxBusy(f"sandbox {sb.id} has {sb.ops} request(s) in flight; a VM's checkpoint "
                                       "waits for them to end")
                 return None
-            info, vm = sb.rec.info, sb.vm
+            info, backend = sb.rec.info, self.backend_of(sb)
             running = info.state == SandboxState.running
             t0 = time.perf_counter()
             if running:
                 info.state = SandboxState.paused  # requests arriving meanwhile wait for the lock (_ready)
                 self.held.update(sb)
                 try:
-                    await self.vm_sandboxes.pause(sb)
+                    await backend.pause(sb)
                 except BaseException:
                     info.state = SandboxState.running
                     self.held.update(sb)
                     raise
             try:
-                for src, name in ((vm.snapshot, "snapshot.state"), (vm.snapshot_meta, "snapshot.json"),
-                                  (vm.spec.disks[0].path, "upper.img")):
+                for src, name in ((files["state"], "snapshot.state"), (files["meta"], "snapshot.json"),
+                                  (files["disk"], "upper.img")):
                     await asyncio.to_thread(subprocess.run, ["cp", "--reflink=auto", "--sparse=always", src,
                                                             os.path.join(work, name)], check=True)
             finally:
                 if running:
                     try:
-                        await self.vm_sandboxes.resume(sb)
+                        _, link = await backend.resume(sb)
                     except SandboxLost as e:
                         self.on_event(sb.id, "snapshot_error", e.message)
                         asyncio.create_task(self._teardown(sb, SandboxState.failed, f"checkpoint: {e.message}"))
                         raise
+                    if link is not None:
+                        await self.bind_agent(sb, link)
                     info.state = SandboxState.running
                     self.held.update(sb)
             return (time.perf_counter() - t0) * 1e3
@@ -389,13 +391,13 @@ class Checkpointing(EdgeCore):
         old = SandboxInfo.model_validate(cp.record["info"])
         commands = await asyncio.to_thread(self._get_commands, cp.commands)
         vm = cp.record.get("vm")
-        from_vm = None
-        if isinstance(vm, dict):  # the VM's files: read from the store by its backend's start
-            from_vm = {"state": self.layers.backend.path(vm["vmstate"]), "disk": self.layers.backend.path(vm["vmdisk"]),
+        restore = None
+        if isinstance(vm, dict):  # the VM's files: read from the store by its backend's launch
+            restore = {"state": self.layers.backend.path(vm["vmstate"]), "disk": self.layers.backend.path(vm["vmdisk"]),
                        "meta": json.dumps(vm["meta"])}
         info = await self._create(args, sandbox_id=spec.sandbox_id, extra=cp.stack, origin=old,
                                   restored_from=f"{old.edge} ({spec.reason})", base=cp.record.get("digests"),
-                                  from_vm=from_vm)
+                                  restore=restore)
         await asyncio.to_thread(self.cmdlog.restore, spec.sandbox_id, commands)
         chain = Chain(seq=cp.seq, stack=cp.stack, inherited=cp.stack, deltas=-1,
                       commands_seq=max((int(c.get("seq") or 0) for c in commands), default=0),  # type: ignore[call-overload]
@@ -431,7 +433,7 @@ class Checkpointing(EdgeCore):
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
                       restored_from: str | None = None, base: list[str] | None = None,
-                      from_vm: dict[str, str] | None = None) -> SandboxInfo:
+                      restore: dict[str, str] | None = None) -> SandboxInfo:
         raise NotImplementedError
 
 

@@ -9,14 +9,12 @@ import os
 import time
 
 from dsec.agent.aether import Aether
-from dsec.agent.interfaces import InitChannel, SandboxFiles
 from dsec.agent.native import ensure_init_binary
-from dsec.backends.api import SandboxRuntime
+from dsec.backends.api import InitLink, SandboxRuntime
 from dsec.backends.container.sandboxes import ContainerSandboxes
 from dsec.backends.fncall.pool import FnCallService
 from dsec.backends.hollow.runtime import HollowSandboxes
 from dsec.backends.vm.sandboxes import VMSandboxes
-from dsec.edge import memory
 from dsec.edge.audit import AuditLog, Detectors
 from dsec.edge.cmdstore import CommandLog
 from dsec.edge.config import EdgeConfig
@@ -33,12 +31,13 @@ from dsec.edge.sandbox import (
 )
 from dsec.edge.signals import Signals
 from dsec.edge.state import EdgeState
-from dsec.edge.volume import SandboxVolume
 from dsec.errors import (
     InvalidRequest,
     NotFound,
     SandboxNotRunning,
 )
+from dsec.host import memory
+from dsec.host.volume import SandboxVolume
 from dsec.layers.store import LayerStore
 from dsec.storage.node import NodeLayers
 from dsec.wire.models import (
@@ -102,10 +101,12 @@ class EdgeCore(InteractiveOps):
         self.layer_mnt = self.node_layers.mnt_dir
         self.fncall_service = FnCallService(self, os.cpu_count() or 1)
         # the backends: how a container or a VM exists on this node (backends/api.py)
-        self.containers = ContainerSandboxes(self, self.volume, self.run_dir, f"dsec-{tag}", self.init_binary)
-        self.vm_sandboxes = VMSandboxes(self, cfg.data_dir, self.run_dir, f"dsec-{tag}")
+        # (built with what they need; they never call back into the edge)
+        self.containers = ContainerSandboxes(self.node_layers, self.volume, self.run_dir, f"dsec-{tag}",
+                                             self.init_binary)
+        self.vm_sandboxes = VMSandboxes(self.node_layers, cfg.data_dir, self.run_dir, f"dsec-{tag}")
         self.runtime, self.vms = self.containers.runtime, self.vm_sandboxes.vms  # node-level questions
-        self.hollow = HollowSandboxes(self, f"/sys/fs/cgroup/dsec-hollow-{tag}") if cfg.hollow else None
+        self.hollow = HollowSandboxes(f"/sys/fs/cgroup/dsec-hollow-{tag}") if cfg.hollow else None
         self.audit = AuditLog(os.path.join(root, "audit.db"))
         self.detectors = Detectors(self._flag)
         self.procwatch = ProcWatch(f"dsec-{tag}", self._on_exec)
@@ -172,9 +173,6 @@ class EdgeCore(InteractiveOps):
             return self.hollow
         return self.containers if sb.rec.args.backend == "container" else self.vm_sandboxes
 
-    def record(self, sb: Sandbox) -> None:
-        self.state.put(sb.rec)
-
     def _tombstone(self, sandbox_id: str) -> SandboxInfo:
         rec = self.state.get(sandbox_id)
         if rec is None:
@@ -231,7 +229,7 @@ class EdgeCore(InteractiveOps):
     async def _teardown(self, sb: Sandbox, final: SandboxState, reason: str, record: bool = True) -> None:
         raise NotImplementedError
 
-    async def bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
+    async def bind_agent(self, sb: Sandbox, link: InitLink) -> None:
         raise NotImplementedError
 
     async def wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:

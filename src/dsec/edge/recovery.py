@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 
+from dsec.agent.aether import Aether, AgentContext
 from dsec.edge.core import EdgeCore
 from dsec.edge.rollback import sweep as inplace_sweep
 from dsec.edge.sandbox import READOPT_CONCURRENCY, READOPT_TIMEOUT_S, Sandbox, explain
@@ -68,8 +69,6 @@ class Recovery(EdgeCore):
                 await asyncio.to_thread(self.volume.remove, os.path.join(self.sandbox_root, name))
         if self.volume.available and (n := await asyncio.to_thread(inplace_sweep, self.volume, set(self.sandboxes))):
             log.warning("dropped %d in-place snapshot(s) of sandboxes that ended while the edge was down", n)
-        for sb in self.sandboxes.values():
-            sb.qgroup = self.volume.subvolume_id(sb.dir)
         self.state.prune()
 
     async def _readopt(self, sb: Sandbox, known_to_runtime: bool) -> None:
@@ -77,10 +76,14 @@ class Recovery(EdgeCore):
         sid, rec = sb.id, sb.rec
         if rec.info.state == SandboxState.creating:
             raise SandboxError("the edge restarted while it was being created")
-        runs = await self.backend_of(sb).adopt(sb, known_to_runtime)
+        adopted = await self.backend_of(sb).adopt(sb, known_to_runtime)
+        if adopted.running and adopted.link is not None:
+            await self.bind_agent(sb, adopted.link)
+        elif adopted.link is not None:  # paused with a link (a VM's guest channel): bound when it resumes
+            sb.agent = Aether(AgentContext(sb.id, 0, {}, rec.args.workdir), adopted.link.init, adopted.link.files)
         if rec.info.network is not None:
             await self.network.readopt(sid, rec.info.network)
-        if not runs:
+        if not adopted.running:
             log.info("re-adopted paused sandbox %s", sid)
             return
         rec.info.state = SandboxState.running

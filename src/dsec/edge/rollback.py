@@ -34,10 +34,11 @@ import secrets
 import time
 
 from dsec.edge.core import EdgeCore
-from dsec.edge.sandbox import Sandbox, unmount_all
-from dsec.edge.volume import SandboxVolume
+from dsec.edge.sandbox import Sandbox
 from dsec.errors import InvalidRequest, NotFound, NotSupported, SandboxError, SandboxNotRunning, SnapshotLimit
 from dsec.host import linux
+from dsec.host.linux import unmount_all
+from dsec.host.volume import SandboxVolume
 from dsec.wire.models import ContainerArgs, SandboxState
 from dsec.wire.snapshots import SNAPSHOT_NAME, RollbackResult, SandboxSnapshot
 
@@ -125,7 +126,7 @@ class InplaceSnapshots(EdgeCore):
     def _inplace_sandbox(self, sandbox_id: str) -> Sandbox:
         """The running container whose snapshots these are, or a typed error saying why not."""
         sb, _ = self._running(sandbox_id)
-        if not isinstance(sb.rec.args, ContainerArgs) or sb.vm is not None:
+        if not isinstance(sb.rec.args, ContainerArgs):
             raise NotSupported(f"sandbox {sandbox_id} is a {sb.rec.args.backend}: in-place snapshots are for "
                                "containers for now (a VM's checkpoint keeps its memory: POST .../checkpoint)",
                                field="sandbox_id")
@@ -458,7 +459,7 @@ class InplaceSnapshots(EdgeCore):
                 mp = os.path.join(old, "lower", str(i))
                 if os.path.ismount(mp):
                     linux.mount(mp, os.path.join(sb.dir, "lower", str(i)), "", MS_MOVE)
-        sb.qgroup = self.volume.subvolume_id(sb.dir)
+        self.containers.directory_replaced(sb)
         return old
 
     def _discard(self, path: str) -> None:

@@ -27,17 +27,12 @@ from dsec.agent.aether import (
     AgentContext,
     InitChannel,
     OnData,
-    ProcRootFiles,
-    SandboxFiles,
 )
 from dsec.agent.initclient import ChannelLost
 from dsec.agent.interfaces import check_path
 from dsec.agent.watch import ensure_instances as ensure_inotify_instances
-from dsec.backends.api import SandboxLost
-from dsec.backends.vm.display import click, screenshot, send_keys
-from dsec.backends.vm.runtime import VMInstance
+from dsec.backends.api import Display, InitLink, SandboxLost, SandboxRuntime
 from dsec.checkpoints.store import CheckpointStore
-from dsec.edge import memory
 from dsec.edge.auditing import Auditing
 from dsec.edge.capacity import Capacity
 from dsec.edge.checkpointing import Checkpointing
@@ -68,7 +63,7 @@ from dsec.errors import (
     SandboxNotRunning,
 )
 from dsec.faults import failpoint
-from dsec.host import linux
+from dsec.host import linux, memory
 from dsec.layers.store import LayerStore, layer_kind
 from dsec.meta import open_db, sqlite_url
 from dsec.meta.registry import Registry
@@ -152,6 +147,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
                 sb.watch.cancel()
             if sb.agent:
                 sb.agent.detach()
+            self.backend_of(sb).detach(sb)
         self._flush_activity()
         self.containers.close(sandboxes_left=bool(self.sandboxes))
         await self.network.close(keep=bool(self.sandboxes))
@@ -206,7 +202,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
                       restored_from: str | None = None, base: list[str] | None = None,
-                      from_vm: dict[str, str] | None = None) -> SandboxInfo:
+                      restore: dict[str, str] | None = None) -> SandboxInfo:
         """A new sandbox, or (``sandbox_id`` given) one restored here from a checkpoint: the
         ``extra`` blobs stacked over its layers (``base``: their blobs as recorded then), its
         creation time and lifetime those of ``origin``."""
@@ -239,7 +235,6 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             restored_from=restored_from)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         sb.keep_checkpoints = sandbox_id is not None  # a failed restore leaves the checkpoint for the next try
-        sb.from_vm = from_vm
         self.sandboxes[sid] = sb  # reserves its share before the first await
         self.held.update(sb)
         sb.creator = asyncio.current_task()
@@ -250,9 +245,10 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             await failpoint("create.recorded")
             backend = self.backend_of(sb)
             with tracing.span("backend.prepare", backend=args.backend, sandbox_id=sid, layers=len(digests)):
-                await backend.prepare(sb, digests)
+                for kind, message in await backend.prepare(sb, digests, restore):
+                    self.on_event(sid, kind, message)
             with tracing.span("backend.start", backend=args.backend, sandbox_id=sid):
-                await backend.start(sb, digests)
+                await self._start(sb, backend, digests)
             await failpoint("create.attached")
             self._still_wanted(sb)
             info.state = SandboxState.running
@@ -283,24 +279,39 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         self.on_event(sid, "created", f"{args.image} {args.layers}")
         return info
 
+    async def _start(self, sb: Sandbox, backend: SandboxRuntime, digests: list[str]) -> None:
+        """Launch it, record its init, wire its network, and bind its agent over the
+        channel its backend connects."""
+        launched = await backend.launch(sb, digests)
+        sb.rec.init_pid = launched.init_pid
+        if launched.vm is not None:
+            sb.rec.info.vm = launched.vm
+        if launched.init_pid:
+            self.state.put(sb.rec)  # its init pid: a restart finds what to kill
+            await failpoint("create.started")
+        args = sb.rec.args
+        if isinstance(args, ContainerArgs) and args.network_rules is not None:
+            await self.wire_network(sb, args.network_rules)
+        with tracing.span("agent.attach", sandbox_id=sb.id):
+            await self.bind_agent(sb, await backend.connect(sb))
+
     def _still_wanted(self, sb: Sandbox) -> None:
         if sb.stopping:
             raise SandboxNotRunning(f"sandbox {sb.id} was stopped while it was being created")
 
     async def wire_network(self, sb: Sandbox, rules: dict[str, bool]) -> NetworkInfo:
-        """Give a container its link; its resolver is the edge's, and it trusts the CAs
-        the node's package managers trust (an egress proxy's among them)."""
-        info = sb.rec.info.network = await self.network.attach(sb.id, sb.rec.init_pid, rules)
-        files = ProcRootFiles(sb.rec.init_pid)
-        await files.write_file("/etc/resolv.conf", f"nameserver {info.gateway}\noptions timeout:2\n".encode())
-        if self.network.catalog.ca_bundle:
-            await files.write_file("/etc/ssl/certs/ca-certificates.crt", self.network.catalog.ca_bundle)
+        """Give a container its link (NetworkManager.wire), in the namespaces of its init."""
+        pid = self.backend_of(sb).host_pid(sb)
+        if pid is None:
+            raise InvalidRequest(f"sandbox {sb.id} runs no host process to link (network rules apply to "
+                                 "containers)", field="sandbox_id")
+        info = sb.rec.info.network = await self.network.wire(sb.id, pid, rules)
         return info
 
     async def set_network_rules(self, sandbox_id: str, changes: dict[str, bool]) -> NetworkInfo:
         """Change a container's egress rules while it runs (wiring its link on first use)."""
         sb, _ = await self._ready(sandbox_id)
-        if sb.vm:
+        if not isinstance(sb.rec.args, ContainerArgs):
             raise InvalidRequest("VM sandboxes have no network interface; network rules apply to containers",
                                  field="sandbox_id")
         async with sb.lock:
@@ -313,11 +324,12 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         self.on_event(sb.id, "network", "allowed: " + (", ".join(sorted(info.rules)) or "nothing"))
         return info
 
-    async def bind_agent(self, sb: Sandbox, init: InitChannel, files: SandboxFiles | None) -> None:
-        args = sb.rec.args
+    async def bind_agent(self, sb: Sandbox, link: InitLink) -> None:
+        """dsec-init answers over ``link``: make the sandbox's agent over it."""
+        args, init = sb.rec.args, link.init
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.id, "LANG": "C.UTF-8", **args.env}
         ctx = AgentContext(sandbox_id=sb.id, init_pid=sb.rec.init_pid, env=env, workdir="/")
-        agent = Aether(ctx, init, files)
+        agent = Aether(ctx, init, link.files)
         bash, workdir = await asyncio.gather(agent.files.exists("/bin/bash"), agent.files.exists(args.workdir))
         ctx.shell = "/bin/bash" if bash else "/bin/sh"
         if not workdir:
@@ -335,7 +347,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
     async def _watch(self, sb: Sandbox, init: InitChannel) -> None:
         await init.closed.wait()
         if not sb.stopping:
-            why = "VM agent channel lost (QEMU or the guest's agent ended)" if sb.vm else "sandbox init exited"
+            why = self.backend_of(sb).agent_lost(sb)
             await self._teardown(sb, SandboxState.failed, why)
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
@@ -380,11 +392,13 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
                 return
             t0 = time.monotonic()
             try:
-                msg = await self.backend_of(sb).resume(sb)
+                msg, link = await self.backend_of(sb).resume(sb)
             except SandboxLost as e:
                 self.on_event(sb.id, "snapshot_error", e.message)
                 asyncio.create_task(self._teardown(sb, SandboxState.failed, f"resume failed: {e.message}"))
                 raise
+            if link is not None:  # paused across an edge restart: its agent bound now that it runs
+                await self.bind_agent(sb, link)
             if info.pause:
                 info.pause.resume_s = time.monotonic() - t0
             info.state = SandboxState.running
@@ -401,24 +415,25 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             await self._resume(sb)
         return self._running(sandbox_id)
 
-    def _display_vm(self, sandbox_id: str) -> VMInstance:
+    def _display(self, sandbox_id: str) -> Display:
         sb, _ = self._running(sandbox_id)
-        if sb.vm is None or not sb.vm.spec.display:
+        display = self.backend_of(sb).display(sb)
+        if display is None:
             raise InvalidRequest(f"sandbox {sandbox_id} has no display (a VMArgs sandbox with display=True has)",
                                  field="sandbox_id")
-        return sb.vm
+        return display
 
     async def screenshot(self, sandbox_id: str) -> bytes:
         await self._ready(sandbox_id)
-        return await screenshot(self._display_vm(sandbox_id))
+        return await self._display(sandbox_id).screenshot()
 
     async def send_keys(self, sandbox_id: str, keys: str) -> None:
         await self._ready(sandbox_id)
-        await send_keys(self._display_vm(sandbox_id), keys)
+        await self._display(sandbox_id).send_keys(keys)
 
     async def click(self, sandbox_id: str, x: int, y: int, button: str = "left") -> None:
         await self._ready(sandbox_id)
-        await click(self._display_vm(sandbox_id), x, y, button)
+        await self._display(sandbox_id).click(x, y, button)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         self._get_live(sandbox_id)  # validates the id and its edge

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from dsec.edge import memory
+from dsec.host import memory
 from dsec.wire.fleet import EdgeSignals
 
 

@@ -46,7 +46,7 @@ class Snapshots(EdgeCore):
         whiteouts for deletions, opaque dirs) as workspace layer ``ref``, incremental
         over the stack it runs on. The sandbox is frozen while the image is built."""
         sb, _ = await self._ready(sandbox_id)
-        if sb.vm:
+        if (upper := self.backend_of(sb).writable_dir(sb)) is None:
             raise InvalidRequest("pack_diff works on container sandboxes; a VM's writes are on its own ext4 disk",
                                  field="sandbox_id")
         try:
@@ -64,7 +64,7 @@ class Snapshots(EdgeCore):
             try:
                 await failpoint("pack_diff.frozen")
                 layer = await asyncio.to_thread(
-                    self.layers.import_dir, os.path.join(sb.dir, "upper"), ref, kind, opts,
+                    self.layers.import_dir, upper, ref, kind, opts,
                     sb.rec.args.image, sb.rec.args.layers, source or f"pack_diff of {sb.id}")
                 await failpoint("pack_diff.built")
             finally:

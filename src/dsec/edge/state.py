@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
+from dsec.backends.api import Record
 from dsec.wire.models import AnySandboxArgs, ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
 
 TOMBSTONE_TTL_S = 3600.0
 _ARGS: TypeAdapter[ContainerArgs | MicroVMArgs | VMArgs] = TypeAdapter(AnySandboxArgs)
 
-
-@dataclass
-class Record:
-    info: SandboxInfo
-    args: ContainerArgs | MicroVMArgs | VMArgs
-    init_pid: int
-    digests: list[str]
+__all__ = ["EdgeState", "Record", "open_local_db"]
 
 
 def open_local_db(path: str) -> sqlite3.Connection:

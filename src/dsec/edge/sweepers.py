@@ -9,13 +9,13 @@ import logging
 import random
 import time
 
-from dsec.edge import memory
 from dsec.edge.core import EdgeCore
 from dsec.edge.sandbox import Sandbox
 from dsec.errors import (
     SandboxBusy,
     SandboxError,
 )
+from dsec.host import memory
 from dsec.wire.models import (
     ContainerArgs,
     SandboxState,
@@ -112,13 +112,14 @@ class Sweepers(EdgeCore):
         if time.monotonic() - self._quota_checked < 5:
             return
         self._quota_checked = time.monotonic()
-        quota = [sb for sb in self.sandboxes.values() if sb.qgroup is not None and not sb.stopping]
+        quota = [(sb, q) for sb in self.sandboxes.values()
+                 if not sb.stopping and (q := self.backend_of(sb).disk_quota(sb)) is not None]
         if not quota:
             return
         used = await asyncio.to_thread(self.volume.referenced)
-        for sb in quota:
+        for sb, qgroup in quota:
             limit = sb.rec.args.disk_limit_mb << 20 if isinstance(sb.rec.args, ContainerArgs) else 0
-            n = used.get(sb.qgroup or 0, 0)
+            n = used.get(qgroup, 0)
             if not sb.quota_full and limit and n >= limit * 0.95:
                 sb.quota_full = True
                 self.on_event(sb.id, "disk_quota", f"writable layer full: {n >> 20} of {limit >> 20} MiB "

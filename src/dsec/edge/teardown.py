@@ -13,9 +13,10 @@ from typing import TypeVar
 from dsec import tracing
 from dsec.edge.core import EdgeCore
 from dsec.edge.rollback import drop_all, inplace_dir
-from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain, unmount_all
+from dsec.edge.sandbox import KILL_TIMEOUT_S, STEP_TIMEOUT_S, Sandbox, explain
 from dsec.errors import SandboxNotRunning
 from dsec.faults import failpoint
+from dsec.host.linux import unmount_all
 from dsec.wire.models import (
     ContainerArgs,
     SandboxInfo,

@@ -66,6 +66,15 @@ def mounted_under(prefix: str) -> list[str]:
     return sorted(out, key=len, reverse=True)
 
 
+def unmount_all(root: str) -> None:
+    """Unmount everything mounted under ``root`` (lazily where a mount is busy)."""
+    for mp in mounted_under(root):
+        try:
+            umount(mp)
+        except OSError:
+            umount(mp, detach=True)
+
+
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0o644,
             resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
     """open ``path`` relative to ``dirfd`` as if ``dirfd`` were ``/``."""

@@ -1,7 +1,8 @@
 """Container sandboxes on an edge: overlayfs over the node's EROFS layer mounts, a
 btrfs subvolume (with its quota) for the writable layer, crun with dsec-init as PID 1
 executed from an fd, the workload in a child cgroup of its own, and the kernel's
-freezer and swap for pause. Implements :class:`dsec.backends.api.SandboxRuntime`."""
+freezer and swap for pause. Implements :class:`dsec.backends.api.SandboxRuntime`; its
+state of a sandbox is a :class:`ContainerState`."""
 
 from __future__ import annotations
 
@@ -11,32 +12,40 @@ import json
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from dsec import tracing
 from dsec.agent.initclient import ChannelLost, InitClient
+from dsec.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox
 from dsec.backends.container.runtime import CrunRuntime, Limits, oci_config
-from dsec.edge import memory
 from dsec.errors import DsecError, InvalidRequest, SandboxBusy, SandboxError
 from dsec.faults import failpoint
-from dsec.host import linux
+from dsec.host import linux, memory
 from dsec.host.cgroup import WORKLOAD, Cgroup
+from dsec.host.process import alive, wait_gone
+from dsec.host.volume import SandboxVolume
+from dsec.storage.node import NodeLayers
 from dsec.wire.models import ContainerArgs, SandboxState
-
-if TYPE_CHECKING:
-    from dsec.backends.api import BackendHost
-    from dsec.edge.sandbox import Sandbox
-    from dsec.edge.volume import SandboxVolume
 
 KILL_TIMEOUT_S = 10.0  # SIGKILL through the cgroup for at most this long
 FREEZE_TIMEOUT_S = 10.0  # a task in uninterruptible sleep (I/O) delays freezing: this long at most
 _REROOT_BUILD = threading.Lock()  # dsec-reroot's compile, once (a snapshot starts it, a rollback may too)
 
 
+def _cpu_shares(args: ContainerArgs) -> int:
+    return 2 if args.qos == "best_effort" else 1024
+
+
+@dataclass
+class ContainerState(BackendState):
+    qgroup: int | None = None  # its subvolume on the sandbox volume (disk quota)
+    connected: bool = False  # its init answered this edge (a container paused across a restart has not)
+
+
 class ContainerSandboxes:
-    def __init__(self, host: BackendHost, volume: SandboxVolume, run_dir: str, cgroup_parent: str,
+    def __init__(self, node_layers: NodeLayers, volume: SandboxVolume, run_dir: str, cgroup_parent: str,
                  init_binary: str) -> None:
-        self.host, self.volume = host, volume
+        self.node_layers, self.volume = node_layers, volume
         self.run_dir, self.init_binary = run_dir, init_binary
         self.runtime = CrunRuntime(os.path.join(run_dir, "crun"), cgroup_parent=cgroup_parent)
         os.makedirs(os.path.join(run_dir, "s"), exist_ok=True)
@@ -52,15 +61,24 @@ class ContainerSandboxes:
         assert isinstance(sb.rec.args, ContainerArgs)
         return sb.rec.args
 
-    async def prepare(self, sb: Sandbox, digests: list[str]) -> None:
-        sid, args, layers = sb.id, self._args(sb), self.host.node_layers
+    @staticmethod
+    def _state(sb: Sandbox) -> ContainerState:
+        if not isinstance(sb.state, ContainerState):  # (a record taken back to be torn down has none yet)
+            sb.state = ContainerState()
+        return sb.state
+
+    async def prepare(self, sb: Sandbox, digests: list[str], restore: dict[str, str] | None = None
+                      ) -> list[tuple[str, str]]:
+        sid, args, layers = sb.id, self._args(sb), self.node_layers
         if args.record_access and not layers.on_demand:
             raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
+        state = sb.state = ContainerState()
+        events = []
         if self.volume.available:
             self.volume.create(sb.dir, args.disk_limit_mb)
-            sb.qgroup = self.volume.subvolume_id(sb.dir)
+            state.qgroup = self.volume.subvolume_id(sb.dir)
         if queued := await layers.prefetch(digests):
-            self.host.on_event(sid, "prefetch", f"{queued} chunks of recorded access lists queued")
+            events.append(("prefetch", f"{queued} chunks of recorded access lists queued"))
         with tracing.span("layers.mount", sandbox_id=sid, layers=len(digests)):
             if args.record_access:
                 lowers = [await layers.mount(d, os.path.join(sb.dir, "lower", str(i)), record_tag=sid)
@@ -82,11 +100,11 @@ class ContainerSandboxes:
                 for fd in fds:
                     os.close(fd)
         await failpoint("create.mounted")
+        return events
 
-    async def start(self, sb: Sandbox, digests: list[str]) -> None:
+    async def launch(self, sb: Sandbox, digests: list[str]) -> Launched:
         sid, args = sb.id, self._args(sb)
-        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit,
-                        cpu_shares=2 if args.qos == "best_effort" else 1024)
+        limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit, cpu_shares=_cpu_shares(args))
         with open(os.path.join(sb.dir, "config.json"), "w") as f:
             json.dump(oci_config(sid, os.path.join(sb.dir, "rootfs"), limits, self.cgroup_path(sid), args.tmpfs,
                                  args.readonly_rootfs), f)
@@ -100,24 +118,23 @@ class ContainerSandboxes:
             os.chmod(sock_path, 0o600)
             lsock.listen(64)
             with tracing.span("crun.run", sandbox_id=sid):
-                sb.rec.init_pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
+                pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
         finally:
             lsock.close()
             os.close(init_fd)
-        self.host.record(sb)  # its init pid: a restart finds the container to kill
-        await failpoint("create.started")
+        return Launched(pid)
+
+    async def connect(self, sb: Sandbox) -> InitLink:
+        args = self._args(sb)
         idle = args.qos == "best_effort"
         # the workload's limits on its own child cgroup; init keeps a reserve beside it
         # in place: a few mkdirs and writes in cgroupfs (~0.3 ms), where the hop to a thread
         # and back waited for the GIL under a burst of creates (docs/performance.md)
-        procs = Cgroup(self.cgroup_path(sid)).split_workload(args.memory_limit_mb, args.cpu_cores_limit,
-                                                            args.pids_limit, limits.cpu_shares, idle)
-        if args.network_rules is not None:
-            await self.host.wire_network(sb, args.network_rules)
-        with tracing.span("agent.attach", sandbox_id=sid):
-            await self.attach(sb, (procs, idle))
+        procs = Cgroup(self.cgroup_path(sb.id)).split_workload(args.memory_limit_mb, args.cpu_cores_limit,
+                                                              args.pids_limit, _cpu_shares(args), idle)
+        return await self._attach(sb, (procs, idle))
 
-    async def attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> None:
+    async def _attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> InitLink:
         """Connect to the container's init (``workload``: at create, the cgroup.procs fds
         its children join, and whether they run SCHED_IDLE)."""
         init = InitClient(self.sock_path(sb.id))
@@ -131,13 +148,14 @@ class ContainerSandboxes:
                                   f"{self._init_cgroup_state(sb.id)})") from None
             if workload is not None:
                 await init.configure(*workload)
-            await self.host.bind_agent(sb, init, None)
         except BaseException:
             init.close()
             raise
         finally:
             for fd in workload[0] if workload else []:
                 os.close(fd)
+        self._state(sb).connected = True
+        return InitLink(init)
 
     def _init_cgroup_state(self, sid: str) -> str:
         """What the sandbox's cgroup says of it: processes left, OOM kills (for an error)."""
@@ -163,10 +181,15 @@ class ContainerSandboxes:
     async def lowers(self, sb: Sandbox) -> list[str]:
         """The lower dirs of its root overlay, top first, as ``prepare`` mounted them
         (node mounts are shared and already there; a recording sandbox's are its own)."""
-        digests, layers = sb.rec.digests, self.host.node_layers
+        digests, layers = sb.rec.digests, self.node_layers
         if self._args(sb).record_access:
             return [os.path.join(sb.dir, "lower", str(i)) for i in reversed(range(len(digests)))]
         return [await layers.mount(d) for d in reversed(digests)]
+
+    def directory_replaced(self, sb: Sandbox) -> None:
+        """Its directory is a new subvolume now (a rollback swapped it in): its quota follows."""
+        if isinstance(sb.state, ContainerState):
+            sb.state.qgroup = self.volume.subvolume_id(sb.dir)
 
     @staticmethod
     def mount_root(bundle: str, lowers: list[str]) -> None:
@@ -246,14 +269,15 @@ class ContainerSandboxes:
         await failpoint("pause.paged")
         return "frozen, memory pushed out to swap"
 
-    async def resume(self, sb: Sandbox) -> str:
+    async def resume(self, sb: Sandbox) -> tuple[str, InitLink | None]:
         # swap-in starts (asynchronously) before the processes run and fault it in one page at a time
         await asyncio.to_thread(memory.prefetch, self.cgroup_path(sb.id))
         await self.thaw(sb)
         await failpoint("resume.thawed")
-        if sb.agent is None:  # paused across an edge restart: bound now that init answers
-            await self.attach(sb)
-        return "memory prefetch started, thawed"
+        link = None
+        if not self._state(sb).connected:  # paused across an edge restart: bound now that init answers
+            link = await self._attach(sb)
+        return "memory prefetch started, thawed", link
 
     async def kill(self, sb: Sandbox) -> None:
         cg = Cgroup(self.cgroup_path(sb.id))
@@ -262,8 +286,6 @@ class ContainerSandboxes:
                                f"{sorted(cg.procs())[:10]}")
 
     async def destroy(self, sb: Sandbox) -> None:
-        from dsec.edge.sandbox import wait_gone
-
         cg = Cgroup(self.cgroup_path(sb.id))
         try:
             if sb.rec.init_pid:
@@ -284,23 +306,21 @@ class ContainerSandboxes:
     async def known(self) -> set[str]:
         return set(await self.runtime.list())
 
-    async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> bool:
+    async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> Adopted:
         """The kernel's freezer, not the record, says whether it is paused: an edge killed
         in the middle of a pause, resume or pack_diff left the record one step behind."""
-        from dsec.edge.sandbox import alive
-
         rec = sb.rec
+        sb.state = ContainerState(self.volume.subvolume_id(sb.dir))
         if not known_to_runtime or not alive(rec.init_pid):
             raise SandboxError("its container is gone")
         cg = Cgroup(self.cgroup_path(sb.id))
         if rec.info.state == SandboxState.paused and rec.info.pause is not None:
             if cg.frozen():
-                return False
+                return Adopted(running=False)
             # killed mid-resume: thawed already, so it runs
         elif cg.frozen():  # killed mid-pause or mid-pack_diff: the record says running
             await self.thaw(sb)
-        await self.attach(sb)
-        return True
+        return Adopted(running=True, link=await self._attach(sb))
 
     async def reap_strays(self, known: set[str]) -> list[str]:
         strays = sorted(await self.known() - known)
@@ -312,6 +332,31 @@ class ContainerSandboxes:
                 await self.runtime.delete(sid)
             await asyncio.to_thread(cg.remove)
         return strays
+
+    def detach(self, sb: Sandbox) -> None:
+        return None  # nothing held: its init's socket is reconnected by path
+
+    # ---- questions ---------------------------------------------------------------------
+    def host_pid(self, sb: Sandbox) -> int | None:
+        return sb.rec.init_pid or None
+
+    def writable_dir(self, sb: Sandbox) -> str | None:
+        return os.path.join(sb.dir, "upper")
+
+    def disk_path(self, sb: Sandbox) -> str:
+        return os.path.join(sb.dir, "upper")
+
+    def disk_quota(self, sb: Sandbox) -> int | None:
+        return sb.state.qgroup if isinstance(sb.state, ContainerState) else None
+
+    def snapshot_files(self, sb: Sandbox) -> dict[str, str] | None:
+        return None  # its writes are checkpointed as layers (edge/checkpointing.py)
+
+    def display(self, sb: Sandbox) -> None:
+        return None
+
+    def agent_lost(self, sb: Sandbox) -> str:
+        return "sandbox init exited"
 
     def close(self, sandboxes_left: bool) -> None:
         if not sandboxes_left:

@@ -3,11 +3,12 @@ nodes: a hollow edge (``EdgeConfig.hollow``) runs the real edge (admission, reco
 stats, the watcher's signals, sweepers, the command log, the wire) over it, so that 160
 edges fit on one machine and the control plane can be measured at DSec's scale
 (bench/scale.py). It is never a backend a user can choose: an edge is hollow as a whole,
-from its own command line (``dsec edge hollow``), and says so in its stats.
+from its own command line (its ``edge hollow`` command), and says so in its stats.
 
 A hollow sandbox's "init" answers every spawn with a process that has already exited 0
 and wrote nothing (so a one-shot exec answers exit 0, empty output); its files are a
-dict in memory. Implements :class:`dsec.backends.api.SandboxRuntime`."""
+dict in memory. Implements :class:`dsec.backends.api.SandboxRuntime`; its state of a
+sandbox is a :class:`HollowState`."""
 
 from __future__ import annotations
 
@@ -16,17 +17,13 @@ import itertools
 import posixpath
 import socket
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from dsec.agent.initclient import SETSID
 from dsec.agent.watch import DirWatch
-from dsec.backends.api import SandboxLost
+from dsec.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox, SandboxLost
 from dsec.errors import InvalidRequest, NotFound
 from dsec.wire.models import FileStat, Owner
-
-if TYPE_CHECKING:
-    from dsec.backends.api import BackendHost
-    from dsec.edge.sandbox import Sandbox
 
 _PIDS = itertools.count(1000)
 
@@ -142,36 +139,50 @@ class MemoryFiles:
         raise InvalidRequest("a hollow sandbox listens on no port", field="port")
 
 
+@dataclass
+class HollowState(BackendState):
+    init: HollowInit | None = None  # the one its agent was last bound over
+
+
 class HollowSandboxes:
     """The backend of every sandbox of a hollow edge."""
 
-    def __init__(self, host: BackendHost, cgroup_root: str) -> None:
-        self.host = host
+    def __init__(self, cgroup_root: str) -> None:
         self.cgroup_root = cgroup_root  # never made: usage reads find nothing there and count 0
         self.live: set[str] = set()
 
     def cgroup_path(self, sandbox_id: str) -> str:
         return f"{self.cgroup_root}/{sandbox_id}"
 
-    async def prepare(self, sb: Sandbox, digests: list[str]) -> None:
-        return None
+    async def prepare(self, sb: Sandbox, digests: list[str], restore: dict[str, str] | None = None
+                      ) -> list[tuple[str, str]]:
+        sb.state = HollowState()
+        return []
 
-    async def start(self, sb: Sandbox, digests: list[str]) -> None:
+    async def launch(self, sb: Sandbox, digests: list[str]) -> Launched:
         self.live.add(sb.id)
-        await self.host.bind_agent(sb, HollowInit(), MemoryFiles())
+        return Launched(0)  # no process: nothing for a restart to find
+
+    def _link(self, sb: Sandbox) -> InitLink:
+        init = HollowInit()
+        if isinstance(sb.state, HollowState):
+            sb.state.init = init
+        return InitLink(init, MemoryFiles())
+
+    async def connect(self, sb: Sandbox) -> InitLink:
+        return self._link(sb)
 
     async def pause(self, sb: Sandbox) -> str:
         return "hollow: nothing to freeze"
 
-    async def resume(self, sb: Sandbox) -> str:
+    async def resume(self, sb: Sandbox) -> tuple[str, InitLink | None]:
         if sb.id not in self.live:
             raise SandboxLost(f"hollow sandbox {sb.id} did not outlive its edge")
-        await self.host.bind_agent(sb, HollowInit(), MemoryFiles())
-        return "hollow: nothing to thaw"
+        return "hollow: nothing to thaw", self._link(sb)
 
     async def kill(self, sb: Sandbox) -> None:
-        if sb.agent is not None:
-            sb.agent.init.close()
+        if isinstance(sb.state, HollowState) and sb.state.init is not None:
+            sb.state.init.close()
 
     async def destroy(self, sb: Sandbox) -> None:
         self.live.discard(sb.id)
@@ -179,8 +190,33 @@ class HollowSandboxes:
     async def known(self) -> set[str]:
         return set(self.live)
 
-    async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> bool:
+    async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> Adopted:
         raise SandboxLost(f"hollow sandbox {sb.id} did not outlive its edge (a hollow edge keeps nothing)")
 
     async def reap_strays(self, known: set[str]) -> list[str]:
         return []
+
+    def detach(self, sb: Sandbox) -> None:
+        return None
+
+    # ---- questions: a hollow sandbox has no process, files on disk, quota or screen ----
+    def host_pid(self, sb: Sandbox) -> int | None:
+        return None
+
+    def writable_dir(self, sb: Sandbox) -> str | None:
+        return None
+
+    def disk_path(self, sb: Sandbox) -> str:
+        return sb.dir  # never made: it uses no disk
+
+    def disk_quota(self, sb: Sandbox) -> int | None:
+        return None
+
+    def snapshot_files(self, sb: Sandbox) -> dict[str, str] | None:
+        return None
+
+    def display(self, sb: Sandbox) -> None:
+        return None
+
+    def agent_lost(self, sb: Sandbox) -> str:
+        return "sandbox init exited"

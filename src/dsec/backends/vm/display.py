@@ -101,3 +101,19 @@ async def click(vm: VMInstance, x: int, y: int, button: str = "left") -> None:
     for down in (True, False):
         await vm.qmp.execute("input-send-event", {"device": "video0", "events": [
             {"type": "btn", "data": {"down": down, "button": button}}]})
+
+
+class VMDisplay:
+    """One VM's display as :class:`dsec.backends.api.Display` (what its edge is given)."""
+
+    def __init__(self, vm: VMInstance) -> None:
+        self.vm = vm
+
+    async def screenshot(self) -> bytes:
+        return await screenshot(self.vm)
+
+    async def send_keys(self, keys: str) -> None:
+        await send_keys(self.vm, keys)
+
+    async def click(self, x: int, y: int, button: str = "left") -> None:
+        await click(self.vm, x, y, button)

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dsec.agent.aether import ProcRootFiles
 from dsec.edge.network import wiring
 from dsec.edge.network.catalog import ServiceCatalog, host_allowed
 from dsec.edge.network.dns import Resolver
@@ -177,6 +178,17 @@ class NetworkManager:
             raise InvalidRequest("this node has no sandbox networking (nftables unavailable at edge start)",
                                  field="network_rules")
         self._split(rules)
+
+    async def wire(self, sandbox_id: str, init_pid: int, rules: dict[str, bool]) -> NetworkInfo:
+        """Give a container (its init: ``init_pid``) its link under ``rules``; its resolver
+        is the edge's, and it trusts the CAs the node's package managers trust (an egress
+        proxy's among them)."""
+        info = await self.attach(sandbox_id, init_pid, rules)
+        files = ProcRootFiles(init_pid)
+        await files.write_file("/etc/resolv.conf", f"nameserver {info.gateway}\noptions timeout:2\n".encode())
+        if self.catalog.ca_bundle:
+            await files.write_file("/etc/ssl/certs/ca-certificates.crt", self.catalog.ca_bundle)
+        return info
 
     async def attach(self, sandbox_id: str, init_pid: int, rules: dict[str, bool]) -> NetworkInfo:
         self.validate(rules)
