@@ -30,6 +30,7 @@ from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthor
 from dsec.iam import acting_project, current_principal
 from dsec.sandboxfusion.models import (
     LANGUAGES,
+    NOT_SERVED,
     CommandRunResult,
     CommandRunStatus,
     ErrorBody,
@@ -145,6 +146,9 @@ def split_path(path: str) -> tuple[str | None, str]:
 
 def to_fncall(req: RunCodeRequest) -> FnCallArgs:
     language = LANGUAGES.get(req.language)
+    if req.language in NOT_SERVED:
+        raise NotServed(f"language: {req.language!r} is not served by dsec: {NOT_SERVED[req.language]}",
+                        field="language")
     if language is None:
         raise InvalidRequest(f"language: {req.language!r} is not served by dsec; supported: "
                              f"{', '.join(LANGUAGES)}", field="language")
@@ -159,7 +163,7 @@ def to_fncall(req: RunCodeRequest) -> FnCallArgs:
             binary_files={path: b64 for path, b64 in req.files.items() if b64 is not None},
             fetch_files=req.fetch_files,
             time_limit_s=req.run_timeout, compile_time_limit_s=req.compile_timeout, time_limit_kind="wall",
-            memory_limit_mb=memory, pids_limit=PIDS_LIMIT, output_limit_kb=OUTPUT_LIMIT_KB)
+            memory_limit_mb=memory, pids_limit=PIDS_LIMIT, output_limit_kb=OUTPUT_LIMIT_KB, layers=req.layers)
     except ValidationError as e:
         raise _invalid(e, SF_FIELD) from None
 
