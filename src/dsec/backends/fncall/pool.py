@@ -217,6 +217,11 @@ class _ImagePool:
 
     async def _start(self) -> None:
         try:
+            # all pools together stay within max_containers where idle containers of other
+            # pools (other languages, layer stacks) can make room: the edge keeps room for
+            # sandboxes, and a call is placed on an edge only while it has some
+            while self.svc.total_containers() > self.svc.max_containers and await self.svc.evict_idle(self):
+                pass
             while True:
                 try:
                     c = await self.svc.start_container(self.key)
@@ -298,6 +303,9 @@ class FnCallService:
             self.background(self.edge.stop(c.sandbox_id))
             raise
         return c
+
+    def total_containers(self) -> int:
+        return sum(len(p.containers) + p.starting + len(p.draining) for p in self.pools.values())
 
     async def evict_idle(self, need: _ImagePool) -> bool:
         """Stop the least recently used container of a pool other than ``need`` whose
