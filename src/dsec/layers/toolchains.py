@@ -48,11 +48,32 @@ class Toolchain:
     languages: tuple[str, ...] = ()  # FnCall languages that need this layer (none: a library set)
     default: bool = True  # built by `dsec setup`; else on demand
     files: tuple[tuple[str, str], ...] = ()  # (path in the layer, text) written after the packages
+    post: str = ""  # a shell script run in the chroot after the packages (warming a build cache, say)
 
     def ref(self, name: str) -> str:
         return f"tk/fncall-{name}:{self.version}"
 
 
+GO_CACHE = "/usr/local/lib/dsec-go-cache"
+_GO_WARM = """package main
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestWarm(t *testing.T) {
+	assert.Equal(t, "1", strconv.Itoa(1))
+	require.True(t, math.Abs(-1) == 1 && sort.IntsAreSorted([]int{1}) && strings.HasPrefix(fmt.Sprint(1), "1"))
+}
+"""
 _JEST_PACKAGE = """{
   "name": "dsec-fncall-jest",
   "version": "1.0.0",
@@ -78,7 +99,13 @@ TOOLCHAINS: dict[str, Toolchain] = {
     "scala": Toolchain("12-r1", apt=("scala",), languages=("scala",)),
     "verilog": Toolchain("12-r1", apt=("iverilog",), languages=("verilog",)),
     "junit": Toolchain("12-r1", apt=("junit5",), languages=("junit",)),
-    "go-testify": Toolchain("12-r1", apt=("golang-github-stretchr-testify-dev",), languages=("go_test",)),
+    # with a Go build cache of testify and the standard packages tests use, which FnCall's
+    # worker copies into each go_test call's scratch dir (Go needs its cache writable): a
+    # go test then compiles only the call's own file (1.6 s instead of 14 s here)
+    "go-testify": Toolchain("12-r2", apt=("golang-github-stretchr-testify-dev",), languages=("go_test",),
+                            files=(("/tmp/warm/main_test.go", _GO_WARM),),
+                            post=f"cd /tmp/warm && GOPATH=/usr/share/gocode GO111MODULE=off HOME=/tmp/warm "
+                                 f"GOCACHE={GO_CACHE} go test main_test.go && chmod -R a+rX {GO_CACHE}"),
     # TypeScript (tsx, as SandboxFusion runs it) and Jest with Babel's TypeScript preset
     "node": Toolchain("12-r1", npm=("typescript@5.6", "tsx@4.19", "jest@29.7", "@jest/globals@29.7",
                                     "babel-jest@29.7", "@babel/core@7.26", "@babel/preset-env@7.26",
@@ -124,13 +151,16 @@ class _AptCache:
 
 
 @contextlib.contextmanager
-def _chroot_of_base(store: LayerStore, tmp: str, apt: _AptCache) -> Iterator[tuple[str, str]]:
-    """The FnCall base under an overlay (merged root, upper dir), with /proc, /dev, /sys,
-    the host's /etc/apt and resolv.conf and the shared apt cache mounted in."""
+def _chroot_of_base(store: LayerStore, tmp: str, apt: _AptCache, upper: str | None = None
+                    ) -> Iterator[tuple[str, str]]:
+    """The FnCall base under an overlay (merged root, upper dir: ``upper`` if given), with
+    /proc, /dev, /sys, the host's /etc/apt and resolv.conf and the shared apt cache mounted in."""
     base = store.get(FNCALL_IMAGE)
-    lower, upper, work, merged = (os.path.join(tmp, n) for n in ("lower", "upper", "work", "merged"))
+    upper = upper or os.path.join(tmp, "upper")
+    lower, work, merged = (os.path.join(tmp, n) for n in ("lower", "work", "merged"))
+    shutil.rmtree(work, ignore_errors=True)
     for d in (lower, upper, work, merged):
-        os.makedirs(d)
+        os.makedirs(d, exist_ok=True)
     os.chmod(upper, 0o755)  # the layer's root is a sandbox's /
     mounts: list[str] = []
     created: list[str] = []  # mount points made in the upper dir, removed before packing
@@ -223,6 +253,10 @@ def build_toolchain(store: LayerStore, name: str, apt: _AptCache | None = None) 
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 with open(dest, "w") as f:
                     f.write(text)
+            if tc.post:
+                with _chroot_of_base(store, tmp, cache, upper=root) as (merged, _):
+                    _run(["chroot", merged, "/bin/sh", "-ec", tc.post],
+                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"})
             for rel in _RESIDUE:
                 p = os.path.join(root, rel)
                 if os.path.isdir(p) and not os.path.islink(p):
