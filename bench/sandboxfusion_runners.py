@@ -67,7 +67,7 @@ async def app(scope, receive, send):
 }
 
 
-def run(checkout: str, url: str, token: str) -> dict[str, dict[str, int]]:
+def run(checkout: str, url: str, token: str, only: list[str] | None = None) -> dict[str, dict[str, int]]:
     src = os.path.join(checkout, "sandbox", "tests", "runners")
     work = tempfile.mkdtemp(prefix="dsec-sf-runners-")
     try:
@@ -76,13 +76,17 @@ def run(checkout: str, url: str, token: str) -> dict[str, dict[str, int]]:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
-        shutil.copytree(src, os.path.join(work, "runners"))
+        shutil.copytree(src, os.path.join(work, "runners"), ignore=lambda d, names: [
+            n for n in names if only and n.startswith("test_") and n.removesuffix(".py") not in only])
         report = os.path.join(work, "report.txt")
         env = {**os.environ, "DSEC_SF_BASE": f"{url}/sandboxfusion/{token}",
                "PYTHONPATH": os.pathsep.join([work, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "runners",
+                        "--continue-on-collection-errors",
                         "-o", "console_output_style=classic"], cwd=work, env=env,
                        stdout=open(report, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        if os.environ.get("DSEC_SF_REPORT"):
+            shutil.copy(report, os.environ["DSEC_SF_REPORT"])
         counts: dict[str, dict[str, int]] = {}
         with open(report) as f:
             for line in f:
@@ -101,6 +105,7 @@ def main() -> None:
     ap.add_argument("--url")
     ap.add_argument("--token")
     ap.add_argument("--json", help="write the counts here")
+    ap.add_argument("--only", help="test files to run, comma-separated (test_ruby,test_php)")
     ns = ap.parse_args()
     proc = None
     data_dir = None
@@ -108,7 +113,7 @@ def main() -> None:
     if url is None:
         proc, url, token, data_dir = private_server(data_dir_default())
     try:
-        counts = run(ns.checkout, url, token)
+        counts = run(ns.checkout, url, token, ns.only.split(",") if ns.only else None)
     finally:
         if proc is not None:
             proc.terminate()

@@ -74,6 +74,46 @@ func TestWarm(t *testing.T) {
 	require.True(t, math.Abs(-1) == 1 && sort.IntsAreSorted([]int{1}) && strings.HasPrefix(fmt.Sprint(1), "1"))
 }
 """
+CS_ENTRY = "/usr/local/lib/dsec-cs/DsecEntry.cs"
+# The entry point of every C# call (mcs -main:DsecEntry): it runs the program's own static
+# Main, and a failed Debug.Assert ends the program with exit code 1 as on .NET (Mono's
+# default listener would print the failure and go on)
+_CS_ENTRY_SRC = """using System;
+using System.Diagnostics;
+using System.Linq;
+using System.Reflection;
+using System.Runtime.ExceptionServices;
+
+class DsecAssertListener : TraceListener {
+    public override void Write(string message) { Console.Error.Write(message); }
+    public override void WriteLine(string message) { Console.Error.WriteLine(message); }
+    public override void Fail(string message, string detail) {
+        Console.Out.Flush();
+        Console.Error.WriteLine("Assertion failed: " + message + (String.IsNullOrEmpty(detail) ? "" : " " + detail));
+        Console.Error.WriteLine(new StackTrace(2, true));
+        Environment.Exit(1);
+    }
+}
+
+static class DsecEntry {
+    static int Main(string[] args) {
+        Debug.Listeners.Clear();
+        Debug.Listeners.Add(new DsecAssertListener());
+        MethodInfo main = typeof(DsecEntry).Assembly.GetTypes()
+            .Where(t => t != typeof(DsecEntry))
+            .SelectMany(t => t.GetMethods(BindingFlags.Static | BindingFlags.Public | BindingFlags.NonPublic))
+            .FirstOrDefault(m => m.Name == "Main");
+        if (main == null) { Console.Error.WriteLine("error: the program has no static Main method"); return 1; }
+        try {
+            object r = main.Invoke(null, main.GetParameters().Length == 0 ? null : new object[] { args });
+            return r is int ? (int)r : 0;
+        } catch (TargetInvocationException e) {
+            ExceptionDispatchInfo.Capture(e.InnerException).Throw();
+            return 1;
+        }
+    }
+}
+"""
 _JEST_PACKAGE = """{
   "name": "dsec-fncall-jest",
   "version": "1.0.0",
@@ -95,7 +135,8 @@ TOOLCHAINS: dict[str, Toolchain] = {
     "r": Toolchain("12-r1", apt=("r-base-core",), languages=("r",)),
     # LDC (Debian has no DMD): the D unittest mode compiles with -unittest, as SandboxFusion's dmd does
     "d": Toolchain("12-r1", apt=("ldc",), languages=("d",)),
-    "csharp": Toolchain("12-r1", apt=("mono-mcs", "mono-runtime"), languages=("csharp",)),
+    "csharp": Toolchain("12-r2", apt=("mono-mcs", "mono-runtime"), languages=("csharp",),
+                        files=((CS_ENTRY, _CS_ENTRY_SRC),)),
     "scala": Toolchain("12-r1", apt=("scala",), languages=("scala",)),
     "verilog": Toolchain("12-r1", apt=("iverilog",), languages=("verilog",)),
     "junit": Toolchain("12-r1", apt=("junit5",), languages=("junit",)),
@@ -113,8 +154,11 @@ TOOLCHAINS: dict[str, Toolchain] = {
                       languages=("typescript", "jest"),
                       files=((f"{NODE_DIR}/package.json", _JEST_PACKAGE), (f"{NODE_DIR}/babel.config.js", _BABEL))),
     # scientific Python: a library set, selected per call with FnCallArgs.layers
-    "scipy": Toolchain("12-r1", pip=("numpy<2.3", "pandas<2.3", "scipy<1.16", "sympy<1.14", "networkx<3.5",
-                                     "requests<3", "python-dateutil", "regex")),
+    # (and /etc/hosts, which the FnCall base lacks: code that talks to a server of its own on
+    # "localhost", as SandboxFusion's tests do, needs the name)
+    "scipy": Toolchain("12-r2", pip=("numpy<2.3", "pandas<2.3", "scipy<1.16", "sympy<1.14", "networkx<3.5",
+                                     "requests<3", "python-dateutil", "regex"),
+                       files=(("/etc/hosts", "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"),)),
     "racket": Toolchain("12-r1", apt=("racket",), languages=("racket",), default=False),
     "kotlin": Toolchain("12-r1", apt=("kotlin",), languages=("kotlin",), default=False),
 }

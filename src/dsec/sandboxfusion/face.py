@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from dsec.apiserver.core import Apiserver, read_body
 from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from dsec.iam import acting_project, current_principal
+from dsec.layers.toolchains import TOOLCHAINS
 from dsec.sandboxfusion.models import (
     LANGUAGES,
     NOT_SERVED,
@@ -50,6 +51,12 @@ PIDS_LIMIT = 128  # processes and threads of one call (JVM, Go and Node start se
 # FnCallArgs' fields, named as the SandboxFusion request names them, for error messages
 SF_FIELD = {"time_limit_s": "run_timeout", "compile_time_limit_s": "compile_timeout",
             "memory_limit_mb": "memory_limit_MB", "binary_files": "files"}
+
+
+# what SandboxFusion's own runtimes have beside the language: its Python a data-science set
+# (requests, numpy, pandas, ...), its Node.js npm modules (lodash, ...)
+SF_LAYERS = {"python": [TOOLCHAINS["scipy"].ref("scipy")], "pytest": [TOOLCHAINS["scipy"].ref("scipy")],
+             "nodejs": [TOOLCHAINS["node"].ref("node")]}
 
 
 class NotServed(DsecError):
@@ -163,7 +170,8 @@ def to_fncall(req: RunCodeRequest) -> FnCallArgs:
             binary_files={path: b64 for path, b64 in req.files.items() if b64 is not None},
             fetch_files=req.fetch_files,
             time_limit_s=req.run_timeout, compile_time_limit_s=req.compile_timeout, time_limit_kind="wall",
-            memory_limit_mb=memory, pids_limit=PIDS_LIMIT, output_limit_kb=OUTPUT_LIMIT_KB, layers=req.layers)
+            memory_limit_mb=memory, pids_limit=PIDS_LIMIT, output_limit_kb=OUTPUT_LIMIT_KB,
+            layers=list(dict.fromkeys([*SF_LAYERS.get(language, []), *req.layers])))
     except ValidationError as e:
         raise _invalid(e, SF_FIELD) from None
 

@@ -72,7 +72,7 @@ class RunCodeRequest(BaseModel):
     # dsec's own field (SandboxFusion has none like it; its clients never send it)
     layers: list[str] = Field(default_factory=list, max_length=8,
                               description="dsec: toolkit layers on the FnCall image for this call, e.g. "
-                                          "tk/fncall-scipy:12-r1 (numpy, pandas, scipy, ...)")
+                                          "tk/fncall-scipy:12-r2 (numpy, pandas, scipy, ...)")
 
 
 class RunCodeResponse(BaseModel):

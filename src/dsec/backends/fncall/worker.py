@@ -52,6 +52,9 @@ class Lang(NamedTuple):
     # symlinks made in the scratch dir (name -> target): a test runner's modules and config beside the code
     links: tuple[tuple[str, str], ...] = ()
     prefix: str = ""  # the code must start with this (after leading blanks), else it is put in front
+    # put in front of the code on its own first line, unless the code has preprocessor
+    # definitions (which must come first)
+    preamble: str = ""
     # a regex whose first group names the program's main class or object: "{main}" in src
     # and argv stands for it; without a match, main_default (None: a compile error)
     main_re: str | None = None
@@ -81,8 +84,10 @@ LANGS = {
                  extra_as_mb=512, min_pids=64, env=_FEW_ARENAS),
     "go": Lang("main.go", ["go", "build", "-o", "main", "main.go"], ["./main"],
                extra_as_mb=768, min_pids=16, env=(("GOMAXPROCS", _CPUS), ("GO111MODULE", "off"))),
+    # NODE_PATH: the npm toolchain layer's modules (lodash, ...), where a call stacks that layer
     "nodejs": Lang("main.js", None, ["node", "--max-old-space-size={mem}", f"--v8-pool-size={_CPUS}", "main.js"],
-                   extra_as_mb=512, min_pids=16, env=_FEW_ARENAS),
+                   extra_as_mb=512, min_pids=16,
+                   env=(*_FEW_ARENAS, ("NODE_PATH", "/usr/local/lib/dsec-node/node_modules"))),
     # debuginfo stripped: 0.5 MB instead of 11 MB (std's), and a third of the link time
     "rust": Lang("main.rs", ["rustc", "-O", "--edition=2021", "-C", "strip=debuginfo", "-o", "main", "main.rs"],
                  ["./main"], compile_mb=2048, env=_FEW_ARENAS),  # rustc's threads ran out at 1 GiB
@@ -93,6 +98,7 @@ _NODE = "/usr/local/lib/dsec-node"
 _JUNIT = "/usr/share/java/junit-platform-console-standalone.jar"
 _JAVA_OPTS = " ".join(["-Xss8m", *_JVM])
 _NODE_LINKS = (("node_modules", f"{_NODE}/node_modules"),)
+_CS_ENTRY = "/usr/local/lib/dsec-cs/DsecEntry.cs"
 LANGS.update({
     # pytest as SandboxFusion runs it: the file given to pytest, its exit status the verdict
     "pytest": Lang("test_main.py", None, ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_main.py"],
@@ -105,8 +111,13 @@ LANGS.update({
     # SandboxFusion's D_ut mode: unittest blocks run, then main
     "d": Lang("main.d", ["ldc2", "-O", "-unittest", "-of=main", "main.d"], ["./main"], min_pids=8, compile_mb=2048,
               env=_FEW_ARENAS),
-    "csharp": Lang("main.cs", ["mcs", "-debug-", "-r:System.Numerics.dll", "-out:main.exe", "main.cs"],
-                   ["mono", "main.exe"], extra_as_mb=512, min_pids=16, env=_FEW_ARENAS),
+    # Mono (Debian has no .NET SDK), with what SandboxFusion's `dotnet` gives a program:
+    # .NET's implicit usings, and a failed Debug.Assert failing the run (the layer's entry)
+    "csharp": Lang("main.cs", ["mcs", "-d:DEBUG", "-debug-", "-nowarn:105", "-r:System.Numerics.dll",
+                               "-main:DsecEntry", "-out:main.exe", "main.cs", _CS_ENTRY],
+                   ["mono", "main.exe"], extra_as_mb=512, min_pids=16, env=_FEW_ARENAS, needs=_CS_ENTRY,
+                   preamble="using System; using System.Collections.Generic; using System.IO; using System.Linq; "
+                            "using System.Threading; using System.Threading.Tasks;"),
     "scala": Lang("main.scala", ["scalac", "-d", ".", "main.scala"], ["scala", "-cp", ".", "{main}"],
                   extra_as_mb=512, min_pids=64, compile_mb=2048, main_re=r"object\s+(\w+)",
                   env=(*_FEW_ARENAS, ("JAVA_OPTS", _JAVA_OPTS + " -Xmx{mem}m"))),
@@ -201,6 +212,8 @@ class Worker:
         code = req["code"]
         if lang.prefix and not code.lstrip().startswith(lang.prefix):
             code = f"{lang.prefix}\n{code}"
+        if lang.preamble and "#define" not in code and "#undef" not in code:
+            code = f"{lang.preamble}\n{code}"
         main = lang.main_default
         if lang.main_re and (m := re.search(lang.main_re, code)):
             main = m.group(1)
