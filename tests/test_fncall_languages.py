@@ -106,12 +106,22 @@ def test_sandboxfusion_run_code_each_language(platform: Platform, language: str)
     assert failed["run_result"]["return_code"] != 0
 
 
-def test_sandboxfusion_php_tag_timeout_and_scala_without_object(platform: Platform) -> None:
+def test_sandboxfusion_semantics_per_language(platform: Platform) -> None:
     php = sf(platform, {"language": "php", "code": "echo 6 * 7;"})  # SandboxFusion puts <?php in front
     assert php["status"] == "Success" and php["run_result"]["stdout"] == "42", php
     slow = sf(platform, {"language": "ruby", "code": "sleep 5", "run_timeout": 1})
     assert slow["status"] == "Failed" and slow["run_result"]["status"] == "TimeLimitExceeded", slow
     assert slow["run_result"]["execution_time"] < 3
+    cs = sf(platform, {"language": "csharp", "stdin": "41", "code": (  # no `using System;`: .NET's implicit usings
+        "public class P { public static void Main(string[] a) { Console.WriteLine(int.Parse(Console.ReadLine()) + 1); "
+        "var l = new List<int> { 1 }; System.Diagnostics.Debug.Assert(l.Count == 2, \"count is off\"); } }")})
+    assert cs["status"] == "Failed" and cs["run_result"]["stdout"] == "42\n", cs  # Debug.Assert fails the run
+    assert cs["run_result"]["return_code"] == 1 and "count is off" in cs["run_result"]["stderr"]
+    py = sf(platform, {"language": "python", "code": (  # SandboxFusion's Python has its data-science set
+        "import numpy, pandas, requests, socket\nprint(numpy.arange(3).sum(), socket.gethostbyname('localhost'))")})
+    assert py["status"] == "Success" and py["run_result"]["stdout"] == "3 127.0.0.1\n", py
+    js = sf(platform, {"language": "nodejs", "code": "console.log(require('lodash').chunk([1, 2, 3], 2).length)"})
+    assert js["status"] == "Success" and js["run_result"]["stdout"] == "2\n", js
     noobj = sf(platform, {"language": "scala", "code": "class A"})
     assert noobj["status"] == "Failed" and noobj["run_result"] is None, noobj
     assert noobj["compile_result"]["return_code"] == 1 and "object" in noobj["compile_result"]["stderr"]
