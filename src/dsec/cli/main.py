@@ -396,12 +396,14 @@ def fncall_languages(image: str = FNCALL_IMAGE, url: UrlOpt = None, token: Token
 
 @fncall_app.command("toolchains")
 def fncall_toolchains(names: Annotated[list[str] | None, typer.Argument(
-                          help="toolchains to build (default: list them); 'default' or 'all' for those sets")] = None,
+                          help="`build NAME...` builds those ('default', 'all': those sets); none: list them")] = None,
                       data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
     """List FnCall's toolchain and library layers, or build some (each once: skipped when built)."""
     from dsec.layers.toolchains import TOOLCHAINS, build_toolchains
 
     layer_store = _store(data_dir, store)
+    if names and names[0] == "build":
+        names = names[1:] or ["default"]
     if not names:
         for name, tc in TOOLCHAINS.items():
             ref = tc.ref(name)
