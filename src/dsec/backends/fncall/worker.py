@@ -118,7 +118,9 @@ LANGS.update({
                    ["mono", "main.exe"], extra_as_mb=512, min_pids=16, env=_FEW_ARENAS, needs=_CS_ENTRY,
                    preamble="using System; using System.Collections.Generic; using System.IO; using System.Linq; "
                             "using System.Threading; using System.Threading.Tasks;"),
-    "scala": Lang("main.scala", ["scalac", "-d", ".", "main.scala"], ["scala", "-cp", ".", "{main}"],
+    # scalac on the JVM's quick compiler only: a compile's JVM is short-lived (half the time)
+    "scala": Lang("main.scala", ["scalac", "-J-XX:TieredStopAtLevel=1", "-d", ".", "main.scala"],
+                  ["scala", "-cp", ".", "{main}"],
                   extra_as_mb=512, min_pids=64, compile_mb=2048, main_re=r"object\s+(\w+)",
                   env=(*_FEW_ARENAS, ("JAVA_OPTS", _JAVA_OPTS + " -Xmx{mem}m"))),
     "verilog": Lang("main.sv", ["iverilog", "-Wall", "-Winfloop", "-Wno-timescale", "-g2012", "-s", "tb", "-o",
