@@ -48,6 +48,7 @@ HELLO = {
     "jest": ("import { expect, test } from '@jest/globals';\n"
              "test('hello', () => { console.log('hello'); expect(1 + 1).toBe(2); });\n"),
 }
+RUNNERS = {"pytest", "junit", "go_test", "jest"}  # their output is the runner's report (pytest's -q hides print)
 
 
 async def one(c: dsec.AsyncClient, lang: str, i: int) -> float:
@@ -55,7 +56,7 @@ async def one(c: dsec.AsyncClient, lang: str, i: int) -> float:
     r = await c.fncall(FnCallArgs(language=lang, code=HELLO[lang], stdin=f"w{i}\n", time_limit_s=30,
                                   compile_time_limit_s=60, memory_limit_mb=512))
     dt = time.perf_counter() - t
-    if r.status != "ok" or "hello" not in r.stdout + r.stderr:
+    if r.status != "ok" or ("hello" not in r.stdout + r.stderr and lang not in RUNNERS):
         raise RuntimeError(f"{lang}: {r.status} {r.stdout[-300:]!r} {r.stderr[-600:]!r}")
     return dt
 
