@@ -153,8 +153,10 @@ LANGS.update({
                         ("babel.config.js", f"{_NODE}/babel.config.js")),
                  needs=f"{_NODE}/node_modules/jest"),
     "racket": Lang("main.rkt", None, ["racket", "main.rkt"], min_pids=8, env=_FEW_ARENAS),
-    "kotlin": Lang("main.kts", None, ["kotlin", "main.kts"], extra_as_mb=512, min_pids=64,
-                   env=(*_FEW_ARENAS, ("JAVA_OPTS", _JAVA_OPTS + " -Xmx{mem}m"))),
+    # kotlin_script: the compiler compiles the script and runs it in one JVM, which maps its
+    # jars (address space) and needs a compiler's heap whatever the script's own limit
+    "kotlin": Lang("main.kts", None, ["kotlinc", "-script", "main.kts"], extra_as_mb=4096, min_pids=64,
+                   env=(*_FEW_ARENAS, ("JAVA_OPTS", _JAVA_OPTS + " -Xmx1g -XX:TieredStopAtLevel=1"))),
 })
 PATH = "/usr/local/bin:/usr/bin:/bin"
 ARTIFACT_MAX = 16 << 20
