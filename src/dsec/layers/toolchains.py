@@ -14,8 +14,8 @@ new files, changed ones, whiteouts), with maintainer scripts run as on a real sy
 (with their configuration) install PyPI and npm packages, so no registry host is named
 here. The package lists and downloads go to a temporary dir shared by one build run.
 
-Which layers setup builds is ``default``: the small ones; the rest (Racket is 340 MB)
-are built on demand by ``dsec fncall toolchains build NAME``.
+Which layers setup builds is ``default``: the MultiPL-E set and the runners; the big ones
+(Racket 451 MB, Kotlin 367 MB) are built on demand by ``dsec fncall toolchains build NAME``.
 """
 
 from __future__ import annotations
