@@ -24,6 +24,7 @@ from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
 from dsec.embedded import data_dir_default  # noqa: E402
+from dsec.layers.store import LayerStore  # noqa: E402
 from dsec.layers.toolchains import toolchain_layer  # noqa: E402
 from dsec.wire.models import FnCallArgs  # noqa: E402
 
@@ -40,6 +41,8 @@ HELLO = {
     "scala": 'object Main { def main(a: Array[String]): Unit = println("hello " + scala.io.StdIn.readLine()) }',
     "typescript": 'const s: string = require("fs").readFileSync(0, "utf8").trim();\nconsole.log(`hello ${s}`);',
     "verilog": 'module tb; initial begin $display("hello"); $finish; end endmodule',
+    "racket": '#lang racket\n(displayln (string-append "hello " (read-line)))',
+    "kotlin": 'println("hello " + readLine())',
     "pytest": "def test_hello():\n    print('hello')\n    assert 1 + 1 == 2\n",
     "junit": ("import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.*;\n"
               "public class Hello { @Test void t() { System.out.println(\"hello\"); assertEquals(2, 1 + 1); } }\n"),
@@ -91,9 +94,12 @@ def main() -> None:
     ap.add_argument("--languages", default=",".join(HELLO))
     ap.add_argument("--write", metavar="MARKDOWN")
     ns = ap.parse_args()
+    node = LayerStore(os.path.join(data_dir_default(), "layers"))
+    langs = [lang for lang in ns.languages.split(",")
+             if (ref := toolchain_layer(lang)) is None or node.has(ref)]  # on-demand layers: where built
     proc, url, token, data_dir = private_server(data_dir_default())
     try:
-        rows = asyncio.run(run(url, token, ns.calls, ns.languages.split(",")))
+        rows = asyncio.run(run(url, token, ns.calls, langs))
     finally:
         proc.terminate()
         proc.wait(60)
