@@ -178,3 +178,33 @@ async def test_an_unbuilt_toolchain_is_a_400_naming_the_language(client: dsec.As
     with pytest.raises(dsec.DsecError) as e:
         await client.fncall(FnCallArgs(language="kotlin", code='println("hi")'))
     assert e.value.status == 400 and e.value.field == "language" and "toolchains build kotlin" in e.value.message
+
+
+def test_toolchain_layers_hold_their_toolchain_and_no_build_residue(tmp_path: Any) -> None:
+    """Each default toolchain layer of this node (as setup built it): the packages it names
+    are installed in it, and nothing of the build is (apt's lists and caches, logs, /tmp)."""
+    from dsec.host import linux
+
+    store = LayerStore(f"{SRC_DATA}/layers")
+    for name, tc in TOOLCHAINS.items():
+        if not tc.default:
+            continue
+        layer = store.get(tc.ref(name))
+        mnt = tmp_path / name
+        mnt.mkdir()
+        source, opts = store.mount_args(layer.digest)
+        linux.mount(source, str(mnt), "erofs", linux.MS_RDONLY, opts)
+        try:
+            for residue in ("var/lib/apt/lists", "var/cache/apt/pkgcache.bin", "var/log", "tmp", "root/.cache"):
+                assert not (mnt / residue).exists(), (name, residue)
+            if tc.apt:
+                status = (mnt / "var/lib/dpkg/status").read_text()
+                for pkg in tc.apt:
+                    assert f"Package: {pkg}\nStatus: install ok installed" in status, (name, pkg)
+            if tc.pip:
+                assert (mnt / "usr/local/lib/python3.11/dist-packages/numpy").is_dir()
+            if tc.npm:
+                assert (mnt / "usr/local/lib/dsec-node/node_modules/jest/package.json").is_file()
+            assert not (mnt / "usr/bin/python3").exists()  # the base's files are not copied into it
+        finally:
+            linux.umount(str(mnt))
