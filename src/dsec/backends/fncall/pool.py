@@ -43,7 +43,9 @@ from dsec.wire.models import (
 )
 
 log = logging.getLogger("dsec.fncall")
-TOOLCHAIN_REFS = frozenset(tc.ref(name) for name, tc in TOOLCHAINS.items())
+# the layers of languages past the base image (a library set's, like scientific Python's, is
+# not one: SandboxFusion's Python runs on it, and keeps a warm container as the base's does)
+LANGUAGE_LAYERS = frozenset(tc.ref(name) for name, tc in TOOLCHAINS.items() if tc.languages)
 WORKER_SRC = os.path.join(os.path.dirname(__file__), "worker.py")
 # on the container's /tmp tmpfs: the pool's containers have a read-only root, so that no
 # world-writable directory of the image (/run/lock, /var/crash, ...) carries one call's
@@ -325,9 +327,9 @@ class FnCallService:
         return True
 
     def keep(self, key: PoolKey) -> int:
-        """Containers a pool keeps when idle: none for a toolchain layer's pool (a language
+        """Containers a pool keeps when idle: none for a language toolchain's pool (a language
         called now and then gives its room back; its next call starts a container)."""
-        return 0 if TOOLCHAIN_REFS.intersection(key.layers) else self.min_containers
+        return 0 if LANGUAGE_LAYERS.intersection(key.layers) else self.min_containers
 
     async def _reap(self) -> None:
         while True:
