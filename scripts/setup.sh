@@ -53,7 +53,9 @@ if [ ! -f src/dsec/console/node_modules/.package-lock.json ] \
   npm ci --prefix src/dsec/console --no-audit --no-fund --silent
 fi
 
-echo "== dsec setup (cgroups, dsec-init, base layers)"
+# the base layers, then FnCall's default toolchain layers (each built once; ~3 min the first
+# time, from Debian, PyPI and npm; the on-demand ones: `dsec fncall toolchains build NAME`)
+echo "== dsec setup (cgroups, dsec-init, base layers, FnCall toolchain layers)"
 .venv/bin/dsec setup
 echo "== Harbor for tests/test_harbor.py (a Debian trixie root with harbor[e2b]: Harbor needs Python >= 3.12)"; bash scripts/harbor-env.sh >/dev/null
 

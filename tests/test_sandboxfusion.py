@@ -187,12 +187,14 @@ def test_a_symlink_out_of_the_scratch_dir_is_not_fetched(platform: Platform) -> 
 
 
 def test_unsupported_language_is_400_listing_the_supported(platform: Platform) -> None:
-    r = post(platform, {"code": "<?php echo 1;", "language": "php"})
+    r = post(platform, {"code": "DISPLAY 'HI'.", "language": "cobol"})
     assert r.status_code == 400
     body = r.json()
     assert body["field"] == "language" and body["status"] == "SandboxError"
-    for name in ("python", "cpp", "java", "go", "nodejs", "rust", "bash"):
+    for name in ("python", "cpp", "java", "go", "nodejs", "rust", "bash", "ruby", "php", "D_ut", "jest"):
         assert name in body["message"]
+    julia = post(platform, {"code": "println(1)", "language": "julia"})  # SandboxFusion's, not servable here
+    assert julia.status_code == 501 and julia.json()["field"] == "language" and "Debian" in julia.json()["message"]
 
 
 @pytest.mark.parametrize("body,field", [

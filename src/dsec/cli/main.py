@@ -38,7 +38,8 @@ def _api(url: str | None, token: str | None) -> Iterator[Client]:
 
 
 @app.command()
-def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
+def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None,
+          toolchains: Annotated[bool, typer.Option(help="build FnCall's default toolchain layers")] = True) -> None:
     """Prepare this node: cgroups, dsec-init, and the built-in base layers (cached)."""
     from dsec.agent.native import ensure_binary, ensure_init_binary
     from dsec.e2b.template import ensure_interpreter_layer, ensure_user_layer
@@ -65,6 +66,12 @@ def setup(data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOp
         for layer in [*ensure_base_layers(layer_store), ensure_user_layer(layer_store),
                       ensure_interpreter_layer(layer_store)]:
             console.print(f"layer {layer.ref}: {layer.digest[:12]} {layer.size / 1e6:.1f} MB")
+    if toolchains:
+        from dsec.layers.toolchains import build_toolchains
+
+        with console.status("building FnCall's toolchain layers (first time: ~2 min; `dsec fncall toolchains`)"):
+            for layer in build_toolchains(layer_store):
+                console.print(f"layer {layer.ref}: {layer.digest[:12]} {layer.size / 1e6:.1f} MB")
 
 
 @app.command()
@@ -387,6 +394,34 @@ def fncall_languages(image: str = FNCALL_IMAGE, url: UrlOpt = None, token: Token
     """Languages the FnCall image has toolchains for."""
     with _api(url, token) as c:
         print("\n".join(c.fncall_languages(image)))
+
+
+@fncall_app.command("toolchains")
+def fncall_toolchains(names: Annotated[list[str] | None, typer.Argument(
+                          help="`build NAME...` builds those ('default', 'all': those sets); none: list them")] = None,
+                      data_dir: Annotated[str | None, typer.Option()] = None, store: StoreOpt = None) -> None:
+    """List FnCall's toolchain and library layers, or build some (each once: skipped when built)."""
+    from dsec.layers.toolchains import TOOLCHAINS, build_toolchains
+
+    layer_store = _store(data_dir, store)
+    if names and names[0] == "build":
+        names = names[1:] or ["default"]
+    if not names:
+        for name, tc in TOOLCHAINS.items():
+            ref = tc.ref(name)
+            built = "built" if layer_store.has(ref) else ("default, not built" if tc.default else "on demand")
+            print(f"{name:<12} {ref:<28} {built:<19} {' '.join(tc.languages) or '(library set)'}")
+        return
+    if names == ["default"]:
+        names = [n for n, t in TOOLCHAINS.items() if t.default]
+    elif names == ["all"]:
+        names = list(TOOLCHAINS)
+    unknown = [n for n in names if n not in TOOLCHAINS]
+    if unknown:
+        err.print(f"unknown toolchain {', '.join(unknown)}; known: {', '.join(TOOLCHAINS)}")
+        raise typer.Exit(2)
+    for layer in build_toolchains(layer_store, names):
+        console.print(f"layer {layer.ref}: {layer.digest[:12]} {layer.size / 1e6:.1f} MB")
 
 
 @fncall_app.command("run")

@@ -576,7 +576,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         return await self.fncall_service.call(args)
 
     async def fncall_languages(self, image: str) -> list[str]:
-        return await self.fncall_service.languages(image)
+        return await self.fncall_service.languages(image, self.layers.has)
 
     async def spawn_worker(self, sandbox_id: str, argv: list[str], files: dict[str, bytes]
                            ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -19,6 +19,7 @@ SandboxFusion reports its own (its client retries those, verl scores them as err
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,8 +29,10 @@ from starlette.responses import JSONResponse, Response
 from dsec.apiserver.core import Apiserver, read_body
 from dsec.errors import DsecError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from dsec.iam import acting_project, current_principal
+from dsec.layers.toolchains import TOOLCHAINS
 from dsec.sandboxfusion.models import (
     LANGUAGES,
+    NOT_SERVED,
     CommandRunResult,
     CommandRunStatus,
     ErrorBody,
@@ -51,6 +54,12 @@ SF_FIELD = {"time_limit_s": "run_timeout", "compile_time_limit_s": "compile_time
             "memory_limit_mb": "memory_limit_MB", "binary_files": "files"}
 
 
+# what SandboxFusion's own runtimes have beside the language: its Python a data-science set
+# (requests, numpy, pandas, ...), its Node.js npm modules (lodash, ...)
+SF_LAYERS = {"python": [TOOLCHAINS["scipy"].ref("scipy")], "pytest": [TOOLCHAINS["scipy"].ref("scipy")],
+             "nodejs": [TOOLCHAINS["node"].ref("node")]}
+
+
 class NotServed(DsecError):
     status = 501
     code = "not_implemented"
@@ -61,6 +70,7 @@ class SandboxFusionFace:
 
     def __init__(self, app: Any, api: Apiserver) -> None:
         self.app, self.api = app, api
+        self._layers_seen: set[str] = set()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -114,13 +124,22 @@ class SandboxFusionFace:
             raise Forbidden(f"a {principal.role} token may not run code", field=field)
         current_principal.set(principal)
 
+    def _has_layer(self, ref: str) -> bool:
+        """Whether the platform has ``ref`` (remembered once seen: published layers do not change)."""
+        if ref in self._layers_seen:
+            return True
+        if self.api.layers.has(ref):
+            self._layers_seen.add(ref)
+            return True
+        return False
+
     async def run_code(self, request: Request) -> Response:
         body = await read_body(request, MAX_BODY, "body")
         try:
             req = RunCodeRequest.model_validate_json(body)
         except ValidationError as e:
             raise _invalid(e, {}) from None
-        args = to_fncall(req)
+        args = to_fncall(req, self._has_layer)
         try:
             await self.api.fncall_rates.take(acting_project(None))  # the project's FnCall rate (docs/iam.md)
             res = await self.api.fncall(args)
@@ -143,8 +162,14 @@ def split_path(path: str) -> tuple[str | None, str]:
     return token, endpoint
 
 
-def to_fncall(req: RunCodeRequest) -> FnCallArgs:
+def to_fncall(req: RunCodeRequest, has_layer: Callable[[str], bool] | None = None) -> FnCallArgs:
+    """The FnCall for a SandboxFusion request; the language's usual libraries (SF_LAYERS) are
+    stacked where ``has_layer`` says the platform has them (a platform set up without its
+    toolchain layers still runs Python, with the standard library)."""
     language = LANGUAGES.get(req.language)
+    if req.language in NOT_SERVED:
+        raise NotServed(f"language: {req.language!r} is not served by dsec: {NOT_SERVED[req.language]}",
+                        field="language")
     if language is None:
         raise InvalidRequest(f"language: {req.language!r} is not served by dsec; supported: "
                              f"{', '.join(LANGUAGES)}", field="language")
@@ -159,7 +184,9 @@ def to_fncall(req: RunCodeRequest) -> FnCallArgs:
             binary_files={path: b64 for path, b64 in req.files.items() if b64 is not None},
             fetch_files=req.fetch_files,
             time_limit_s=req.run_timeout, compile_time_limit_s=req.compile_timeout, time_limit_kind="wall",
-            memory_limit_mb=memory, pids_limit=PIDS_LIMIT, output_limit_kb=OUTPUT_LIMIT_KB)
+            memory_limit_mb=memory, pids_limit=PIDS_LIMIT, output_limit_kb=OUTPUT_LIMIT_KB,
+            layers=list(dict.fromkeys([*(ref for ref in SF_LAYERS.get(language, [])
+                                         if has_layer is None or has_layer(ref)), *req.layers])))
     except ValidationError as e:
         raise _invalid(e, SF_FIELD) from None
 

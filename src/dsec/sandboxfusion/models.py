@@ -11,10 +11,24 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# SandboxFusion's names of the languages dsec serves, in the names FnCall uses for them.
-# "c" is not one of SandboxFusion's (it has no plain-C runner); dsec accepts it as well.
-LANGUAGES: dict[str, str] = {"python": "python", "cpp": "cpp", "c": "c", "java": "java", "go": "go",
-                             "nodejs": "nodejs", "rust": "rust", "bash": "bash"}
+# SandboxFusion's names of the languages and test-runner modes dsec serves, in the names
+# FnCall uses for them. "c" is not one of SandboxFusion's (it has no plain-C runner); dsec
+# accepts it as well. The languages past the FnCall base run on their toolchain layers.
+LANGUAGES: dict[str, str] = {
+    "python": "python", "cpp": "cpp", "c": "c", "java": "java", "go": "go", "nodejs": "nodejs", "js": "nodejs",
+    "rust": "rust", "bash": "bash", "pytest": "pytest", "junit": "junit", "go_test": "go_test", "jest": "jest",
+    "typescript": "typescript", "ts": "typescript", "php": "php", "ruby": "ruby", "perl": "perl", "lua": "lua",
+    "R": "r", "D_ut": "d", "csharp": "csharp", "scala": "scala", "verilog": "verilog", "racket": "racket",
+    "kotlin_script": "kotlin"}
+# SandboxFusion's languages dsec cannot serve on these machines, and why (501, not 400: the
+# request is well formed)
+NOT_SERVED: dict[str, str] = {
+    "julia": "Julia is not packaged in Debian 12 (removed after bullseye), nor on PyPI or npm",
+    "swift": "Swift has no Debian 12, PyPI or npm package (swift.org's toolchains are not reachable here)",
+    "lean": "Lean 4 has no Debian 12 package; elan downloads toolchains from GitHub, which is not reachable here",
+    "cuda": "no GPU on FnCall nodes",
+    "python_gpu": "no GPU on FnCall nodes",
+}
 
 
 class RunStatus(StrEnum):
@@ -55,6 +69,10 @@ class RunCodeRequest(BaseModel):
                                          description="relative path -> base64 content, written before the run")
     fetch_files: list[str] = Field(default_factory=list,
                                    description="relative paths read back after the run, base64 in files")
+    # dsec's own field (SandboxFusion has none like it; its clients never send it)
+    layers: list[str] = Field(default_factory=list, max_length=8,
+                              description="dsec: toolkit layers on the FnCall image for this call, e.g. "
+                                          "tk/fncall-scipy:12-r2 (numpy, pandas, scipy, ...)")
 
 
 class RunCodeResponse(BaseModel):

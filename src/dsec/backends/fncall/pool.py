@@ -24,15 +24,28 @@ import random
 import struct
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dsec.agent.initclient import SpawnFailed
-from dsec.errors import DsecError, InvalidRequest, SandboxError
+from dsec.errors import AdmissionRejected, DsecError, InvalidRequest, SandboxError
+from dsec.layers.toolchains import LANGUAGE_TOOLCHAIN, TOOLCHAINS, toolchain_layer
 from dsec.wire.console import FnCallPoolStats, FnCallStats
-from dsec.wire.models import ContainerArgs, FnCallArgs, FnCallResult, FnCallRun, SandboxInfo, TestResult
+from dsec.wire.models import (
+    FNCALL_IMAGE,
+    ContainerArgs,
+    FnCallArgs,
+    FnCallResult,
+    FnCallRun,
+    SandboxInfo,
+    TestResult,
+)
 
 log = logging.getLogger("dsec.fncall")
+# the layers of languages past the base image (a library set's, like scientific Python's, is
+# not one: SandboxFusion's Python runs on it, and keeps a warm container as the base's does)
+LANGUAGE_LAYERS = frozenset(tc.ref(name) for name, tc in TOOLCHAINS.items() if tc.languages)
 WORKER_SRC = os.path.join(os.path.dirname(__file__), "worker.py")
 # on the container's /tmp tmpfs: the pool's containers have a read-only root, so that no
 # world-writable directory of the image (/run/lock, /var/crash, ...) carries one call's
@@ -206,7 +219,20 @@ class _ImagePool:
 
     async def _start(self) -> None:
         try:
-            c = await self.svc.start_container(self.key)
+            # all pools together stay within max_containers where idle containers of other
+            # pools (other languages, layer stacks) can make room: the edge keeps room for
+            # sandboxes, and a call is placed on an edge only while it has some
+            while self.svc.total_containers() > self.svc.max_containers and await self.svc.evict_idle(self):
+                pass
+            while True:
+                try:
+                    c = await self.svc.start_container(self.key)
+                    break
+                except AdmissionRejected:
+                    # the edge is full: an idle container of another pool (another language's,
+                    # say) makes room, the least recently used first
+                    if not await self.svc.evict_idle(self):
+                        raise
         except Exception as e:  # reported to whoever waits, retried by the next call
             self.error = e
             log.warning("fncall: cannot start a container for %s: %s", self.image, e)
@@ -280,13 +306,38 @@ class FnCallService:
             raise
         return c
 
+    def total_containers(self) -> int:
+        return sum(len(p.containers) + p.starting + len(p.draining) for p in self.pools.values())
+
+    async def evict_idle(self, need: _ImagePool) -> bool:
+        """Stop the least recently used container of a pool other than ``need`` whose
+        workers are all idle; False when there is none."""
+        idle = [(c.last_used, p, c) for p in self.pools.values() if p is not need for c in p.containers.values()
+                if c.busy == 0 and not c.retired and all(w in p.idle for w in c.workers)]
+        if not idle:
+            return False
+        _, pool, c = min(idle, key=lambda t: t[0])
+        c.retired = True
+        pool.containers.pop(c.sandbox_id, None)
+        pool.idle = deque(w for w in pool.idle if w.container is not c)
+        c.close_workers()
+        log.info("fncall: stopping idle %s of %s to make room for %s", c.sandbox_id, pool.key, need.key)
+        with contextlib.suppress(Exception):
+            await self.edge.stop(c.sandbox_id)
+        return True
+
+    def keep(self, key: PoolKey) -> int:
+        """Containers a pool keeps when idle: none for a language toolchain's pool (a language
+        called now and then gives its room back; its next call starts a container)."""
+        return 0 if LANGUAGE_LAYERS.intersection(key.layers) else self.min_containers
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(5)
             now = time.monotonic()
             for pool in self.pools.values():
                 for c in sorted(pool.containers.values(), key=lambda c: c.last_used):
-                    if len(pool.containers) <= self.min_containers:
+                    if len(pool.containers) <= self.keep(pool.key):
                         break
                     idle = all(w in pool.idle for w in c.workers)
                     if idle and now - c.last_used > self.idle_s:
@@ -307,11 +358,17 @@ class FnCallService:
         for t in list(self._tasks):
             t.cancel()
 
-    async def languages(self, image: str) -> list[str]:
+    async def languages(self, image: str, has_layer: Callable[[str], bool] | None = None) -> list[str]:
+        """The image's own languages, and on the default image those whose toolchain layer
+        ``has_layer`` (each runs in a pool of its own, started on the first call)."""
         pool = self.pool(PoolKey(image))
         if not pool.languages:
             pool.release(await pool.acquire(60), retire=False)
-        return pool.languages
+        extra = []
+        if image == FNCALL_IMAGE and has_layer is not None:
+            extra = [lang for lang, name in LANGUAGE_TOOLCHAIN.items()
+                     if lang not in pool.languages and has_layer(TOOLCHAINS[name].ref(name))]
+        return [*pool.languages, *extra]
 
     def stats(self, edge: str) -> FnCallStats:
         """Pool occupancy now, and what the calls so far came to (the console's FnCall view)."""
@@ -339,7 +396,8 @@ class FnCallService:
         return res
 
     async def _call(self, args: FnCallArgs) -> FnCallResult:
-        pool = self.pool(PoolKey(args.image, tuple(args.layers), tuple(args.preimport)))
+        layers = call_layers(args)
+        pool = self.pool(PoolKey(args.image, tuple(layers), tuple(args.preimport)))
         stdins = [t.stdin for t in args.tests] if args.tests else [args.stdin]
         limits = {"time_limit_s": args.time_limit_s, "memory_limit_mb": args.memory_limit_mb,
                   "pids_limit": args.pids_limit, "output_limit_kb": args.output_limit_kb,
@@ -348,13 +406,21 @@ class FnCallService:
                "binary_files": args.binary_files, "fetch_files": args.fetch_files,
                "limits": limits, "compile_time_limit_s": args.compile_time_limit_s}
         # per project: whether a compile is cached must not tell one project what another ran
-        ckey = hashlib.sha256(json.dumps([args.tenant, args.image, args.layers, args.language, args.code, args.files,
+        ckey = hashlib.sha256(json.dumps([args.tenant, args.image, layers, args.language, args.code, args.files,
                                           args.binary_files], sort_keys=True).encode()).hexdigest()
         if (artifact := self.artifacts.get(ckey)) is not None:
             self.artifacts.move_to_end(ckey)
             req["artifact"] = artifact
         budget = args.compile_time_limit_s * 2 + len(stdins) * (args.time_limit_s * 2 + 2) + 30
-        w = await pool.acquire(60, args.tenant)
+        try:
+            w = await pool.acquire(60, args.tenant)
+        except DsecError as e:
+            tc = toolchain_layer(args.language)
+            if tc is not None and tc in e.message and 400 <= e.status < 500:  # the language's layer is not built
+                raise InvalidRequest(f"language {args.language!r} needs the toolchain layer {tc}, which this "
+                                     f"platform has not built: run `dsec fncall toolchains build "
+                                     f"{LANGUAGE_TOOLCHAIN[args.language]}`", field="language") from None
+            raise
         if args.language not in pool.languages:  # known once any container of the pool has started
             pool.release(w, retire=False)
             raise InvalidRequest(f"unknown language {args.language!r}; {args.image} has {pool.languages}",
@@ -386,6 +452,17 @@ class FnCallService:
         while self.artifact_bytes > ARTIFACT_CACHE_BYTES and self.artifacts:
             _, old = self.artifacts.popitem(last=False)
             self.artifact_bytes -= len(old)
+
+
+def call_layers(args: FnCallArgs) -> list[str]:
+    """The layer stack a call runs on: the toolchain layer its language needs (on the default
+    image only: another image brings its own toolchains), then the layers it asked for.
+    The pool is keyed by this stack, so a Python call's pool carries no other toolchain."""
+    layers = list(args.layers)
+    tc = toolchain_layer(args.language) if args.image == FNCALL_IMAGE else None
+    if tc is not None and tc not in layers:
+        layers.insert(0, tc)
+    return layers
 
 
 def _result(args: FnCallArgs, out: dict[str, Any], container: str) -> FnCallResult:

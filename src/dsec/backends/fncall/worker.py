@@ -23,6 +23,7 @@ import gc
 import importlib
 import json
 import os
+import re
 import resource
 import select
 import shutil
@@ -47,6 +48,21 @@ class Lang(NamedTuple):
     min_pids: int = 0  # threads the runtime starts on its own (RLIMIT_NPROC counts threads)
     compile_mb: int = 1024  # the compiler's memory limit, whatever the call's
     env: tuple[tuple[str, str], ...] = ()
+    needs: str | None = None  # a path the language's toolchain layer has: the language is served where it exists
+    # symlinks made in the scratch dir (name -> target): a test runner's modules and config beside the code
+    links: tuple[tuple[str, str], ...] = ()
+    prefix: str = ""  # the code must start with this (after leading blanks), else it is put in front
+    # put in front of the code on its own first line, unless the code has preprocessor
+    # definitions (which must come first)
+    preamble: str = ""
+    # a regex whose first group names the program's main class or object: "{main}" in src
+    # and argv stands for it; without a match, main_default (None: a compile error)
+    main_re: str | None = None
+    main_default: str | None = None
+    # directories of the image copied into the scratch dir, owned by the call (a warm build
+    # cache the runtime must be able to write to): image path -> name in the scratch dir
+    seed: tuple[tuple[str, str], ...] = ()
+    run_file_mb: int = 0  # a run that compiles (go test) writes files bigger than the output limit
 
 
 # "{mem}" in a run argv is the call's memory limit in MB (the managed runtimes' heap size)
@@ -68,12 +84,80 @@ LANGS = {
                  extra_as_mb=512, min_pids=64, env=_FEW_ARENAS),
     "go": Lang("main.go", ["go", "build", "-o", "main", "main.go"], ["./main"],
                extra_as_mb=768, min_pids=16, env=(("GOMAXPROCS", _CPUS), ("GO111MODULE", "off"))),
+    # NODE_PATH: the npm toolchain layer's modules (lodash, ...), where a call stacks that layer
     "nodejs": Lang("main.js", None, ["node", "--max-old-space-size={mem}", f"--v8-pool-size={_CPUS}", "main.js"],
-                   extra_as_mb=512, min_pids=16, env=_FEW_ARENAS),
+                   extra_as_mb=512, min_pids=16,
+                   env=(*_FEW_ARENAS, ("NODE_PATH", "/usr/local/lib/dsec-node/node_modules"))),
     # debuginfo stripped: 0.5 MB instead of 11 MB (std's), and a third of the link time
     "rust": Lang("main.rs", ["rustc", "-O", "--edition=2021", "-C", "strip=debuginfo", "-o", "main", "main.rs"],
                  ["./main"], compile_mb=2048, env=_FEW_ARENAS),  # rustc's threads ran out at 1 GiB
 }
+# the toolchain layers' languages (dsec.layers.toolchains builds them; the worker, standard
+# library only, names the few paths it needs itself)
+_NODE = "/usr/local/lib/dsec-node"
+_JUNIT = "/usr/share/java/junit-platform-console-standalone.jar"
+_JAVA_OPTS = " ".join(["-Xss8m", *_JVM])
+_NODE_LINKS = (("node_modules", f"{_NODE}/node_modules"),)
+_CS_ENTRY = "/usr/local/lib/dsec-cs/DsecEntry.cs"
+LANGS.update({
+    # pytest as SandboxFusion runs it: the file given to pytest, its exit status the verdict
+    "pytest": Lang("test_main.py", None, ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_main.py"],
+                   needs="/usr/lib/python3/dist-packages/pytest"),
+    "ruby": Lang("main.rb", None, ["ruby", "main.rb"], min_pids=8, env=_FEW_ARENAS),
+    "php": Lang("main.php", None, ["php", "-f", "main.php"], prefix="<?php", env=_FEW_ARENAS),
+    "perl": Lang("main.pl", None, ["perl", "main.pl"]),
+    "lua": Lang("main.lua", None, ["lua5.4", "main.lua"]),
+    "r": Lang("main.R", None, ["Rscript", "main.R"], min_pids=8, env=_FEW_ARENAS),
+    # SandboxFusion's D_ut mode: unittest blocks run, then main
+    "d": Lang("main.d", ["ldc2", "-O", "-unittest", "-of=main", "main.d"], ["./main"], min_pids=8, compile_mb=2048,
+              env=_FEW_ARENAS),
+    # Mono (Debian has no .NET SDK), with what SandboxFusion's `dotnet` gives a program:
+    # .NET's implicit usings, and a failed Debug.Assert failing the run (the layer's entry)
+    "csharp": Lang("main.cs", ["mcs", "-d:DEBUG", "-debug-", "-nowarn:105", "-r:System.Numerics.dll",
+                               "-main:DsecEntry", "-out:main.exe", "main.cs", _CS_ENTRY],
+                   ["mono", "main.exe"], extra_as_mb=512, min_pids=16, env=_FEW_ARENAS, needs=_CS_ENTRY,
+                   preamble="using System; using System.Collections.Generic; using System.IO; using System.Linq; "
+                            "using System.Threading; using System.Threading.Tasks;"),
+    # scalac on the JVM's quick compiler only: a compile's JVM is short-lived (half the time)
+    "scala": Lang("main.scala", ["scalac", "-J-XX:TieredStopAtLevel=1", "-d", ".", "main.scala"],
+                  ["scala", "-cp", ".", "{main}"],
+                  extra_as_mb=512, min_pids=64, compile_mb=2048, main_re=r"object\s+(\w+)",
+                  env=(*_FEW_ARENAS, ("JAVA_OPTS", _JAVA_OPTS + " -Xmx{mem}m"))),
+    "verilog": Lang("main.sv", ["iverilog", "-Wall", "-Winfloop", "-Wno-timescale", "-g2012", "-s", "tb", "-o",
+                                "main.vvp", "main.sv"], ["vvp", "-n", "main.vvp"]),
+    # JUnit 5's console launcher over the classes compiled from the code (class named as its public one)
+    "junit": Lang("{main}.java", ["javac", "-J-Xmx512m", "-J-XX:TieredStopAtLevel=1", *("-J" + f for f in _JVM),
+                                  "-encoding", "UTF-8", "-cp", f".:{_JUNIT}", "-d", ".", "{main}.java"],
+                  ["java", "-Xmx{mem}m", *_JVM, "-jar", _JUNIT, "--disable-banner", "--disable-ansi-colors",
+                   "--details=tree", "--class-path", ".", "--scan-class-path"],
+                  extra_as_mb=512, min_pids=64, env=_FEW_ARENAS, needs=_JUNIT,
+                  main_re=r"public\s+(?:final\s+|abstract\s+)*class\s+(\w+)", main_default="Main"),
+    # go test in GOPATH mode: Debian's Go libraries (testify) under /usr/share/gocode
+    "go_test": Lang("main_test.go", None, ["go", "test", "main_test.go"], extra_as_mb=768, min_pids=64,
+                    env=(("GOMAXPROCS", _CPUS), ("GO111MODULE", "off"), ("GOPATH", "/usr/share/gocode"),
+                         ("GOFLAGS", "-count=1"), ("GOCACHE", "{scratch}/.gocache")),
+                    seed=(("/usr/local/lib/dsec-go-cache", ".gocache"),), run_file_mb=256,
+                    needs="/usr/share/gocode/src/github.com/stretchr/testify"),
+    # TypeScript without a type check, as SandboxFusion's tsx runs it, but translated once by
+    # esbuild (the native binary tsx uses; tsx's WebAssembly wants 10 GiB of address space)
+    # into a CommonJS main.js that the artifact cache keeps
+    "typescript": Lang("main.ts", [f"{_NODE}/node_modules/esbuild/bin/esbuild", "main.ts", "--outfile=main.js",
+                                   "--format=cjs", "--platform=node", "--target=node18", "--log-level=warning"],
+                       ["node", "--max-old-space-size={mem}", f"--v8-pool-size={_CPUS}", "main.js"],
+                       extra_as_mb=768, min_pids=16, env=_FEW_ARENAS, links=_NODE_LINKS),
+    "jest": Lang("main.test.ts", None, ["node", "--max-old-space-size={mem}",
+                                        f"{_NODE}/node_modules/jest/bin/jest.js", "--ci", "--runInBand",
+                                        "--watchman=false", "--rootDir", "."],
+                 extra_as_mb=1280, min_pids=32, env=(*_FEW_ARENAS, ("FORCE_COLOR", "0")),
+                 links=(*_NODE_LINKS, ("package.json", f"{_NODE}/package.json"),
+                        ("babel.config.js", f"{_NODE}/babel.config.js")),
+                 needs=f"{_NODE}/node_modules/jest"),
+    "racket": Lang("main.rkt", None, ["racket", "main.rkt"], min_pids=8, env=_FEW_ARENAS),
+    # kotlin_script: the compiler compiles the script and runs it in one JVM, which maps its
+    # jars (address space) and needs a compiler's heap whatever the script's own limit
+    "kotlin": Lang("main.kts", None, ["kotlinc", "-script", "main.kts"], extra_as_mb=4096, min_pids=64,
+                   env=(*_FEW_ARENAS, ("JAVA_OPTS", _JAVA_OPTS + " -Xmx1g -XX:TieredStopAtLevel=1"))),
+})
 PATH = "/usr/local/bin:/usr/bin:/bin"
 ARTIFACT_MAX = 16 << 20
 # a compiler's own files (objects, the binary) are not the call's output: bounded apart
@@ -89,6 +173,8 @@ def available() -> list[str]:
     out = []
     for name, lang in LANGS.items():
         tool = (lang.compile or lang.run or [sys.executable])[0]
+        if lang.needs and not os.path.exists(lang.needs):
+            continue
         if tool.startswith("/") and os.path.exists(tool) or shutil.which(tool, path=PATH):
             out.append(name)
     return out
@@ -127,34 +213,68 @@ class Worker:
     # ---- one call ---------------------------------------------------------
     def handle(self, req: dict) -> dict:  # type: ignore[type-arg]
         lang = LANGS[req["language"]]
+        code = req["code"]
+        if lang.prefix and not code.lstrip().startswith(lang.prefix):
+            code = f"{lang.prefix}\n{code}"
+        if lang.preamble and "#define" not in code and "#undef" not in code:
+            code = f"{lang.preamble}\n{code}"
+        main = lang.main_default
+        if lang.main_re and (m := re.search(lang.main_re, code)):
+            main = m.group(1)
+        if lang.main_re and main is None:
+            return {"runs": [], "retire": False, "compile": {
+                "status": "runtime_error", "exit_code": 1, "signal": None, "stdout": "", "time_ms": 0.0,
+                "wall_ms": 0.0, "memory_kb": 0,
+                "stderr": f"no main object or class found (looked for /{lang.main_re}/)"}}
+        mem = str(req["limits"]["memory_limit_mb"])
+
+        def fill(a: str, mem: str = mem) -> str:
+            return a.replace("{main}", main or "").replace("{mem}", mem).replace("{scratch}", self.scratch)
+
+        src = fill(lang.src)
         self._fresh_scratch()
         try:
-            inputs = {lang.src}
+            inputs = {src}
             for rel, text in req.get("files", {}).items():
                 inputs.add(self._write(rel, text.encode()))
             for rel, b64 in req.get("binary_files", {}).items():
                 inputs.add(self._write(rel, base64.b64decode(b64)))
-            self._write(lang.src, req["code"].encode())
+            for name, target in lang.links:  # the call's own files of that name win
+                if not os.path.lexists(os.path.join(self.scratch, name)):
+                    os.symlink(target, os.path.join(self.scratch, name))
+                    inputs.add(name)
+            for image_dir, name in lang.seed:
+                dest = os.path.join(self.scratch, name)
+                if os.path.isdir(image_dir) and not os.path.lexists(dest):
+                    shutil.copytree(image_dir, dest, symlinks=True)
+                    for d, dirs, files in os.walk(dest):
+                        for n in [d, *(os.path.join(d, f) for f in dirs + files)]:
+                            os.chown(n, self.uid, self.uid, follow_symlinks=False)
+                    inputs.add(name)
+            self._write(src, code.encode())
             out: dict = {"runs": [], "retire": False}  # type: ignore[type-arg]
-            limits = {**req["limits"], "extra_as_mb": lang.extra_as_mb, "env": dict(lang.env)}
-            run_limits = {**limits, "pids_limit": max(limits["pids_limit"], lang.min_pids)}
+            limits = {**req["limits"], "extra_as_mb": lang.extra_as_mb,
+                      "env": {k: fill(v) for k, v in lang.env}}
+            run_limits = {**limits, "pids_limit": max(limits["pids_limit"], lang.min_pids),
+                          "file_limit_mb": lang.run_file_mb}
             if lang.compile and req.get("artifact"):  # an identical compile ran before: reuse its output
                 for rel, b64 in json.loads(req["artifact"]).items():
                     self._write(rel, base64.b64decode(b64), mode=0o755)
                 out["compile"] = {"status": "ok", "cached": True, "time_ms": 0.0, "wall_ms": 0.0, "memory_kb": 0}
             elif lang.compile:
-                comp = self.run(lang.compile, b"", {**limits, "time_limit_s": req["compile_time_limit_s"],
-                                                    "memory_limit_mb": max(limits["memory_limit_mb"], lang.compile_mb),
-                                                    "pids_limit": max(limits["pids_limit"], 128),
-                                                    "file_limit_mb": COMPILE_FILE_MB})
+                comp_mb = max(limits["memory_limit_mb"], lang.compile_mb)
+                comp = self.run([fill(a) for a in lang.compile], b"", {
+                    **limits, "time_limit_s": req["compile_time_limit_s"], "memory_limit_mb": comp_mb,
+                    "env": {k: fill(v, str(comp_mb)) for k, v in lang.env},
+                    "pids_limit": max(limits["pids_limit"], 128), "file_limit_mb": COMPILE_FILE_MB})
                 out["compile"] = comp
                 out["retire"] |= comp.pop("tainted")
                 if comp["status"] == "ok":
                     out["artifact"] = self._artifact(inputs)
-            run_argv = [a.replace("{mem}", str(limits["memory_limit_mb"])) for a in lang.run] if lang.run else None
+            run_argv = [fill(a) for a in lang.run] if lang.run else None
             for stdin in req["stdins"] if out.get("compile", {"status": "ok"})["status"] == "ok" else []:
                 res = self.run(run_argv, stdin.encode(), run_limits,
-                               python_code=req["code"] if lang.run is None else None)
+                               python_code=code if lang.run is None else None)
                 out["retire"] |= res.pop("tainted")
                 out["runs"].append(res)
             if req.get("fetch_files"):  # after a failed compile too, as SandboxFusion does
