@@ -1,4 +1,4 @@
-"""The chaos soak (issue 33, item 6): a 3-node Ray cluster on this machine (dsec.cluster.local:
+"""The chaos soak (issue 33, item 6): a 3-node Ray cluster on this machine (dsec.control.cluster.local:
 raylets, two apiserver replicas, a private PostgreSQL, a MooseFS store) under a steady,
 RL-shaped load through the SDK, while one fault at a time fires at random every 40-80 s:
 
@@ -52,10 +52,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from container import report  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.cluster import ops  # noqa: E402
-from dsec.cluster.local import LocalCluster  # noqa: E402
-from dsec.edge.leftovers import sandbox_leftovers  # noqa: E402
-from dsec.wire.models import FNCALL_IMAGE  # noqa: E402
+from dsec.control.cluster import ops  # noqa: E402
+from dsec.control.cluster.local import LocalCluster  # noqa: E402
+from dsec.node.edge.leftovers import sandbox_leftovers  # noqa: E402
+from dsec.shared.wire.models import FNCALL_IMAGE  # noqa: E402
 
 T = TypeVar("T")
 NAMES = ("c1", "c2", "c3")  # c1 is Ray's head node (the replicas' home): never removed
@@ -402,7 +402,7 @@ class Soak:
         root = self.local.root
         if kind == "edge SIGKILL":
             assert node is not None
-            pids = pgrep(f"dsec.cli.main edge serve --name {node} .*--data-dir {root}/{node}")
+            pids = pgrep(f"dsec.client.cli.main edge serve --name {node} .*--data-dir {root}/{node}")
             for p in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
@@ -420,7 +420,7 @@ class Soak:
             f.note = "recovery: the node back (after 10 s down) and its edge healthy"
         elif kind == "replica SIGKILL":
             i = self.rng.randrange(len(self.urls) or 1)
-            pids = pgrep(f"dsec.cli.main apiserver .*--data-dir {root}/apiserver-{i}")
+            pids = pgrep(f"dsec.client.cli.main apiserver .*--data-dir {root}/apiserver-{i}")
             for p in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
@@ -510,7 +510,7 @@ def pgrep(pattern: str) -> list[int]:
 
 def cluster_leftovers(root: str, tables: dict[str, str], parents: list[str]) -> list[str]:
     """What the stopped cluster left: its daemons, mounts under its dirs, its edges' nft tables."""
-    found = [f"process {p}" for p in pgrep(f"dsec.cli.main .*{root}/")]
+    found = [f"process {p}" for p in pgrep(f"dsec.client.cli.main .*{root}/")]
     with open("/proc/self/mountinfo") as f:
         found += [f"mount {line.split()[4]}" for line in f if root in line.split()[4]]
     listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout.split()
@@ -543,7 +543,8 @@ def render(s: Soak, a: argparse.Namespace, minutes: float, leaks: dict[str, list
     avail = 100.0 * lg.ok / max(1, lg.calls)
     out_avail = 100.0 * lg.outside_ok / max(1, lg.outside_calls)
     lines = [
-        f"{minutes:.1f} minutes of load on a 3-node Ray cluster (dsec.cluster.local: three raylets, two apiserver "
+        f"{minutes:.1f} minutes of load on a 3-node Ray cluster (dsec.control.cluster.local: three raylets, two "
+        "apiserver "
         f"replicas, a private PostgreSQL, a MooseFS store; cluster up in {setup_s:.0f} s), {os.cpu_count()} cores; "
         f"seed {a.seed}; a fault every {a.gap[0]:g}-{a.gap[1]:g} s. Load: {a.episodes} episode loops (create, 6 keyed "
         "commands with a resend of an acknowledged key, pause/resume, a checkpoint every other episode, the ledger "

@@ -1,5 +1,5 @@
 """Sandbox checkpoints and restores on a 2-node Ray cluster on this machine
-(dsec.cluster.local: raylets, a private PostgreSQL, a MooseFS store; every hop is real).
+(dsec.control.cluster.local: raylets, a private PostgreSQL, a MooseFS store; every hop is real).
 
 1. A sandbox writing steadily (appends of ``--rate-kib`` KiB/s over a few files, one small
    file rewritten 10 times a second): ``--checkpoints`` checkpoints ``--interval-s`` apart.
@@ -36,8 +36,8 @@ import ray  # noqa: E402
 from container import report  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.cluster import ops  # noqa: E402
-from dsec.cluster.local import LocalCluster  # noqa: E402
+from dsec.control.cluster import ops  # noqa: E402
+from dsec.control.cluster.local import LocalCluster  # noqa: E402
 from tests.conftest import _seed_vm  # noqa: E402
 
 NAMES = ("c1", "c2")

@@ -1,4 +1,4 @@
-"""dsec across Ray nodes, measured on this machine (dsec.cluster.local: raylets, a private
+"""dsec across Ray nodes, measured on this machine (dsec.control.cluster.local: raylets, a private
 PostgreSQL, a MooseFS store; every hop is real, every machine is this one).
 
 1. The hop: exec round trip and create to first exec through an apiserver replica to an
@@ -42,8 +42,8 @@ from hotpath import Spans  # noqa: E402
 from remote_edge import _create_first_exec, _exec_rtts  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.cluster import ops  # noqa: E402
-from dsec.cluster.local import LocalCluster  # noqa: E402
+from dsec.control.cluster import ops  # noqa: E402
+from dsec.control.cluster.local import LocalCluster  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -67,8 +67,8 @@ def pids_matching(pattern: str) -> list[int]:
 def components(local: LocalCluster) -> dict[str, list[int]]:
     """The processes of each component of the cluster, by what runs them."""
     return {
-        "apiserver replicas": pids_matching(f"dsec.cli.main apiserver .*{local.root}"),
-        "edge daemons": pids_matching(f"dsec.cli.main edge serve .*{local.root}"),
+        "apiserver replicas": pids_matching(f"dsec.client.cli.main apiserver .*{local.root}"),
+        "edge daemons": pids_matching(f"dsec.client.cli.main edge serve .*{local.root}"),
         "lazy layer readers": pids_matching(f"lazyfs --mount {local.root}"),
         "controller (watcher)": pids_matching("ray::Controller"),
         "PostgreSQL": pids_matching(f"postgres.*{local.pg_root}") + pids_matching("postgres: "),
@@ -309,7 +309,8 @@ async def main() -> None:
         shutil.rmtree(emb_dir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     report(render(h, rates, a) + f"\n\nA node whose raylet is killed is reported lost {lost_s:.1f} s later "
-           "(Ray's health check at 1 s x 3, as dsec.cluster.local sets it, plus the controller's 1 s round; with Ray's "
+           "(Ray's health check at 1 s x 3, as dsec.control.cluster.local sets it, plus the controller's 1 s round; "
+           "with Ray's "
            "default 3 s x 5 it is ~16 s).", a.write, "cluster.py", "cluster",
            "Cluster on Ray: the hop and creations/s as edges join (`bench/cluster.py`)")
 

@@ -1,10 +1,10 @@
 """A discrete-event model of dsec at DSec's scale, driving dsec's real placement code.
 
 What this module owns: the model, nothing else. 160 edges hold a steady-state population
-(~380K sandboxes); apiserver replicas (each its own ``dsec.placement.engine.Placement``, with
+(~380K sandboxes); apiserver replicas (each its own ``dsec.control.placement.engine.Placement``, with
 its own in-flight overlay, all reading one shared watcher snapshot refreshed every second)
 place a burst of creations; each edge admits or refuses with the real
-``dsec.placement.admission.refusal`` on its exact state; a refused create is re-placed as
+``dsec.shared.admission.refusal`` on its exact state; a refused create is re-placed as
 ``Apiserver._place`` does (at most ``MAX_CREATE_ATTEMPTS`` tries). It reports, per placement
 policy (power-of-2, random, least-loaded), refusals, failed creates, create latency (with
 queueing at the replicas and at the edges), load imbalance across edges, and how many
@@ -36,11 +36,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dsec.apiserver.core import MAX_CREATE_ATTEMPTS
-from dsec.errors import AdmissionRejected
-from dsec.placement.admission import Room, refusal
-from dsec.placement.engine import Placement
-from dsec.wire.models import Backend, ContainerArgs, NodeStats
+from dsec.control.apiserver.core import MAX_CREATE_ATTEMPTS
+from dsec.control.placement.engine import Placement
+from dsec.shared.admission import Room, refusal
+from dsec.shared.errors import AdmissionRejected
+from dsec.shared.wire.models import Backend, ContainerArgs, NodeStats
 
 POLICIES: dict[str, str] = {"p2": "power-of-2 (k=2)", "random": "random (k=1)", "least": "least-loaded (k=all)"}
 

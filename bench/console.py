@@ -32,10 +32,10 @@ from plots import density_curve, image_link  # noqa: E402
 from test_console_query import fleet  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.console import query  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
-from dsec.wire.console import SandboxQuery  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
+from dsec.shared import query  # noqa: E402
+from dsec.shared.wire.console import SandboxQuery  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 
 import dsec
-from dsec.backends.container.runtime import Limits, oci_config
-from dsec.host import linux
-from dsec.host.prep import prepare_cgroups
-from dsec.layers.store import LayerStore
+from dsec.node.backends.container.runtime import Limits, oci_config
+from dsec.node.host import linux
+from dsec.node.host.prep import prepare_cgroups
+from dsec.node.layers.store import LayerStore
 
 IMAGE = "base/busybox"
 
@@ -207,8 +207,8 @@ def private_server(node_data_dir: str, extra_args: list[str] | None = None,
     """A dsec server on a private data dir whose layers are hard-linked from the node's
     store, so a benchmark neither sees nor disturbs a platform already running here.
     Returns (process, url, token, data dir)."""
-    from dsec.host.prep import prepare_cgroups
-    from dsec.layers.store import LayerStore
+    from dsec.node.host.prep import prepare_cgroups
+    from dsec.node.layers.store import LayerStore
 
     prepare_cgroups()
     data_dir = tempfile.mkdtemp(prefix="dsec-bench-")
@@ -244,7 +244,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], headers: dict[str, str] 
 def start_server(data_dir: str, token: str, extra_args: list[str] | None = None,
                  log: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--data-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", "serve", "--port", str(port), "--data-dir",
                              data_dir, "--token", token, "--log-level", "info" if log else "warning",
                              *(extra_args or [])],
                             stdout=subprocess.DEVNULL, stderr=open(log, "ab") if log else subprocess.DEVNULL)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.host.memory import cgroup_memory  # noqa: E402
+from dsec.node.host.memory import cgroup_memory  # noqa: E402
 
 # best-effort load: a spinner on the latency-sensitive task's core, busy a given share of each 100 ms
 SPIN_PY = ("import os, time\n"

@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import RawCrun, pct, start_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.host import linux  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
-from dsec.wire.models import FNCALL_IMAGE  # noqa: E402
+from dsec.node.host import linux  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
+from dsec.shared.wire.models import FNCALL_IMAGE  # noqa: E402
 
 IMAGE = FNCALL_IMAGE
 PY_HELLO = "print('hello')"

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import free_port, pct, wait_ready  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.embedded import data_dir_default  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.faces.embedded import data_dir_default  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
 
 PY_HELLO = "print('hello')"
 
@@ -34,7 +34,7 @@ def server(src: str) -> tuple[subprocess.Popen[bytes], str, str, str]:
     LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(data_dir_default(), "layers"))
     token = "ab-" + os.urandom(8).hex()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--data-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", "serve", "--port", str(port), "--data-dir",
                              data_dir, "--token", token, "--log-level", "warning"],
                             env={**os.environ, "PYTHONPATH": os.path.abspath(src)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import pct, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.embedded import data_dir_default  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
-from dsec.layers.toolchains import toolchain_layer  # noqa: E402
-from dsec.wire.models import FnCallArgs  # noqa: E402
+from dsec.faces.embedded import data_dir_default  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
+from dsec.node.layers.toolchains import toolchain_layer  # noqa: E402
+from dsec.shared.wire.models import FnCallArgs  # noqa: E402
 
 # language -> a program printing "hello <stdin>"
 HELLO = {

@@ -136,7 +136,7 @@ def sdk_round_trips(url: str, token: str, rounds: int, execs: int = 20) -> list[
     from daytona import CreateSandboxFromSnapshotParams, Daytona, DaytonaConfig
     from e2b import Sandbox as E2BSandbox
 
-    from dsec.e2b.template import BASE_IMAGE, USER_LAYER
+    from dsec.faces.e2b.template import BASE_IMAGE, USER_LAYER
 
     def run(create, exec_, delete) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
         firsts, steps, deletes = [], [], []

@@ -145,7 +145,7 @@ async def main() -> None:
                     f"{statistics.median(r[1] for r in runs):.1f} s | {len(runs)} |")
     body = "\n".join(rows) + (
         f"\n\nIdle run: 3 edges, {idle_s} s (about {idle_s} detector rounds: one a second), {false_pos} detector "
-        "events (false positives). Settings: the defaults (`dsec.health.detector.Settings`): cordon after 10 s "
+        "events (false positives). Settings: the defaults (`dsec.control.health.detector.Settings`): cordon after 10 s "
         "suspect, 5 create samples for a latency verdict, 3 rounds without an answer. Slow creates and store "
         "errors need creates to show: the bench makes one at a time while it waits, so their times include "
         "waiting for placement to send creates to the sick edge. A round waits up to 2 s for an edge's "

@@ -33,8 +33,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tracing import Sink  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
 
 # (operation or step, budget in ms). Operations are timed by the client; steps are spans,
 # indented under the operation they belong to. docs/performance.md explains each line.

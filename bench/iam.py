@@ -39,10 +39,10 @@ sys.path.insert(0, BENCH)
 from container import free_port, private_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.iam.projects import ProjectStore  # noqa: E402
-from dsec.iam.quota import Need, ProjectQuotas  # noqa: E402
-from dsec.meta import open_db, sqlite_url  # noqa: E402
-from dsec.wire.iam import ProjectQuota, ProjectSpec  # noqa: E402
+from dsec.control.iam.projects import ProjectStore  # noqa: E402
+from dsec.control.iam.quota import Need, ProjectQuotas  # noqa: E402
+from dsec.shared.meta import open_db, sqlite_url  # noqa: E402
+from dsec.shared.wire.iam import ProjectQuota, ProjectSpec  # noqa: E402
 
 BUSYBOX = dsec.ContainerArgs(image="base/busybox:latest", memory_limit_mb=32, cpu_cores_limit=0.1)
 DEPTH = 8
@@ -172,7 +172,7 @@ def _admissions(quotas: ProjectQuotas, project: str, k: int, n: int) -> None:
 
 
 def store_part(ops: int) -> list[str]:
-    from dsec.cluster.postgres import Postgres
+    from dsec.control.cluster.postgres import Postgres
 
     root = tempfile.mkdtemp(prefix="dsec-bench-iam-")
     os.chmod(root, 0o711)  # PostgreSQL runs as its own user

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import start_server  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.host import linux  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.node.host import linux  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
 
 
 def _dev_of(path: str) -> str:

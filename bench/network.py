@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import pct, private_server, report  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.edge.network.catalog import pip_config, pip_hosts  # noqa: E402
+from dsec.node.edge.network.catalog import pip_config, pip_hosts  # noqa: E402
 
 LOOKUPS = ("import socket, sys, time\nout = []\nfor _ in range({n}):\n"
            "    t = time.perf_counter(); socket.getaddrinfo(sys.argv[1], 443); out.append(time.perf_counter() - t)\n"

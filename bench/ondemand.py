@@ -31,10 +31,10 @@ from container import start_server, write_section  # noqa: E402
 from layers import _dev_of  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.base import build_debian  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
-from dsec.storage.moosefs import MooseFS  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.base import build_debian  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
+from dsec.node.storage.moosefs import MooseFS  # noqa: E402
 
 TOKEN = "bench-token"
 # image -> (packages, task). Tasks do real work on a small part of their image.
@@ -103,7 +103,7 @@ def run_mode(mode: str, store_root: str, work: str, per_image: int, chunkserver:
         subprocess.run(["sync"], check=True)
         written, read = _sectors_written(dev) - w0, _rchar(chunkserver) - r0
 
-        async def stats() -> dsec.wire.models.StorageStats:
+        async def stats() -> dsec.shared.wire.models.StorageStats:
             async with dsec.AsyncClient(url=url, token=TOKEN) as c:
                 await asyncio.sleep(1.5)
                 return (await c.storage_stats())[0]

@@ -39,8 +39,8 @@ def private_remote(node_data_dir: str, tls: bool = False) -> tuple[list[subproce
     """An edge daemon and an apiserver in front of it on loopback, sharing a private data
     dir whose layers are hard-linked from the node's (``tls``: mutual TLS between them, a CA
     and a certificate each made here). Returns (processes, url, token, dir)."""
-    from dsec.edge.remote import tls as wire_tls
-    from dsec.layers.store import LayerStore
+    from dsec.node.layers.store import LayerStore
+    from dsec.shared import tls as wire_tls
 
     data_dir = tempfile.mkdtemp(prefix="dsec-bench-remote-")
     LayerStore(os.path.join(data_dir, "layers")).link_from(os.path.join(node_data_dir, "layers"))
@@ -49,7 +49,7 @@ def private_remote(node_data_dir: str, tls: bool = False) -> tuple[list[subproce
         f.write(SECRET)
     token = "bench-" + os.urandom(8).hex()
     edge_port, api_port = free_port(), free_port()
-    cli = [sys.executable, "-m", "dsec.cli.main"]
+    cli = [sys.executable, "-m", "dsec.client.cli.main"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     scheme, edge_tls, api_tls, probe = "http", [], [], None
     if tls:

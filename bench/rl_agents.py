@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsec.rollouts import RolloutContext
+from dsec.client.rollouts import RolloutContext
 
 
 async def loop(ctx: RolloutContext) -> float:

@@ -71,7 +71,7 @@ async def service_loops(c: dsec.AsyncClient, n: int, turns: int, run: str) -> fl
 
 
 def service(url: str, token: str, n: int, turns: int, rounds: int) -> dict[str, list[float]]:
-    worker = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "rollout-worker", "--url", url, "--token",
+    worker = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", "rollout-worker", "--url", url, "--token",
                                token, "--path", BENCH, "--concurrency", str(n), "--log-level", "warning"], cwd=REPO)
     out: dict[str, list[float]] = {"trainer": [], "service": []}
 

@@ -28,14 +28,14 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from container import private_server  # noqa: E402
 
-from dsec.embedded import data_dir_default  # noqa: E402
+from dsec.faces.embedded import data_dir_default  # noqa: E402
 
 STAND_IN = {
     "sandbox/__init__.py": "",
-    "sandbox/runners/__init__.py": "from dsec.sandboxfusion.models import CommandRunStatus  # noqa: F401\n",
+    "sandbox/runners/__init__.py": "from dsec.faces.sandboxfusion.models import CommandRunStatus  # noqa: F401\n",
     "sandbox/server/__init__.py": "",
     "sandbox/server/sandbox_api.py":
-        "from dsec.sandboxfusion.models import RunCodeRequest, RunCodeResponse, RunStatus  # noqa: F401\n",
+        "from dsec.faces.sandboxfusion.models import RunCodeRequest, RunCodeResponse, RunStatus  # noqa: F401\n",
     # an ASGI app forwarding every request to dsec's face (TestClient drives it in-process)
     "sandbox/server/server.py": '''import os
 

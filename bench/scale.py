@@ -44,16 +44,16 @@ from cluster import cpu_s  # noqa: E402
 from container import write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.cluster.postgres import Postgres  # noqa: E402
-from dsec.wire.iam import ProjectQuota  # noqa: E402
-from dsec.wire.jobs import JobQuota  # noqa: E402
+from dsec.control.cluster.postgres import Postgres  # noqa: E402
+from dsec.shared.wire.iam import ProjectQuota  # noqa: E402
+from dsec.shared.wire.jobs import JobQuota  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOKEN = "scale-bench-admin-token"
 SECRET = "scale-bench-cluster-secret"
 PROJECT, JOB = "rl/team/grpo", "grpo"
 ARGS = dict(image="base/busybox", memory_limit_mb=512, cpu_cores_limit=1.0)
-CLI = [sys.executable, "-m", "dsec.cli.main"]
+CLI = [sys.executable, "-m", "dsec.client.cli.main"]
 
 
 def _free_port() -> int:
@@ -331,10 +331,10 @@ async def fill(b: Bench, token: str, to: int, within_s: float) -> dict[str, Any]
 
 # ---- c. holding S sandboxes --------------------------------------------------------------
 async def holding(b: Bench, token: str) -> dict[str, Any]:
-    from dsec.cluster.view import ClusterEdges
-    from dsec.iam.quota import ProjectQuotas
-    from dsec.meta import open_db
-    from dsec.meta.registry import Registry
+    from dsec.control.cluster.view import ClusterEdges
+    from dsec.control.iam.quota import ProjectQuotas
+    from dsec.shared.meta import open_db
+    from dsec.shared.meta.registry import Registry
 
     out: dict[str, Any] = {}
     engine = open_db(b.db)
@@ -409,9 +409,9 @@ def render(r: dict[str, Any], a: argparse.Namespace) -> str:
 async def controller(db: str, key: str) -> None:
     """The controller's watcher alone: every edge polled once a second, the view written
     to the registry (what replicas read instead of polling)."""
-    from dsec.cluster.view import ClusterEdges
-    from dsec.meta import open_db
-    from dsec.meta.registry import Registry
+    from dsec.control.cluster.view import ClusterEdges
+    from dsec.shared.meta import open_db
+    from dsec.shared.meta.registry import Registry
 
     with open(key) as f:
         secret = f.read().strip()

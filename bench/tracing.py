@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from aiohttp import web  # noqa: E402
 from container import pct, report, start_server  # noqa: E402
 
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
 
 CLIENT = textwrap.dedent("""
     import asyncio, json, sys, time

@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from container import report, start_server  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
 
 ARGS = dict(image="base/busybox", memory_limit_mb=256, cpu_cores_limit=1.0)
 

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from container import pct, start_server, write_section  # noqa: E402
 
 import dsec  # noqa: E402
-from dsec.backends.vm.guest import ensure_guest  # noqa: E402
-from dsec.host.prep import prepare_cgroups  # noqa: E402
-from dsec.layers.store import LayerStore  # noqa: E402
+from dsec.node.backends.vm.guest import ensure_guest  # noqa: E402
+from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.layers.store import LayerStore  # noqa: E402
 
 
 def bare_boot(kernel: str, initrd: str, accel: str, memory_mb: int) -> float:

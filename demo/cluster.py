@@ -1,9 +1,9 @@
 """The cluster demo: dsec on a 3-node Ray cluster on this machine (three raylets, a
-private PostgreSQL, a MooseFS store: dsec.cluster.local), the README demo (demo/run.py)
+private PostgreSQL, a MooseFS store: dsec.control.cluster.local), the README demo (demo/run.py)
 run through both apiserver replicas, where each sandbox ran, the cluster's status, and
 everything torn down again. Exits non-zero if any sandbox failed.
 
-``--hosts``: the nodes are hosts of a namespace bed instead (dsec.cluster.netbed: each its
+``--hosts``: the nodes are hosts of a namespace bed instead (dsec.control.cluster.netbed: each its
 own network namespace and address on a bridge), brought up with the README's commands
 (`ray start`, `dsec cluster up --ray-address auto` without --db), so the database, edges
 and replicas are reached across real addresses, as across machines."""
@@ -19,11 +19,11 @@ import tempfile
 
 from rich.console import Console
 
-from dsec.cluster import ops
-from dsec.cluster.local import LocalCluster
-from dsec.cluster.netbed import NetBed, RayHosts
-from dsec.layers.store import LayerStore
-from dsec.storage.moosefs import MooseFS
+from dsec.control.cluster import ops
+from dsec.control.cluster.local import LocalCluster
+from dsec.control.cluster.netbed import NetBed, RayHosts
+from dsec.node.layers.store import LayerStore
+from dsec.node.storage.moosefs import MooseFS
 
 
 def seed_guest(data_dir: str, source: str) -> None:

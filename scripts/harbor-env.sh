@@ -40,7 +40,7 @@ fi
 started=$(date +%s)
 
 # The host's apt sources, the same file dsec's base layers are built from
-# (dsec.layers.base.host_apt_sources), with the host's release replaced by $SUITE.
+# (dsec.node.layers.base.host_apt_sources), with the host's release replaced by $SUITE.
 host_sources=""
 for cand in /etc/apt/sources.list.d/debian.sources /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
   if [ -f "$cand" ] && [ -s "$cand" ]; then host_sources="$cand"; break; fi

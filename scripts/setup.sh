@@ -47,10 +47,10 @@ if [ ! -f tests/e2b_js/node_modules/e2b/package.json ] \
 fi
 
 # the web console's browser libraries (preact, uPlot, xterm.js), served from node_modules: no CDN at run time
-if [ ! -f src/dsec/console/node_modules/.package-lock.json ] \
-   || [ src/dsec/console/package-lock.json -nt src/dsec/console/node_modules/.package-lock.json ]; then
-  echo "== npm: installing the console's browser libraries into src/dsec/console"
-  npm ci --prefix src/dsec/console --no-audit --no-fund --silent
+if [ ! -f src/dsec/control/console/node_modules/.package-lock.json ] \
+   || [ src/dsec/control/console/package-lock.json -nt src/dsec/control/console/node_modules/.package-lock.json ]; then
+  echo "== npm: installing the console's browser libraries into src/dsec/control/console"
+  npm ci --prefix src/dsec/control/console --no-audit --no-fund --silent
 fi
 
 # the base layers, then FnCall's default toolchain layers (each built once; ~3 min the first

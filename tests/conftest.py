@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 import dsec
-from dsec.edge.leftovers import qemu_pids, sandbox_leftovers  # noqa: F401 (tests import qemu_pids from here)
-from dsec.layers.store import LayerStore
+from dsec.node.edge.leftovers import qemu_pids, sandbox_leftovers  # noqa: F401 (tests import qemu_pids from here)
+from dsec.node.layers.store import LayerStore
 
 SRC_DATA = os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec")
 TOKEN = "test-token-0123456789"
@@ -65,7 +65,7 @@ class Service:
         self.log = open(log_path, "ab")  # noqa: SIM115
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "dsec.cli.main", *self.argv,
+        return [sys.executable, "-m", "dsec.client.cli.main", *self.argv,
                 "--log-level", os.environ.get("DSEC_TEST_LOG_LEVEL", "warning")]
 
     def start(self) -> None:
@@ -129,7 +129,7 @@ class Cluster:
         self.tls_dir = os.path.join(root, "tls")
         self.probe: ssl.SSLContext | None = None
         if tls:
-            from dsec.edge.remote import tls as wire_tls
+            from dsec.shared import tls as wire_tls
 
             self.ca_cert, self.ca_key = wire_tls.make_ca()
             self.probe = wire_tls.client_context(self.tls_files("probe"))
@@ -161,7 +161,7 @@ class Cluster:
 
     def tls_files(self, name: str) -> Any:
         """A certificate for ``name`` (and 127.0.0.1) by this cluster's CA, in ROOT/tls/NAME."""
-        from dsec.edge.remote import tls as wire_tls
+        from dsec.shared import tls as wire_tls
 
         return wire_tls.write_daemon_files(os.path.join(self.tls_dir, name), self.ca_cert, self.ca_cert, self.ca_key,
                                            name, ["127.0.0.1"])
@@ -273,7 +273,7 @@ def sandbox_dir(platform: Platform, sandbox_id: str) -> str:
 
 
 def leftovers(platform: Platform, sandbox_id: str) -> list[str]:
-    """Everything of ``sandbox_id`` still on this host (dsec.edge.leftovers). Empty means
+    """Everything of ``sandbox_id`` still on this host (dsec.node.edge.leftovers). Empty means
     fully released."""
     return sandbox_leftovers(sandbox_id, platform.edge_dirs)
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 
-from dsec.rollouts import RolloutContext
+from dsec.client.rollouts import RolloutContext
 
 
 async def turns(ctx: RolloutContext) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""The backend contract: the same tests against every :class:`~dsec.backends.api.SandboxRuntime`
+"""The backend contract: the same tests against every :class:`~dsec.node.backends.api.SandboxRuntime`
 (crun containers, QEMU microVMs, the hollow runtime), after containerd's snapshotter test
 suite. Each test plays the edge's part itself (``Host`` below: records, agents, the release
 of files), so what is tested is the boundary and nothing behind it: prepare, launch,
@@ -21,21 +21,21 @@ from typing import Any
 
 import pytest
 
-from dsec.agent.aether import DEFAULT_PATH, Aether, AgentContext
-from dsec.agent.native import ensure_init_binary
-from dsec.backends.api import InitLink, Record, Sandbox, SandboxLost, SandboxRuntime
-from dsec.backends.container.sandboxes import ContainerSandboxes
-from dsec.backends.hollow.runtime import HollowSandboxes
-from dsec.backends.vm.sandboxes import VMSandboxes
-from dsec.errors import InvalidRequest, NotFound
-from dsec.host import linux
-from dsec.host.cgroup import Cgroup
-from dsec.host.prep import prepare_cgroups
-from dsec.host.process import alive, wait_gone
-from dsec.host.volume import SandboxVolume
-from dsec.layers.store import LayerStore
-from dsec.storage.node import NodeLayers
-from dsec.wire.models import (
+from dsec.node.agent.aether import DEFAULT_PATH, Aether, AgentContext
+from dsec.node.agent.native import ensure_init_binary
+from dsec.node.backends.api import InitLink, Record, Sandbox, SandboxLost, SandboxRuntime
+from dsec.node.backends.container.sandboxes import ContainerSandboxes
+from dsec.node.backends.hollow.runtime import HollowSandboxes
+from dsec.node.backends.vm.sandboxes import VMSandboxes
+from dsec.node.host import linux
+from dsec.node.host.cgroup import Cgroup
+from dsec.node.host.prep import prepare_cgroups
+from dsec.node.host.process import alive, wait_gone
+from dsec.node.host.volume import SandboxVolume
+from dsec.node.layers.store import LayerStore
+from dsec.node.storage.node import NodeLayers
+from dsec.shared.errors import InvalidRequest, NotFound
+from dsec.shared.wire.models import (
     Backend,
     ContainerArgs,
     ExecRequest,

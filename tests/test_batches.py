@@ -185,8 +185,8 @@ async def test_a_small_batch_of_another_job_is_not_starved_by_a_big_one(client: 
 
 
 def test_one_apiserver_takes_an_orphaned_batch_over(tmp_path: Path) -> None:
-    from dsec.batches.store import BatchRow, BatchStore
-    from dsec.meta import open_db, sqlite_url
+    from dsec.control.batches.store import BatchRow, BatchStore
+    from dsec.shared.meta import open_db, sqlite_url
     store = BatchStore(open_db(sqlite_url(str(tmp_path))))
     store.create(BatchRow(id="b-1", project="default", job=None, n=3, args="{}", state="running", created_at=1.0,
                           finished_at=None, owner="a", heartbeat_at=10.0))
@@ -234,9 +234,9 @@ def test_finished_batches_are_forgotten_and_a_project_holds_a_bounded_number_of_
     """Red team: finished batches and their items' rows were never deleted, so a project with
     no quota grew the metadata database by ~2 MB a request. Finished ones go after
     DSEC_BATCH_KEEP_S (24 h), and a project's running batches hold at most 4 x 32768 items."""
-    from dsec.batches.runner import MAX_PENDING_ITEMS
-    from dsec.batches.store import BatchRow, BatchStore
-    from dsec.meta import open_db, sqlite_url
+    from dsec.control.batches.runner import MAX_PENDING_ITEMS
+    from dsec.control.batches.store import BatchRow, BatchStore
+    from dsec.shared.meta import open_db, sqlite_url
     store = BatchStore(open_db(sqlite_url(str(tmp_path))))
     for i, (state, finished) in enumerate([("done", 100.0), ("failed", 100.0), ("done", 5000.0), ("running", None)]):
         store.create(BatchRow(id=f"b-{i}", project="p", job=None, n=10 * (i + 1), args="{}", state=state,

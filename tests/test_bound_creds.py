@@ -1,4 +1,4 @@
-"""Credentials derived from a token die with it (dsec.iam.bound): a sandbox's E2B envd
+"""Credentials derived from a token die with it (dsec.control.iam.bound): a sandbox's E2B envd
 access token (through the unmodified E2B SDK and raw envd calls), the file URLs signed with
 it, port traffic through its traffic token, its SWE-ReX token, and a template upload URL
 are all refused right after the call that revokes the token that made them, and after it
@@ -21,12 +21,12 @@ from e2b import Sandbox
 from sqlalchemy import delete
 
 import dsec
-from dsec.iam.bound import TOKEN_LABEL
-from dsec.iam.tokens import TokenStore
-from dsec.meta import open_db
-from dsec.meta.schema import tokens
-from dsec.wire.iam import TokenSpec
-from dsec.wire.jobs import JobQuota
+from dsec.control.iam.bound import TOKEN_LABEL
+from dsec.control.iam.tokens import TokenStore
+from dsec.shared.meta import open_db
+from dsec.shared.meta.schema import tokens
+from dsec.shared.wire.iam import TokenSpec
+from dsec.shared.wire.jobs import JobQuota
 
 STAT = "/filesystem.Filesystem/Stat"
 ROOT = {"Authorization": "Basic cm9vdDo="}  # envd's user: root (base64 of "root:")

@@ -1,5 +1,5 @@
 """A token revoked on one apiserver replica ends what was derived from it on the other
-within 5 s (dsec.iam.bound; tokens reload every 2 s): a sandbox's E2B envd access token
+within 5 s (dsec.control.iam.bound; tokens reload every 2 s): a sandbox's E2B envd access token
 and its SWE-ReX token, made on replica A and used on replica B. Real parts: PostgreSQL
 shared by two ``dsec apiserver --db`` replicas in front of one real edge daemon."""
 
@@ -13,7 +13,7 @@ import pytest
 from conftest import TOKEN
 
 import dsec
-from dsec.iam.bound import TOKEN_LABEL
+from dsec.control.iam.bound import TOKEN_LABEL
 from tests.test_gangs import TwoReplicas
 
 ROOT = {"Authorization": "Basic cm9vdDo="}  # envd's user: root

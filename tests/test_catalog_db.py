@@ -25,21 +25,21 @@ import pytest
 from sqlalchemy import Engine, create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
-from dsec.cluster.postgres import Postgres
-from dsec.errors import InvalidRequest, LayerInUse, NotFound
-from dsec.layers.base import build_busybox
-from dsec.layers.catalog import FILE_NAME, Catalog
-from dsec.layers.store import ImportOptions, LayerStore, open_store
-from dsec.meta import open_db, sqlite_url
-from dsec.meta.db import normalize_url
+from dsec.control.cluster.postgres import Postgres
+from dsec.node.layers.base import build_busybox
+from dsec.node.layers.catalog import FILE_NAME, Catalog
+from dsec.node.layers.store import ImportOptions, LayerStore, open_store
+from dsec.shared.errors import InvalidRequest, LayerInUse, NotFound
+from dsec.shared.meta import open_db, sqlite_url
+from dsec.shared.meta.db import normalize_url
 from tests.conftest import _free_port
 
 CATALOG_TABLES = {"layers", "built", "blob_data", "access_lists"}
 TEMPLATE_TABLES = {"templates", "template_builds", "template_build_logs", "template_tags", "template_cache"}
 JOB_TABLES = {"jobs", "batches", "batch_items", "rollouts", "rollout_steps"}
-HEAD = "0012"  # the newest revision under dsec/meta/migrations/versions
+HEAD = "0012"  # the newest revision under dsec/shared/meta/migrations/versions
 
-# the catalog file as the code before SQLAlchemy made it (git show f82f9c5:src/dsec/layers/store.py)
+# the catalog file as the code before SQLAlchemy made it (git show f82f9c5:src/dsec/node/layers/store.py)
 OLD_DDL = [
     "CREATE TABLE IF NOT EXISTS layers (ref TEXT PRIMARY KEY, kind TEXT NOT NULL,"
     " digest TEXT NOT NULL, size INTEGER NOT NULL, created_at REAL NOT NULL)",

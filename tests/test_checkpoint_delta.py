@@ -1,4 +1,4 @@
-"""The checkpoint delta (dsec.checkpoints.delta) against the kernel's own overlayfs: a
+"""The checkpoint delta (dsec.node.checkpoints.delta) against the kernel's own overlayfs: a
 writable layer on a real btrfs subvolume (what an edge's sandboxes have) is changed through
 an overlay mount in the ways a workload does, checkpointed by btrfs snapshots and pruned
 to deltas, and the deltas stacked over the base as overlay lower layers must show exactly
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dsec.checkpoints import delta
-from dsec.host import linux
-from dsec.host.volume import SandboxVolume
+from dsec.node.checkpoints import delta
+from dsec.node.host import linux
+from dsec.node.host.volume import SandboxVolume
 
 
 @pytest.fixture

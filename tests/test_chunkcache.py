@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from dsec.storage.cache import ChunkCache
-from dsec.storage.chunks import ChunkIndex, check_chunk_size
+from dsec.node.storage.cache import ChunkCache
+from dsec.node.storage.chunks import ChunkIndex, check_chunk_size
 
 KiB = 1024
 

@@ -24,8 +24,8 @@ import pytest
 from aiohttp import web
 
 import dsec
-from dsec.storage.moosefs import MooseFS
-from dsec.wire.models import FnCallArgs, SandboxInfo
+from dsec.node.storage.moosefs import MooseFS
+from dsec.shared.wire.models import FnCallArgs, SandboxInfo
 from tests.conftest import TOKEN, Cluster, leftovers, own_cluster
 
 REFUSING = ["--admit-max-psi", "-1", "--pause-below-mb", str(1 << 20)]  # any pressure is too much
@@ -156,7 +156,7 @@ async def test_a_call_that_never_reached_an_edge_says_so() -> None:
     twice (it failed outright: bench/chaos.py): a call to an edge no connection could be made
     to was surely not sent; one to an edge that took the connection and dropped it may
     have been."""
-    from dsec.edge.remote.client import remote_edge
+    from dsec.node.edge.remote.client import remote_edge
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -199,9 +199,9 @@ async def test_a_job_operation_misses_only_the_down_edges_that_hold_its_sandboxe
     bench/chaos.py); one that holds some still does."""
     from types import SimpleNamespace
 
-    from dsec.apiserver.core import Apiserver
-    from dsec.meta import open_db, sqlite_url
-    from dsec.meta.registry import Registry
+    from dsec.control.apiserver.core import Apiserver
+    from dsec.shared.meta import open_db, sqlite_url
+    from dsec.shared.meta.registry import Registry
 
     registry = Registry(open_db(sqlite_url(str(tmp_path))))
     now = time.time()

@@ -4,7 +4,7 @@ edge and replica daemons, PostgreSQL), then PostgreSQL, Ray and `dsec cluster up
 the same data. The sandboxes that still run are re-adopted by their edges, with their
 files; the one that died meanwhile is reported; no edge is taken for lost.
 
-Real parts as in tests/test_ray_cluster.py (dsec.cluster.local): Ray raylets on this
+Real parts as in tests/test_ray_cluster.py (dsec.control.cluster.local): Ray raylets on this
 machine, a MooseFS store, a private PostgreSQL."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from dsec.cluster import ops
-from dsec.cluster.local import LocalCluster
+from dsec.control.cluster import ops
+from dsec.control.cluster.local import LocalCluster
 from tests.conftest import SHARED_LAYERS, SRC_DATA, _seed_vm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

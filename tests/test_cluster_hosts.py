@@ -1,6 +1,6 @@
 """The README's "A cluster on Ray" commands, run as a new user runs them, on hosts that
 reach each other only across real addresses, never loopback: on this machine as it is (its
-own address), and on two hosts of a namespace bed (dsec.cluster.netbed: each a network
+own address), and on two hosts of a namespace bed (dsec.control.cluster.netbed: each a network
 namespace with its own address on a bridge). `ray start --head`, `ray start --address`,
 `dsec cluster up --ray-address auto` without `--db` (so the private PostgreSQL, which
 must admit every node), `dsec cluster status`, then creates, commands and files through
@@ -32,9 +32,9 @@ import httpx
 import pytest
 
 import dsec
-from dsec.cluster.netbed import RAY_BOUNDS, NetBed, RayHosts
-from dsec.layers.store import LayerStore
-from dsec.storage.moosefs import MooseFS
+from dsec.control.cluster.netbed import RAY_BOUNDS, NetBed, RayHosts
+from dsec.node.layers.store import LayerStore
+from dsec.node.storage.moosefs import MooseFS
 from tests.conftest import SHARED_LAYERS, SRC_DATA
 
 
@@ -186,8 +186,8 @@ async def _lose_a_host_and_bring_it_back(ray: RayHosts, head_ip: str, token: str
 def test_a_node_is_named_as_an_edge_can_be_named() -> None:
     """Host names have dots, dashes and capitals; an edge's name (its sandboxes' id prefix)
     has none: a node named by its host became an edge whose sandbox ids no client parses."""
-    from dsec.cluster.actors import edge_name
-    from dsec.wire.models import EDGE_NAME_RE, parse_sandbox_id
+    from dsec.control.cluster.actors import edge_name
+    from dsec.shared.wire.models import EDGE_NAME_RE, parse_sandbox_id
 
     names = [edge_name({"NodeManagerHostname": "ip-10-0-0-7.ec2.internal", "NodeID": "AB12"}, set()),
              edge_name({"NodeManagerHostname": "vm", "NodeID": "c12274ab", "NodeManagerAddress": "10.213.0.12"},
@@ -217,7 +217,7 @@ def test_the_private_database_admits_its_network_and_says_what_to_fix_for_others
     """The private PostgreSQL on a real address: a node of its subnet gets in; one from
     another network is refused with a one-line error naming the address, the port and the
     fix (`--db-allow`), and gets in once that network is named."""
-    from dsec.cluster import postgres
+    from dsec.control.cluster import postgres
 
     bed = NetBed(f"p{os.getpid() % 10000}", 2).up()
     root = tempfile.mkdtemp(prefix="dsec-pg-hosts-")
@@ -234,7 +234,7 @@ def test_the_private_database_admits_its_network_and_says_what_to_fix_for_others
         url = pg.start()
         try:
             assert httpx.URL(url.replace("postgresql", "http")).host == bed.addr(0)
-            probe = ("import sys\nfrom dsec.meta.db import open_db\ntry:\n    open_db(sys.argv[1])\n"
+            probe = ("import sys\nfrom dsec.shared.meta.db import open_db\ntry:\n    open_db(sys.argv[1])\n"
                      "except Exception as e:\n    print(type(e).__name__, e)\nelse:\n    print('connected')\n")
 
             def connect(i: int) -> str:

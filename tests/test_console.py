@@ -18,8 +18,8 @@ from conftest import TOKEN, Platform
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
 import dsec
-from dsec.wire.iam import ProjectQuota
-from dsec.wire.jobs import JobQuota
+from dsec.shared.wire.iam import ProjectQuota
+from dsec.shared.wire.jobs import JobQuota
 
 CHROMIUM = "/usr/bin/chromium"
 # Chromium on a closed network: no background connections, no first-run, no GPU

@@ -13,10 +13,11 @@ from collections import Counter
 
 import pytest
 
-from dsec.console import query, session
-from dsec.iam.tokens import ADMIN, Principal
-from dsec.wire.console import SandboxQuery
-from dsec.wire.models import SandboxInfo, SandboxUsage
+from dsec.control.console import session
+from dsec.control.iam.tokens import ADMIN, Principal
+from dsec.shared import query
+from dsec.shared.wire.console import SandboxQuery
+from dsec.shared.wire.models import SandboxInfo, SandboxUsage
 
 STATES = ["running", "running", "running", "paused", "stopped", "failed", "creating"]
 

@@ -117,8 +117,8 @@ def test_unknown_operations_and_bad_arguments_are_4xx(remote: Cluster) -> None:
 
 
 async def test_errors_keep_their_type_across_the_wire(remote: Cluster) -> None:
-    from dsec.edge.remote.client import remote_edge
-    from dsec.wire.models import ExecRequest
+    from dsec.node.edge.remote.client import remote_edge
+    from dsec.shared.wire.models import ExecRequest
 
     edge = remote_edge("n1", _edge(remote), SECRET)
     try:
@@ -182,8 +182,8 @@ async def test_a_call_given_up_on_is_cancelled_at_the_edge(remote: Cluster) -> N
     dropped) ends the work at the edge, and the connection serves on."""
     import asyncio
 
-    from dsec.edge.remote.client import remote_edge
-    from dsec.wire.models import ExecRequest
+    from dsec.node.edge.remote.client import remote_edge
+    from dsec.shared.wire.models import ExecRequest
 
     edge = remote_edge("n1", _edge(remote), SECRET)
     try:

@@ -1,4 +1,4 @@
-"""The cluster's daemon ownership (dsec.cluster.daemon): a daemon whose start fails is
+"""The cluster's daemon ownership (dsec.control.cluster.daemon): a daemon whose start fails is
 started again by its owner with backoff, each failure reported (what `dsec cluster status`
 shows), the report cleared once it serves. A real process: it fails its first two starts
 and then serves HTTP."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dsec.cluster.daemon import START_BACKOFF_S, Daemon, http_ok, start_retrying
+from dsec.control.cluster.daemon import START_BACKOFF_S, Daemon, http_ok, start_retrying
 from tests.conftest import _free_port
 
 FLAKY = """

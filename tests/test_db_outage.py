@@ -20,9 +20,9 @@ import pytest
 from conftest import SECRET, TOKEN, Service, _free_port, _seed_layers
 
 import dsec
-from dsec.cluster.postgres import Postgres
-from dsec.meta import open_db
-from dsec.meta.registry import Registry
+from dsec.control.cluster.postgres import Postgres
+from dsec.shared.meta import open_db
+from dsec.shared.meta.registry import Registry
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -100,7 +100,7 @@ async def test_the_database_restarts_under_a_running_cluster(outage: Outage) -> 
             assert outage.api.proc is not None and outage.api.proc.poll() is None
             assert outage.edge.proc is not None and outage.edge.proc.poll() is None
             # a create made while the server is away, back within the create's ride-through
-            # (dsec.meta.db.ride_through: 10 s), is made (it failed at once: bench/chaos.py)
+            # (dsec.shared.meta.db.ride_through: 10 s), is made (it failed at once: bench/chaos.py)
             late = asyncio.create_task(admin.run_container(dsec.ContainerArgs(image="base/busybox",
                                                                               memory_limit_mb=64)))
             await asyncio.sleep(2)

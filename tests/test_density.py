@@ -162,7 +162,7 @@ async def test_best_effort_runs_under_sched_idle(platform: Platform, client: dse
 
 
 def test_node_info_reports_swap_and_qos(platform: Platform) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "node", "info", "--json", "--url", platform.url,
+    out = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "node", "info", "--json", "--url", platform.url,
                           "--token", TOKEN], check=True, capture_output=True, text=True).stdout
     (node,) = json.loads(out)
     d = node["density"]
@@ -193,7 +193,8 @@ async def test_usage_accounting_api_ps_and_metrics(platform: Platform, client: d
         line = next(x for x in metrics.splitlines()
                     if x.startswith("dsec_sandbox_swap_bytes") and sb.sandbox_id in x)
         assert float(line.split()[-1]) >= 100 << 20
-        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.cli.main", "ps", "--usage", "--json",
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.client.cli.main", "ps", "--usage",
+                                                       "--json",
                                                        "--job", "usage-acct", "--url", platform.url, "--token", TOKEN],
                                       capture_output=True, text=True, check=True)
         (row,) = json.loads(out.stdout)

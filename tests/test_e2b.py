@@ -454,7 +454,7 @@ def test_code_interpreter(e2b_env: None) -> None:
 
 def test_watchers_are_bounded_and_released(e2b_env: None, platform: Platform) -> None:
     """Watchers a client never removes are bounded per sandbox and released with it."""
-    from dsec.edge.interactive import MAX_WATCHERS_PER_SANDBOX
+    from dsec.node.edge.interactive import MAX_WATCHERS_PER_SANDBOX
 
     assert platform.proc is not None
     fd_dir = f"/proc/{platform.proc.pid}/fd"

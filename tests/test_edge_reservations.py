@@ -1,4 +1,4 @@
-"""An edge's reservations are running sums (dsec.edge.reservations) that each create,
+"""An edge's reservations are running sums (dsec.node.edge.reservations) that each create,
 pause, resume and stop moves: after every step they equal the sum from scratch, an
 admission refuses on them exactly at the edge's limit and takes again once a sandbox
 left, and a missed update is found and corrected by the recount. Run in this process on
@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dsec.edge.remote.hollow import start_fleet, stop_fleet
-from dsec.edge.reservations import share_of
-from dsec.edge.service import Edge
-from dsec.errors import AdmissionRejected
-from dsec.wire.models import ContainerArgs
+from dsec.node.edge.remote.hollow import start_fleet, stop_fleet
+from dsec.node.edge.reservations import share_of
+from dsec.node.edge.service import Edge
+from dsec.shared.errors import AdmissionRejected
+from dsec.shared.wire.models import ContainerArgs
 
 
 @pytest.fixture

@@ -254,7 +254,7 @@ def test_cli_with_the_first_replica_down(replicas: tuple[Service, Service]) -> N
     if a.proc is not None:  # run on its own, this test kills A itself
         a.stop(crash=True)
     urls = f"{a.url},{b.url}"
-    cli = [sys.executable, "-m", "dsec.cli.main"]
+    cli = [sys.executable, "-m", "dsec.client.cli.main"]
     with dsec.Client(url=b.url, token=TOKEN) as c:
         sb = c.run_container(ARGS)
         try:

@@ -1,5 +1,5 @@
 """Checkpoints, restores and moves on a real 3-node Ray cluster on this machine
-(dsec.cluster.local: three raylets, a private PostgreSQL, a MooseFS store, an edge daemon
+(dsec.control.cluster.local: three raylets, a private PostgreSQL, a MooseFS store, an edge daemon
 per node, two apiserver replicas). A node is killed for real (its raylet and everything
 Ray started there die) while checkpointed sandboxes write; nothing is mocked.
 """
@@ -18,8 +18,8 @@ import pydantic
 import pytest
 
 import dsec
-from dsec.cluster import ops
-from dsec.cluster.local import LocalCluster
+from dsec.control.cluster import ops
+from dsec.control.cluster.local import LocalCluster
 from tests.conftest import SHARED_LAYERS, SRC_DATA, _seed_vm
 from tests.test_ray_cluster import RayDsec, _brief, _edge, _until
 

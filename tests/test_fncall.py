@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 import dsec
-from dsec.backends.fncall.pool import WORKER_PATH
-from dsec.wire.models import FnCallArgs, TestCase
+from dsec.node.backends.fncall.pool import WORKER_PATH
+from dsec.shared.wire.models import FnCallArgs, TestCase
 from tests.conftest import TOKEN, Platform
 
 CPP_SUM = """
@@ -121,7 +121,7 @@ async def test_hostile_call_then_benign_sees_nothing(client: dsec.AsyncClient) -
                                          output_limit_kb=256))
     assert "worker protected 13" in bad.stdout and "WROTE WORKER" not in bad.stdout, bad
     assert "forks stopped at" in bad.stdout and "fill stopped" in bad.stdout, bad
-    with open(os.path.join(os.path.dirname(dsec.__file__), "backends", "fncall", "worker.py"), "rb") as f:
+    with open(os.path.join(os.path.dirname(dsec.__file__), "node", "backends", "fncall", "worker.py"), "rb") as f:
         worker_sum = hashlib.sha256(f.read()).hexdigest()
     for _ in range(4):  # whichever container and worker it lands on
         ok = await client.fncall(FnCallArgs(language="python", code=BENIGN))
@@ -192,7 +192,7 @@ def test_languages_cli(platform: Platform) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "fncall", "languages", "--url", platform.url,
+    out = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "fncall", "languages", "--url", platform.url,
                           "--token", TOKEN], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert {"python", "bash", "c", "cpp"} <= set(out.stdout.split())

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 import dsec
-from dsec.layers.store import LayerStore
-from dsec.layers.toolchains import TOOLCHAINS, toolchain_layer
-from dsec.wire.models import FnCallArgs, TestCase
+from dsec.node.layers.store import LayerStore
+from dsec.node.layers.toolchains import TOOLCHAINS, toolchain_layer
+from dsec.shared.wire.models import FnCallArgs, TestCase
 from tests.conftest import SRC_DATA, TOKEN, Platform
 
 # language -> (code printing "hello <first stdin token>", a program that fails: an assertion or exit 1)
@@ -183,7 +183,7 @@ async def test_an_unbuilt_toolchain_is_a_400_naming_the_language(client: dsec.As
 def test_toolchain_layers_hold_their_toolchain_and_no_build_residue(tmp_path: Any) -> None:
     """Each default toolchain layer of this node (as setup built it): the packages it names
     are installed in it, and nothing of the build is (apt's lists and caches, logs, /tmp)."""
-    from dsec.host import linux
+    from dsec.node.host import linux
 
     store = LayerStore(f"{SRC_DATA}/layers")
     for name, tc in TOOLCHAINS.items():

@@ -24,8 +24,8 @@ import pytest_asyncio
 from conftest import TOKEN, Service
 
 import dsec
-from dsec.wire.iam import ProjectQuota
-from dsec.wire.jobs import JobQuota
+from dsec.shared.wire.iam import ProjectQuota
+from dsec.shared.wire.jobs import JobQuota
 from tests.test_db_outage import Outage
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -202,7 +202,7 @@ async def test_a_gang_whose_item_cannot_be_made_fails_whole(two: TwoReplicas, to
 
 
 async def _cli(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.cli.main", *argv],
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.client.cli.main", *argv],
                                    capture_output=True, text=True, timeout=timeout)
 
 

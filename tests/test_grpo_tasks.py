@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from dsec.rl import Grader
+from dsec.client.rl import Grader
 from examples.grpo.tasks import (
     CI_TASKS,
     TASKS,

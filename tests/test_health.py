@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from dsec.health.detector import Detector, Settings
-from dsec.wire.fleet import EdgeSignals
-from dsec.wire.models import Backend, NodeStats
+from dsec.control.health.detector import Detector, Settings
+from dsec.shared.wire.fleet import EdgeSignals
+from dsec.shared.wire.models import Backend, NodeStats
 
 GB = 1 << 30
 

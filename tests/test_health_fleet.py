@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 import dsec
-from dsec.edge.remote.client import remote_edge
-from dsec.storage.moosefs import MooseFS
+from dsec.node.edge.remote.client import remote_edge
+from dsec.node.storage.moosefs import MooseFS
 from tests.conftest import SECRET, TOKEN, Cluster
 
 # ---- end to end: three edge daemons, one apiserver ------------------------------------
@@ -297,7 +297,7 @@ async def test_a_cordon_by_hand_holds_until_lifted_by_hand(fleet: Cluster) -> No
 
 def test_cli_nodes_cordon_uncordon_events(fleet: Cluster) -> None:
     env = {**os.environ, "DSEC_URL": fleet.url, "DSEC_TOKEN": TOKEN, "COLUMNS": "200"}
-    cli = [sys.executable, "-m", "dsec.cli.main"]
+    cli = [sys.executable, "-m", "dsec.client.cli.main"]
 
     def run(*a: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*cli, *a], capture_output=True, text=True, timeout=60, env=env)

@@ -102,7 +102,7 @@ def test_many_hollow_edges_share_a_process_and_leave_nothing(tmp_path: os.PathLi
     key = os.path.join(tmp_path, "key")
     with open(key, "w") as f:
         f.write(SECRET + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main",
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main",
                              *_hollow_argv(root, key, 0, count=24, first=0)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from dsec.backends.container.runtime import _wait_child
-from dsec.errors import DeadlineExceeded
-from dsec.host import linux
-from dsec.host.prep import _super_options, cgroup_mode, prepare_cgroups
+from dsec.node.backends.container.runtime import _wait_child
+from dsec.node.host import linux
+from dsec.node.host.prep import _super_options, cgroup_mode, prepare_cgroups
+from dsec.shared.errors import DeadlineExceeded
 from tests.conftest import TOKEN, Platform, own_platform
 
 

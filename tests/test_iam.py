@@ -20,7 +20,7 @@ import websockets
 import websockets.exceptions
 
 import dsec
-from dsec.wire.iam import ProjectQuota
+from dsec.shared.wire.iam import ProjectQuota
 from tests.conftest import TOKEN, Platform, own_platform, wait_for
 
 SMALL = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.5, disk_limit_mb=64)
@@ -241,7 +241,7 @@ def test_e2b_keys_are_project_tokens_under_its_quota(org: Org, platform: Platfor
 
 
 def test_cli(org: Org, platform: Platform) -> None:
-    base = [sys.executable, "-m", "dsec.cli.main", "project"]
+    base = [sys.executable, "-m", "dsec.client.cli.main", "project"]
     auth = ["--url", platform.url, "--token", TOKEN]
     name = f"{org.root}/cli"
     r = subprocess.run([*base, "create", name, "--quota", "sandboxes=1,cpu=0.5,memory_gb=1", *auth],

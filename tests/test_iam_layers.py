@@ -1,4 +1,4 @@
-"""Layer visibility end to end on the real platform (dsec.iam.visibility): a builder's
+"""Layer visibility end to end on the real platform (dsec.control.iam.visibility): a builder's
 pack_diff belongs to its sandbox's project, visible by default to that project's subtree;
 another project gets the same 404 as for a layer that does not exist (GET, fork, create,
 a batch) and does not see it listed; "private" hides it from sub-projects but not from
@@ -220,7 +220,7 @@ def test_cli_changes_visibility(tree: Tree, platform: Platform) -> None:
     a_builder = tree.client(tree.a, "builder")
     b_runner = tree.client(tree.b, "runner")
     ref = tree.publish(a_builder, f"lv-{uuid.uuid4().hex[:8]}").ref
-    base = [sys.executable, "-m", "dsec.cli.main", "layer", "visibility"]
+    base = [sys.executable, "-m", "dsec.client.cli.main", "layer", "visibility"]
     r = subprocess.run([*base, ref, "public", "--url", platform.url, "--token", a_builder.token or ""],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine
 
-from dsec.errors import NotFound, ProjectExists, ProjectNotEmpty, QuotaConflict, QuotaExceeded
-from dsec.iam.projects import ProjectStore
-from dsec.iam.quota import Need, ProjectQuotas
-from dsec.meta import open_db, sqlite_url
-from dsec.wire.iam import ProjectPatch, ProjectQuota, ProjectSpec
-from dsec.wire.models import SandboxInfo, SandboxState
+from dsec.control.iam.projects import ProjectStore
+from dsec.control.iam.quota import Need, ProjectQuotas
+from dsec.shared.errors import NotFound, ProjectExists, ProjectNotEmpty, QuotaConflict, QuotaExceeded
+from dsec.shared.meta import open_db, sqlite_url
+from dsec.shared.wire.iam import ProjectPatch, ProjectQuota, ProjectSpec
+from dsec.shared.wire.models import SandboxInfo, SandboxState
 from tests.test_catalog_db import db_url, pg_url  # noqa: F401  (fixtures: a PostgreSQL server, a database)
 
 ONE = Need.of(1.0, 512, 1024)
@@ -221,8 +221,8 @@ def test_a_publish_claim_is_retried_by_its_project_and_refused_to_others(
         stores: tuple[ProjectStore, ProjectStore]) -> None:
     """A pack_diff that died mid-way (its apiserver or edge killed) left its layer's claim:
     the same project's retry takes it over; another project is refused while it is fresh."""
-    from dsec.errors import InvalidRequest
-    from dsec.iam.visibility import LayerAcl
+    from dsec.control.iam.visibility import LayerAcl
+    from dsec.shared.errors import InvalidRequest
 
     a, b = (LayerAcl(s.db) for s in stores)
     first = a.claim("ws/claimed:v1", "team", "project", "t1")
@@ -316,7 +316,7 @@ def test_binds_committed_together_count_as_each_alone(stores: tuple[ProjectStore
 def test_one_replica_holds_the_quota_sweep_at_a_time(stores: tuple[ProjectStore, ProjectStore]) -> None:
     """The quota sweep's lease: one holder among the replicas, renewed by it, taken over once
     it runs out, handed on at once by a clean stop."""
-    from dsec.meta.lease import release_lease, take_lease
+    from dsec.shared.meta.lease import release_lease, take_lease
     a, b = (s.quotas.db for s in stores)
     assert take_lease(a, "sweep", "A", 30) and take_lease(a, "sweep", "A", 30)  # held, renewed
     assert not take_lease(b, "sweep", "B", 30)

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import dsec
-from dsec.host.cgroup import MEMORY_RESERVE_MB
+from dsec.node.host.cgroup import MEMORY_RESERVE_MB
 from tests.conftest import Platform
 
 

@@ -202,7 +202,7 @@ def test_cli(platform: Platform) -> None:
     name = _name("cli")
 
     def dsec_cli(*args: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "dsec.cli.main", "job", *args], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "job", *args], env=env, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         return r.stdout
@@ -216,6 +216,6 @@ def test_cli(platform: Platform) -> None:
     assert json.loads(dsec_cli("pause", name))["job"]["state"] == "paused"
     assert json.loads(dsec_cli("resume", name))["job"]["state"] == "active"
     assert json.loads(dsec_cli("stop", name))["job"]["state"] == "stopped"
-    r = subprocess.run([sys.executable, "-m", "dsec.cli.main", "job", "get", "no-such-job"], env=env,
+    r = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "job", "get", "no-such-job"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not_found" in r.stderr

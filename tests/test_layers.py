@@ -14,7 +14,7 @@ import time
 import pytest
 
 import dsec
-from dsec.layers.store import LayerStore
+from dsec.node.layers.store import LayerStore
 from tests.conftest import TOKEN, Platform
 
 # Walks a tree inside a sandbox and prints {path: [type, mode, uid, gid, size, digest-or-target, xattrs]}.
@@ -297,7 +297,7 @@ def test_layer_build_cli(platform: Platform, tmp_path_factory: pytest.TempPathFa
         'steps = ["mkdir -p /opt/harness && cd /opt/harness", "python3 -m compileall -q .", '
         '"echo 42 > answers.txt"]\nscrub_paths = ["/opt/harness/answers.txt"]\n'
         '[files]\n"run.py" = "/opt/harness/run.py"\n')
-    cli = [sys.executable, "-m", "dsec.cli.main", "layer", "build", "--url", platform.url, "--token", TOKEN]
+    cli = [sys.executable, "-m", "dsec.client.cli.main", "layer", "build", "--url", platform.url, "--token", TOKEN]
     out = subprocess.run([*cli, str(d / "spec.toml")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert ref in out.stdout
@@ -320,7 +320,7 @@ async def test_stale_build_scratch_is_swept(tmp_path: str) -> None:
     """A layer build killed mid-way (an edge crash in pack_diff) leaves a scratch dir in the
     store's tmp/; an edge start removes those older than a day and leaves younger ones (a
     build in progress, maybe another node's on a shared store)."""
-    from dsec.storage.node import NodeLayers
+    from dsec.node.storage.node import NodeLayers
 
     store = LayerStore(os.path.join(tmp_path, "store"))
     old, young = (os.path.join(store.backend.tempdir(), n) for n in ("tmpold", "tmpyoung"))

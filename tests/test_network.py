@@ -19,9 +19,9 @@ import pytest
 from conftest import TOKEN, Platform, leftovers
 
 import dsec
-from dsec.edge.network.catalog import npm_hosts
-from dsec.edge.network.nft import LibNft, NftTable
-from dsec.edge.network.wiring import ifname_for
+from dsec.node.edge.network.catalog import npm_hosts
+from dsec.node.edge.network.nft import LibNft, NftTable
+from dsec.node.edge.network.wiring import ifname_for
 
 
 def _host_ip() -> str:

@@ -1,5 +1,5 @@
-"""Sandboxes walled off from the cluster's own services (dsec.edge.network.wall), on
-hosts of a namespace bed (dsec.cluster.netbed): an edge's network manager in cluster mode
+"""Sandboxes walled off from the cluster's own services (dsec.node.edge.network.wall), on
+hosts of a namespace bed (dsec.control.cluster.netbed): an edge's network manager in cluster mode
 (its registry a metadata database of this test's), a sandbox's network namespace it wires,
 and two "hosts" each serving a raw TCP port and HTTP on port 80. Once one host is named
 in the cluster's addresses, the sandbox loses it within seconds, through the kernel (a
@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from dsec.cluster.netbed import NetBed
-from dsec.edge.network.manager import NetworkManager
-from dsec.edge.network.nft import LibNft
-from dsec.edge.network.wall import SETTING, edge_key
-from dsec.errors import InvalidRequest
-from dsec.meta import open_db, sqlite_url
-from dsec.meta.registry import Registry
+from dsec.control.cluster.netbed import NetBed
+from dsec.node.edge.network.manager import NetworkManager
+from dsec.node.edge.network.nft import LibNft
+from dsec.node.edge.network.wall import SETTING, edge_key
+from dsec.shared.errors import InvalidRequest
+from dsec.shared.meta import open_db, sqlite_url
+from dsec.shared.meta.registry import Registry
 
 RAW_PORT = 7070
 # each host: a TCP server answering "pong" on RAW_PORT and an HTTP one on 80 answering "hello HOST"
@@ -222,9 +222,9 @@ def test_the_cluster_addresses_published_and_read(tmp_path: str) -> None:
     """What the controller publishes (every part of the cluster, and --protect), and how an
     edge reads it: names resolved on the node, a name that stops resolving keeping the
     addresses it had (here one that never resolves: .invalid, RFC 6761)."""
-    from dsec.cluster.actors import cluster_entries
-    from dsec.cluster.config import ClusterConfig
-    from dsec.edge.network.wall import ClusterWall
+    from dsec.control.cluster.actors import cluster_entries
+    from dsec.control.cluster.config import ClusterConfig
+    from dsec.node.edge.network.wall import ClusterWall
 
     cfg = ClusterConfig(db="postgresql://dsec:pw@db.example:5432/dsec", secret="s" * 16, admin_token="t" * 16,
                         protect=["10.5.0.0/16", "Meta.Internal."])
@@ -251,7 +251,7 @@ def test_the_cluster_addresses_published_and_read(tmp_path: str) -> None:
 
 
 def test_cluster_up_protect_names_a_bad_entry(tmp_path: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "cluster", "up", "--store", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "cluster", "up", "--store", str(tmp_path),
                           "--protect", "10.0.0.0/8", "--protect", "not a host!"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--protect" in out.stderr and "not a host!" in out.stderr, out.stderr

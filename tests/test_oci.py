@@ -22,8 +22,8 @@ import pytest
 import zstandard
 
 import dsec
-from dsec.layers.oci import ImportFailed, import_oci
-from dsec.layers.store import LayerStore
+from dsec.node.layers.oci import ImportFailed, import_oci
+from dsec.node.layers.store import LayerStore
 from tests.conftest import TOKEN, Platform
 
 

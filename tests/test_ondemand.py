@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 import dsec
-from dsec.layers.store import LayerStore
-from dsec.storage.lazyfs import LazyClient
-from dsec.storage.moosefs import MooseFS
-from dsec.wire.models import LayerFetchStats
+from dsec.node.layers.store import LayerStore
+from dsec.node.storage.lazyfs import LazyClient
+from dsec.node.storage.moosefs import MooseFS
+from dsec.shared.wire.models import LayerFetchStats
 from tests.conftest import TOKEN, Platform
 
 MiB = 1 << 20
@@ -85,7 +85,8 @@ def node(shared: tuple[str, dict[str, str]], tmp_path_factory: pytest.TempPathFa
 
 
 def _reader_pids(data_dir: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"dsec.storage.lazyfs .*{data_dir}"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", f"dsec.node.storage.lazyfs .*{data_dir}"], capture_output=True,
+                         text=True).stdout
     return [int(x) for x in out.split()]
 
 
@@ -367,7 +368,7 @@ async def test_new_sandboxes_work_after_the_reader_dies(node: Platform, client: 
 
 
 def test_layer_stats_cli(node: Platform) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "layer", "stats", "--json", "--url", node.url,
+    out = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "layer", "stats", "--json", "--url", node.url,
                           "--token", TOKEN], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     (edge,) = json.loads(out.stdout)

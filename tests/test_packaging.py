@@ -44,7 +44,7 @@ async def main():
         assert (await sb.exec("echo async")).stdout == "async\\n"
         await sb.stop()
 asyncio.run(main())
-from dsec.cli.main import app
+from dsec.client.cli.main import app
 app(["ps", "--url", {platform.url!r}, "--token", {TOKEN!r}], standalone_mode=False)
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in {SERVER_ONLY!r})
 assert not loaded, loaded

@@ -9,8 +9,8 @@ import time
 import pytest
 
 import dsec
-from dsec.placement.engine import Placement
-from dsec.wire.models import Backend, NodeStats
+from dsec.control.placement.engine import Placement
+from dsec.shared.wire.models import Backend, NodeStats
 
 
 def node(name: str, cpu_reserved: float = 0, healthy: bool = True, mem_reserved: int = 0) -> NodeStats:
@@ -91,7 +91,7 @@ def test_recent_placements_count_until_a_snapshot_shows_them(monkeypatch: pytest
     assert (p._room(views[-1]["a"], unseen=True).sandboxes, p._room(views[-1]["b"], unseen=True).sandboxes) == (2, 2)
     # and no snapshot ever shows "b"'s: forgotten after 5 s
     later = time.monotonic() + 6
-    monkeypatch.setattr("dsec.placement.engine.time.monotonic", lambda: later)
+    monkeypatch.setattr("dsec.control.placement.engine.time.monotonic", lambda: later)
     views.append(dict(views[-1]))
     p.choose(ARGS)
     assert p._room(views[-1]["b"], unseen=True).sandboxes == 0

@@ -1,4 +1,4 @@
-"""The private PostgreSQL (dsec.cluster.postgres) that `dsec cluster up` runs when given no
+"""The private PostgreSQL (dsec.control.cluster.postgres) that `dsec cluster up` runs when given no
 database: ready means it takes queries, so a server killed uncleanly (mid-write, as by a
 power loss) is waited for through its crash recovery, never hurried into errors, and comes
 back with what it had committed. A real server, Debian's postgresql-15."""
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import create_engine, text
 
-from dsec.cluster.postgres import Postgres, ready, state
-from dsec.meta.db import normalize_url
+from dsec.control.cluster.postgres import Postgres, ready, state
+from dsec.shared.meta.db import normalize_url
 from tests.conftest import _free_port
 
 
@@ -100,7 +100,7 @@ def _plain(url: str) -> str:
 def test_the_network_reaches_it_over_tls_only_and_an_old_data_dir_is_upgraded(pg_dir: str) -> None:
     from sqlalchemy.exc import OperationalError
 
-    from dsec.cluster import postgres
+    from dsec.control.cluster import postgres
 
     ip = postgres.advertised("0.0.0.0")
     assert not ipaddress.ip_address(ip).is_loopback

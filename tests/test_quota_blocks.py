@@ -1,4 +1,4 @@
-"""Quota blocks (dsec.iam.blocks) on a real PostgreSQL, two replicas each with an engine of
+"""Quota blocks (dsec.control.iam.blocks) on a real PostgreSQL, two replicas each with an engine of
 its own: creates admitted from a block write no project row; creates racing from two
 replicas for the last units never overshoot, and once the blocks are given back the quota
 fills exactly to its cap; a block its replica stopped renewing (a crash) is freed by the
@@ -18,14 +18,14 @@ import pytest
 import pytest_asyncio
 from sqlalchemy import Engine, event, select, update
 
-from dsec.errors import QuotaExceeded
-from dsec.iam import blocks as blocks_mod
-from dsec.iam.blocks import QuotaBlocks, free_stale
-from dsec.iam.projects import ProjectStore
-from dsec.iam.quota import Need, ProjectQuotas
-from dsec.meta import open_db
-from dsec.meta.schema import project_holds, projects, quota_blocks
-from dsec.wire.iam import ProjectPatch, ProjectQuota, ProjectSpec
+from dsec.control.iam import blocks as blocks_mod
+from dsec.control.iam.blocks import QuotaBlocks, free_stale
+from dsec.control.iam.projects import ProjectStore
+from dsec.control.iam.quota import Need, ProjectQuotas
+from dsec.shared.errors import QuotaExceeded
+from dsec.shared.meta import open_db
+from dsec.shared.meta.schema import project_holds, projects, quota_blocks
+from dsec.shared.wire.iam import ProjectPatch, ProjectQuota, ProjectSpec
 from tests.test_catalog_db import db_url, pg_url  # noqa: F401  (fixtures: a PostgreSQL server, a database)
 
 pytestmark = pytest.mark.asyncio

@@ -1,4 +1,4 @@
-"""dsec on a real multi-node Ray cluster on this machine (dsec.cluster.local): three
+"""dsec on a real multi-node Ray cluster on this machine (dsec.control.cluster.local): three
 raylets, each with the dsec_edge resource and a dsec-edge-name label, a private
 PostgreSQL and a MooseFS store started here, and `dsec cluster up` (as a function)
 putting an edge daemon on every node and two apiserver replicas in front.
@@ -25,10 +25,10 @@ import ray
 import websockets
 
 import dsec
-from dsec.cluster import ops, rayauth
-from dsec.cluster.config import NAMESPACE
-from dsec.cluster.local import LocalCluster
-from dsec.wire.models import FNCALL_IMAGE
+from dsec.control.cluster import ops, rayauth
+from dsec.control.cluster.config import NAMESPACE
+from dsec.control.cluster.local import LocalCluster
+from dsec.shared.wire.models import FNCALL_IMAGE
 from tests.conftest import SHARED_LAYERS, SRC_DATA, _seed_vm
 
 NAMES = ("r1", "r2", "r3")
@@ -42,7 +42,7 @@ class RayDsec:
     @property
     def urls(self) -> list[str]:
         """The replicas where they are now: Ray restarts one that died (a killed replica, or
-        one on a node that went) on a free port, as dsec.cluster.local runs them."""
+        one on a node that went) on a free port, as dsec.control.cluster.local runs them."""
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -161,9 +161,9 @@ def test_an_edge_refuses_callers_without_a_cluster_certificate_or_the_secret(rc:
     the cluster CA signed is refused at the handshake; with one, the secret is still asked."""
     import ssl
 
-    from dsec.cluster import certs
-    from dsec.meta import open_db
-    from dsec.meta.registry import Registry
+    from dsec.control.cluster import certs
+    from dsec.shared.meta import open_db
+    from dsec.shared.meta.registry import Registry
 
     edges = ops.status(rc.address)["edges"]
     url = next(e["url"] for e in edges if e["name"] == "r2")
@@ -185,7 +185,7 @@ def test_an_edge_refuses_callers_without_a_cluster_certificate_or_the_secret(rc:
 
 
 def test_ray_refuses_a_client_without_the_token(rc: RayDsec) -> None:
-    """Every raylet and the GCS run with token auth (dsec.cluster.rayauth): a driver
+    """Every raylet and the GCS run with token auth (dsec.control.cluster.rayauth): a driver
     without the token, or with another, cannot connect."""
     code = ("import ray, sys\n"
             "try:\n"
@@ -444,7 +444,7 @@ def test_cluster_cli(rc: RayDsec, tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    cli = [sys.executable, "-m", "dsec.cli.main"]
+    cli = [sys.executable, "-m", "dsec.client.cli.main"]
     out = subprocess.run([*cli, "cluster", "status", "--ray-address", rc.address, "--json"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -527,7 +527,7 @@ def _own_ipv4() -> list[str]:
     import ipaddress
     import subprocess
 
-    from dsec.edge.network.rules import POOL
+    from dsec.node.edge.network.rules import POOL
 
     out = json.loads(subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=True).stdout)
     addrs = {a["local"] for link in out for a in link.get("addr_info", [])}
@@ -544,10 +544,10 @@ async def test_sandboxes_reach_none_of_the_clusters_own_services(rc: RayDsec) ->
     import hashlib
     from urllib.parse import urlsplit
 
-    from dsec.edge.network import wall
-    from dsec.edge.network.nft import LibNft
-    from dsec.meta import open_db
-    from dsec.meta.registry import Registry
+    from dsec.node.edge.network import wall
+    from dsec.node.edge.network.nft import LibNft
+    from dsec.shared.meta import open_db
+    from dsec.shared.meta.registry import Registry
 
     assert rc.local.up is not None
     registry = Registry(open_db(rc.local.up.db, migrate=False))

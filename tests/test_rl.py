@@ -1,4 +1,4 @@
-"""dsec.rl against the real platform: the grader grades in a fresh sandbox of the task's
+"""dsec.client.rl against the real platform: the grader grades in a fresh sandbox of the task's
 pristine stack plus the agent's diff, the hidden tests never reach the agent, attacks on
 the test runner from the agent's sandbox earn nothing, and the gymnasium environment runs
 episodes (docs/rl.md, "Grading without reward hacking", "A gymnasium environment")."""
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from dsec.rl import Grader, Task
+from dsec.client.rl import Grader, Task
 from tests.conftest import TOKEN, Platform
 
 MARKER = f"HIDDEN-{uuid.uuid4().hex}"
@@ -201,7 +201,7 @@ def _live(c: dsec.Client, label: str) -> list[str]:
 
 
 def test_gymnasium_episode_with_a_scripted_policy(platform: Platform, task: Task) -> None:
-    from dsec.rl import SandboxEnv
+    from dsec.client.rl import SandboxEnv
 
     label = _uniq("env")
     with dsec.Client(url=platform.url, token=TOKEN) as c:
@@ -240,7 +240,7 @@ def test_gymnasium_episode_with_a_scripted_policy(platform: Platform, task: Task
 def test_gymnasium_env_checker(platform: Platform, task: Task) -> None:
     from gymnasium.utils.env_checker import check_env
 
-    from dsec.rl import SandboxEnv
+    from dsec.client.rl import SandboxEnv
 
     label = _uniq("check")
     with dsec.Client(url=platform.url, token=TOKEN) as c:
@@ -254,8 +254,8 @@ def test_gymnasium_env_checker(platform: Platform, task: Task) -> None:
 
 
 def test_dsec_imports_without_gymnasium() -> None:
-    code = ("import sys; sys.modules['gymnasium'] = None; import dsec, dsec.rl; "
-            "assert dsec.rl.Grader\n"
-            "try:\n    dsec.rl.SandboxEnv\nexcept ImportError:\n    print('lazy')")
+    code = ("import sys; sys.modules['gymnasium'] = None; import dsec, dsec.client.rl; "
+            "assert dsec.client.rl.Grader\n"
+            "try:\n    dsec.client.rl.SandboxEnv\nexcept ImportError:\n    print('lazy')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "lazy", r.stderr

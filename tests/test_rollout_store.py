@@ -2,7 +2,7 @@
 with an engine per "replica": idempotent submits, claims racing from several replicas
 (each rollout to one worker), the journal's first write winning, leases expiring, a stale
 worker fenced off, hand-back and reset, paused and stopped jobs. A real PostgreSQL server
-(the cluster's own, dsec.cluster.postgres) is started for the module."""
+(the cluster's own, dsec.control.cluster.postgres) is started for the module."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine
 
-from dsec.errors import RolloutLost
-from dsec.jobs.store import JobStore
-from dsec.meta import open_db, sqlite_url
-from dsec.rollouts.store import RolloutStore
-from dsec.wire.jobs import JobSpec
-from dsec.wire.rollouts import FinishRequest, RolloutSpec, Step
+from dsec.control.jobs.store import JobStore
+from dsec.control.rollouts.store import RolloutStore
+from dsec.shared.errors import RolloutLost
+from dsec.shared.meta import open_db, sqlite_url
+from dsec.shared.wire.jobs import JobSpec
+from dsec.shared.wire.rollouts import FinishRequest, RolloutSpec, Step
 from tests.test_catalog_db import db_url, pg_url  # noqa: F401  (fixtures: a PostgreSQL server, a database)
 
 

@@ -83,7 +83,8 @@ class Workers:
 
     def start(self, lease_s: float = 30.0, concurrency: int = 16) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.log_dir, f"worker-{len(self.procs)}.log"), "ab")  # noqa: SIM115
-        p = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "rollout-worker", "--url", self.platform.url,
+        p = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", "rollout-worker", "--url",
+                              self.platform.url,
                               "--token", TOKEN, "--path", REPO, "--lease-s", str(lease_s), "--concurrency",
                               str(concurrency)], stdout=log, stderr=log, cwd=REPO, start_new_session=True)
         self.procs.append(p)
@@ -454,7 +455,7 @@ def test_preemption_pauses_and_resumes_the_job(client: dsec.Client, platform: Pl
     job = client.create_job(name)
     job.run(BUSYBOX)
     script = ("import asyncio, sys, dsec\n"
-              "from dsec.rl import Preemptible\n"
+              "from dsec.client.rl import Preemptible\n"
               "async def main():\n"
               f"    async with dsec.AsyncClient(url={platform.url!r}, token={TOKEN!r}) as c:\n"
               f"        async with Preemptible(c, {name!r}) as job:\n"

@@ -19,7 +19,7 @@ from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping, run_code, 
 from sandbox_fusion import config as sf_config
 
 import dsec
-from dsec.sandboxfusion.face import SandboxFusionFace
+from dsec.faces.sandboxfusion.face import SandboxFusionFace
 from tests.conftest import TOKEN, Platform
 
 HELLO = {  # each prints "hello <first line of stdin>"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import dsec
-from dsec.edge.rollback import MAX_SNAPSHOTS
+from dsec.node.edge.rollback import MAX_SNAPSHOTS
 from tests.conftest import TOKEN, Platform, own_platform
 
 BUSYBOX = dict(image="base/busybox", memory_limit_mb=128, cpu_cores_limit=1.0)

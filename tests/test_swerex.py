@@ -1,6 +1,6 @@
 """SWE-ReX's ``RemoteRuntime`` (PyPI swe-rex, unmodified) against dsec's SWE-ReX face,
 and mini-swe-agent's own agent loop (PyPI mini-swe-agent, its scripted model, no LLM)
-on ``dsec.integrations.mini_swe_agent.DsecEnvironment``: sessions, commands, files,
+on ``dsec.client.integrations.mini_swe_agent.DsecEnvironment``: sessions, commands, files,
 uploads, the errors SWE-ReX's client raises again, auth, and a full episode."""
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def test_mini_swe_agent_episode(platform: Platform, tmp_path: Path, monkeypatch:
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.models.test_models import DeterministicModel, make_output
 
-    from dsec.integrations.mini_swe_agent import DsecEnvironment
+    from dsec.client.integrations.mini_swe_agent import DsecEnvironment
 
     model = DeterministicModel(outputs=[
         make_output("make the file", [{"command": "mkdir -p /work && printf 'hello\\n' > /work/a.txt && echo made"}]),

@@ -1,4 +1,4 @@
-"""Mutual TLS on the apiserver -> edge wire (dsec.edge.remote.tls, issue 33 part 1): a
+"""Mutual TLS on the apiserver -> edge wire (dsec.shared.tls, issue 33 part 1): a
 real ``dsec edge serve`` and ``dsec apiserver`` run with ``--tls-cert --tls-key --ca``;
 sandboxes are made and used through them; peers without a certificate the cluster CA
 signed are refused at the handshake; certificates rotate (same CA, then a new one) while
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 import dsec
-from dsec.edge.remote import tls
+from dsec.shared import tls
 from tests.conftest import SECRET, TOKEN, Cluster, own_cluster
 
 
@@ -134,7 +134,7 @@ def test_daemon_tls_options_are_all_or_none(tmp_path: os.PathLike[str]) -> None:
     key = os.path.join(str(tmp_path), "cluster.key")
     with open(key, "w") as f:
         f.write(SECRET)
-    cli = [sys.executable, "-m", "dsec.cli.main"]
+    cli = [sys.executable, "-m", "dsec.client.cli.main"]
     r = subprocess.run([*cli, "apiserver", "--edges", "n1=https://127.0.0.1:1", "--secret-file", key,
                         "--tls-cert", key], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tls-key" in r.stderr, r.stderr
@@ -147,7 +147,7 @@ def test_daemon_tls_options_are_all_or_none(tmp_path: os.PathLike[str]) -> None:
 
 
 def test_an_https_edge_needs_a_client_certificate() -> None:
-    from dsec.edge.remote.client import remote_edge
+    from dsec.node.edge.remote.client import remote_edge
 
     with pytest.raises(ValueError, match="tls-cert"):
         remote_edge("n1", "https://127.0.0.1:1", SECRET)
@@ -157,10 +157,10 @@ def test_the_cluster_ca_lives_in_the_registry_and_a_new_one_is_trusted_beside_th
         tmp_path: os.PathLike[str]) -> None:
     from cryptography import x509
 
-    from dsec.cluster import certs
-    from dsec.meta import open_db
-    from dsec.meta.db import sqlite_url
-    from dsec.meta.registry import Registry
+    from dsec.control.cluster import certs
+    from dsec.shared.meta import open_db
+    from dsec.shared.meta.db import sqlite_url
+    from dsec.shared.meta.registry import Registry
 
     root = str(tmp_path)
     registry = Registry(open_db(sqlite_url(root)))

@@ -46,7 +46,7 @@ def test_expiry_revocation_and_events(platform: Platform) -> None:
 
 
 def test_cli_ttl(platform: Platform) -> None:
-    base = [sys.executable, "-m", "dsec.cli.main", "token"]
+    base = [sys.executable, "-m", "dsec.client.cli.main", "token"]
     auth = ["--url", platform.url, "--token", TOKEN]
     r = subprocess.run([*base, "create", "tok-cli", "--ttl", "30d", *auth], capture_output=True, text=True, check=True)
     info = json.loads(r.stdout)

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from conftest import TOKEN, Platform
 
 import dsec
-from dsec.cli.top import CpuRates, cpu_pct
-from dsec.wire.models import SandboxInfo, SandboxUsage
+from dsec.client.cli.top import CpuRates, cpu_pct
+from dsec.shared.wire.models import SandboxInfo, SandboxUsage
 
 BUSY = "timeout 30 sh -c 'while :; do :; done'; true"
 
@@ -37,7 +37,7 @@ def _env(platform: Platform, **extra: str) -> dict[str, str]:
 
 
 async def _cli(*args: str, env: dict[str, str], timeout: float = 30) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dsec.cli.main", "top", *args, env=env,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dsec.client.cli.main", "top", *args, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
@@ -167,7 +167,7 @@ def _top_in_a_terminal(env: dict[str, str], frames: int, before_sigint: Callable
     take Ctrl-C all the same."""
     fd, tty = pty.openpty()
     fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "top", "--interval", "0.5"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", "top", "--interval", "0.5"], env=env,
                             stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     os.close(tty)
@@ -242,7 +242,7 @@ def _ctrl_c(argv: list[str], env: dict[str, str], ready: Callable[[subprocess.Po
     """``dsec ARGV`` started with SIGINT ignored (as a script's background job is), Ctrl-C
     once ``ready`` returns: its exit code (None: still running 10 s later), how long it
     took to go, what it wrote to stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", *argv], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         ready(proc)

@@ -24,7 +24,7 @@ from aiohttp import web
 from conftest import TOKEN, Cluster, Platform, stop_all
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from dsec import tracing
+from dsec.shared import tracing
 
 
 @dataclass
@@ -162,7 +162,7 @@ def check_create_trace(c: Collector, server_service: str, edge_service: str) -> 
     assert server.attrs["http.response.status_code"] == 201
     choose = c.one("placement.choose", client.trace)
     assert choose.parent == server.id and choose.attrs["dsec.edge"]
-    assert choose.attrs["dsec.candidates"] == 1 and choose.attrs["dsec.sampled"] == 1  # placement/engine.py
+    assert choose.attrs["dsec.candidates"] == 1 and choose.attrs["dsec.sampled"] == 1  # control/placement/engine.py
     for step in ("backend.prepare", "layers.mount", "rootfs.mount", "backend.start", "crun.run", "agent.attach"):
         s = c.one(step, client.trace)
         assert s.service == edge_service, (step, s.service)
@@ -309,8 +309,8 @@ def test_the_default_platform_configures_no_exporter(platform: Platform) -> None
 def test_a_cluster_gives_its_daemons_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
     """`dsec cluster up`'s tracing variables reach each edge daemon and replica Ray starts
     (under the node's own), except the service name: each daemon names itself."""
-    from dsec.cluster.actors import _tracing_env
-    from dsec.cluster.config import ClusterConfig
+    from dsec.control.cluster.actors import _tracing_env
+    from dsec.control.cluster.config import ClusterConfig
     for var in [v for v in os.environ if v.startswith("OTEL_")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")

@@ -99,7 +99,7 @@ async def test_microvm_cold_boot_with_a_toolkit_layer(platform: Platform, client
     os.makedirs(os.path.join(src, "opt", "tool"))
     with open(os.path.join(src, "opt", "tool", "run.sh"), "w") as f:
         f.write("echo tool-v1\n")
-    await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.cli.main", "layer", "import-dir", src,
+    await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dsec.client.cli.main", "layer", "import-dir", src,
                                              "tk/vmtool:v1", "--data-dir", platform.data_dir],
                             check=True, capture_output=True)
     vm = await client.run_microvm(dsec.MicroVMArgs(image="base/debian:12", layers=["tk/vmtool:v1"],
@@ -328,7 +328,7 @@ async def test_vm_bad_input(platform: Platform, client: dsec.AsyncClient) -> Non
 
 
 def test_node_info_reports_the_accelerator(platform: Platform) -> None:
-    out = subprocess.run([sys.executable, "-m", "dsec.cli.main", "node", "info", "--json", "--url", platform.url,
+    out = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "node", "info", "--json", "--url", platform.url,
                           "--token", TOKEN], check=True, capture_output=True, text=True).stdout
     (node,) = json.loads(out)
     assert node["vm"]["accelerator"] == _accel(platform)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 
-from dsec.rl import Grader
-from dsec.rollouts import RolloutContext
+from dsec.client.rl import Grader
+from dsec.client.rollouts import RolloutContext
 from examples.grpo.tasks import TaskDef, task_by_name, to_task
 
 ANSWER = re.compile(r"APPLY\s+(\d+)")

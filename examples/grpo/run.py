@@ -61,7 +61,8 @@ def main() -> int:
     a.job = f"grpo-{a.run}"
     a.state_dir = a.state_dir or tempfile.mkdtemp(prefix=f"grpo-{a.run}-")
     deadline = time.monotonic() + a.timeout
-    worker = subprocess.Popen([sys.executable, "-m", "dsec.cli.main", "rollout-worker", *_common(a), "--path", REPO,
+    worker = subprocess.Popen([sys.executable, "-m", "dsec.client.cli.main", "rollout-worker", *_common(a), "--path",
+                               REPO,
                                "--concurrency", str(a.concurrency), "--log-level", "warning"],
                               cwd=REPO, start_new_session=True)
     starts, interruptions = 0, []

@@ -3,7 +3,7 @@
 This module owns the task definitions (:class:`TaskDef`, :data:`TASKS`, :data:`CI_TASKS`),
 fetching the packages' sources (:func:`fetch_sources`), building one workspace layer per
 task on a dsec platform (:func:`build_task_layers`) and turning a definition plus its layer
-into a gradable :class:`dsec.rl.Task` (:func:`to_task`).
+into a gradable :class:`dsec.client.rl.Task` (:func:`to_task`).
 
 Each task is one package's importable source, unpacked from its sdist, with one snippet of
 one file replaced by a buggy variant; its hidden tests pass on the original and fail on the
@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import dsec
-from dsec.rl import Task
+from dsec.client.rl import Task
 
 IMAGE = "base/debian:12"
 WORKSPACE = "/work"

@@ -5,7 +5,7 @@ snapshot to dsec's rollout service (keys ``<run>/s<step>/<task>/<i>``, so a rest
 trainer resubmitting a step gets the same rollouts back, finished or not), collects them
 by id, masks out rollouts the platform failed (``failure == "infra"``), computes
 group-relative advantages, updates the policy, and checkpoints (policy, step, reward curve)
-before the next step. It runs under :class:`dsec.rl.Preemptible`: SIGTERM pauses the job
+before the next step. It runs under :class:`dsec.client.rl.Preemptible`: SIGTERM pauses the job
 (its sandboxes and the workers' steps hold), the next trainer resumes it.
 
 The policy is served at ``--policy-port`` as an OpenAI-compatible endpoint (the toy in
@@ -26,7 +26,7 @@ import time
 import zlib
 
 import dsec
-from dsec.rl import Preemptible
+from dsec.client.rl import Preemptible
 from examples.grpo.policy import Policy, serve
 from examples.grpo.tasks import CI_TASKS, TASKS, build_task_layers, task_by_name
 

@@ -1,6 +1,18 @@
 """dsec: elastic sandboxes for agentic RL training and evaluation."""
 
-from dsec.errors import (
+from dsec.client.sdk import (
+    AsyncBatch,
+    AsyncClient,
+    AsyncJob,
+    AsyncRollouts,
+    AsyncSandbox,
+    Batch,
+    Client,
+    Job,
+    Rollouts,
+    Sandbox,
+)
+from dsec.shared.errors import (
     AdmissionRejected,
     CommandForgotten,
     DeadlineExceeded,
@@ -29,24 +41,12 @@ from dsec.errors import (
     SnapshotLimit,
     Unauthorized,
 )
-from dsec.sdk import (
-    AsyncBatch,
-    AsyncClient,
-    AsyncJob,
-    AsyncRollouts,
-    AsyncSandbox,
-    Batch,
-    Client,
-    Job,
-    Rollouts,
-    Sandbox,
-)
-from dsec.wire.batches import BatchCounts, BatchInfo, BatchItem, BatchRequest
-from dsec.wire.fleet import CheckpointInfo, DrainReport, FleetEvent
-from dsec.wire.iam import ProjectInfo, ProjectQuota, Usage
-from dsec.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
-from dsec.wire.layers import Layer
-from dsec.wire.models import (
+from dsec.shared.wire.batches import BatchCounts, BatchInfo, BatchItem, BatchRequest
+from dsec.shared.wire.fleet import CheckpointInfo, DrainReport, FleetEvent
+from dsec.shared.wire.iam import ProjectInfo, ProjectQuota, Usage
+from dsec.shared.wire.jobs import JobAction, JobInfo, JobQuota, JobStatus
+from dsec.shared.wire.layers import Layer
+from dsec.shared.wire.models import (
     CommandRecord,
     ContainerArgs,
     ExecEvent,
@@ -63,8 +63,8 @@ from dsec.wire.models import (
     VMArgs,
     VMInfo,
 )
-from dsec.wire.rollouts import Inference, RolloutCounts, RolloutInfo, RolloutSpec, Step
-from dsec.wire.snapshots import RollbackResult, SandboxSnapshot
+from dsec.shared.wire.rollouts import Inference, RolloutCounts, RolloutInfo, RolloutSpec, Step
+from dsec.shared.wire.snapshots import RollbackResult, SandboxSnapshot
 
 __all__ = [
     "CheckpointInfo", "DrainReport", "FleetEvent",

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import dsec
-from dsec.cli.servers import SHUTDOWN_GRACE_S
-from dsec.faults import POINTS
+from dsec.client.cli.servers import SHUTDOWN_GRACE_S
+from dsec.shared.faults import POINTS
 from tests.conftest import TOKEN, Platform, leftovers, own_platform, sandbox_dir, wait_for
 from tests.faults.conftest import Probe, stop_within_bound
 

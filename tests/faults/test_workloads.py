@@ -10,7 +10,7 @@ import time
 import pytest
 
 import dsec
-from dsec.wire.models import SandboxEvent
+from dsec.shared.wire.models import SandboxEvent
 from tests.conftest import TOKEN, Platform
 from tests.faults.conftest import Probe, stop_within_bound
 

@@ -28,9 +28,9 @@ import websockets.exceptions
 from conftest import TOKEN, Platform
 
 import dsec
-from dsec.cli.servers import _no_signatures
-from dsec.edge.interactive import MAX_STREAMS_PER_SANDBOX, StreamSlots
-from dsec.edge.network.nft import LibNft
+from dsec.client.cli.servers import _no_signatures
+from dsec.node.edge.interactive import MAX_STREAMS_PER_SANDBOX, StreamSlots
+from dsec.node.edge.network.nft import LibNft
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -1,4 +1,0 @@
-"""The web console and the fleet's at-a-glance views (docs/console.md): the sandbox query
-every edge answers (query), the fleet's recent history the apiserver samples (series),
-browser sessions exchanged for a token (session), and the single-page app it serves
-(web, with its static files in console/static)."""

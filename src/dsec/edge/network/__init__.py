@@ -1,6 +1,0 @@
-"""Sandbox networking: routed veths, egress rules in nftables, a resolver and an egress
-gate that admit allowed service names. See docs/network.md."""
-
-from dsec.edge.network.manager import NetworkManager
-
-__all__ = ["NetworkManager"]
