@@ -13,6 +13,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 import dsec
@@ -115,6 +116,15 @@ def test_a_project_layer_is_its_subtrees_and_hidden_from_others(tree: Tree) -> N
     with pytest.raises(dsec.NotFound) as e:
         b_runner.run_container(dsec.ContainerArgs(**SMALL, layers=[ref]))  # type: ignore[arg-type]
     assert e.value.field == "layers[0]" and e.value.message == f"unknown layer {ref!r}"
+    # an FnCall names layers too: through dsec's route and SandboxFusion's face alike
+    with pytest.raises(dsec.NotFound) as e:
+        b_runner.fncall(dsec.FnCallArgs(language="python", code="print(1)", layers=[ref]))
+    assert e.value.field == "layers[0]"
+    r = httpx.post(f"{tree.url}/sandboxfusion/{b_runner.token}/run_code", timeout=120,
+                   json={"code": "print(open('/work/marker').read())", "language": "python", "layers": [ref]})
+    # (the face puts the language's own layers first: python's scientific set)
+    assert r.status_code == 404, r.text
+    assert (r.json()["field"], r.json()["message"]) == ("layers[1]", f"unknown layer {ref!r}")
     with pytest.raises(dsec.NotFound) as e:  # a batch is checked when it is submitted
         b_runner.create_many(dsec.ContainerArgs(**SMALL, layers=[ref]), 2, None)  # type: ignore[arg-type]
     assert e.value.field == "layers[0]"

@@ -88,6 +88,11 @@ def test_rollback_brings_files_back_and_kills_later_processes(platform: Platform
     mounts = sb.exec("cat /proc/mounts").stdout
     for mp in (" / overlay", " /proc proc", " /dev tmpfs", " /sys sysfs", " /dev/pts devpts"):
         assert mp in mounts, (mp, mounts)
+    # the new root is a private mount: what sits on it stays in the sandbox's mount namespace
+    # and shows nowhere in the host's (a clone of a shared host mount would propagate)
+    with open("/proc/self/mountinfo") as f:
+        host = [line.split()[4] for line in f if sb.sandbox_id in line]
+    assert not [m for m in host if m.endswith(("/rootfs/proc", "/rootfs/dev", "/rootfs/sys"))], host
     assert [s.name for s in sb.snapshots()] == ["snap-1"]
 
 
@@ -101,7 +106,7 @@ def test_snapshots_are_listed_dropped_and_named(sb: dsec.Sandbox) -> None:
     with pytest.raises(dsec.InvalidRequest) as e:
         sb.snapshot("base")  # names are unique per sandbox
     assert e.value.field == "name"
-    for bad in ("../x", ".hidden", "a" * 65, "a/b"):
+    for bad in ("../x", ".hidden", "a" * 65, "a/b", "a.json", "x\n"):  # a.json: the file beside each one
         with pytest.raises(dsec.InvalidRequest) as e:
             sb.snapshot(bad)
         assert e.value.field == "name", bad

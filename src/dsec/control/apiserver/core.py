@@ -412,7 +412,10 @@ class Apiserver:
         raise last
 
     async def fncall(self, args: FnCallArgs) -> FnCallResult:
-        """An FnCall on the edge for its image, as the calling project's (its ``tenant``)."""
+        """An FnCall on the edge for its image, as the calling project's (its ``tenant``).
+        Its image and layers are checked here, whatever face it came through: another
+        project's hidden layer is unknown to the caller."""
+        await self.check_refs(args.image, args.layers)
         args = args.model_copy(update={"tenant": acting_project(None)})
         tried: set[str] = set()
         while True:

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import time
 
 from dsec.node.edge.core import EdgeCore
@@ -40,7 +41,7 @@ from dsec.node.host.linux import unmount_all
 from dsec.node.host.volume import SandboxVolume
 from dsec.shared.errors import InvalidRequest, NotFound, NotSupported, SandboxError, SandboxNotRunning, SnapshotLimit
 from dsec.shared.wire.models import ContainerArgs, SandboxState
-from dsec.shared.wire.snapshots import SNAPSHOT_NAME, RollbackResult, SandboxSnapshot
+from dsec.shared.wire.snapshots import RollbackResult, SandboxSnapshot, valid_snapshot_name
 
 log = logging.getLogger("dsec.edge")
 
@@ -65,11 +66,16 @@ def drop_all(volume: SandboxVolume, sandbox_id: str) -> int:
     for attempt in range(3):  # a spare copy being made as the sandbox ended lands meanwhile
         for entry in os.listdir(d):
             path = os.path.join(d, entry)
-            if entry.endswith(".json"):
-                os.unlink(path)
-            else:
-                volume.remove(path)
-                n += not entry.startswith(".")
+            try:  # by what it is, not by its name; one that will not go does not keep the rest
+                if volume.is_subvolume(path):
+                    volume.remove(path)
+                    n += not entry.startswith(".")
+                elif os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError as e:
+                log.warning("snapshots of %s: %s not removed: %s", sandbox_id, entry, e)
         try:
             os.rmdir(d)
             break
@@ -174,10 +180,10 @@ class InplaceSnapshots(EdgeCore):
 
     @staticmethod
     def _check_name(name: str) -> str:
-        if not re.match(SNAPSHOT_NAME, name):
-            raise InvalidRequest(f"snapshot name {name!r}: letters, digits, '.', '_' and '-', 1 to 64, not "
-                                 "starting with '.', '_' or '-'", field="name")
-        return name
+        try:
+            return valid_snapshot_name(name)
+        except ValueError as e:
+            raise InvalidRequest(str(e), field="name") from None
 
     def _read_snapshots(self, sandbox_id: str) -> list[SandboxSnapshot]:
         d = self._inplace_dir(sandbox_id)
@@ -366,10 +372,15 @@ class InplaceSnapshots(EdgeCore):
                     raise
                 info.state = SandboxState.running
                 raise
-            info.state = SandboxState.running
+            # still read as paused: a command arriving now waits for the lock, so it neither
+            # runs in a session about to restart nor has its record cut from the log
             t = time.perf_counter()
-            sessions = await self._restart_sessions(sb, snap)
-            dropped = await self._cut_command_log(sb, snap)
+            try:
+                sessions = await self._restart_sessions(sb, snap)
+                dropped = await self._cut_command_log(sb, snap)
+            finally:
+                if not sb.stopping:
+                    info.state = SandboxState.running
             steps["sessions_and_log"] = round((time.perf_counter() - t) * 1e3, 3)
         ms = (time.perf_counter() - t_start) * 1e3
         self._make_spare(sb, snapshot)
@@ -419,15 +430,19 @@ class InplaceSnapshots(EdgeCore):
             raise
         await self.containers.thaw(sb)
         frozen_ms = (time.perf_counter() - t0) * 1e3
-        await asyncio.to_thread(self.containers.workload_gone, sb, KILL_TIMEOUT_S)
-        lap("killed")
-        old = await asyncio.to_thread(self._take_place, sb, fresh)
-        lap("swap")
-        # the old root is detached (nothing of the sandbox reaches it): unmounted and destroyed
-        # off the rollback's path, which need not wait for btrfs to let go of it
-        task = asyncio.create_task(asyncio.to_thread(self._discard, old))
-        _DISCARDS.add(task)
-        task.add_done_callback(_DISCARDS.discard)
+        try:
+            await asyncio.to_thread(self.containers.workload_gone, sb, KILL_TIMEOUT_S)
+            lap("killed")
+        finally:
+            # the container runs on the copy from here whatever happens (a process slow to
+            # die, a cancel): its directory, quota and disk must follow it (a few renames)
+            old = self._take_place(sb, fresh)
+            lap("swap")
+            # the old root is detached (nothing of the sandbox reaches it): unmounted and
+            # destroyed off the rollback's path, which need not wait for btrfs to let go of it
+            task = asyncio.create_task(asyncio.to_thread(self._discard, old))
+            _DISCARDS.add(task)
+            task.add_done_callback(_DISCARDS.discard)
         return killed, frozen_ms
 
     def _mount_copy(self, sb: Sandbox, fresh: str, lowers: list[str]) -> None:

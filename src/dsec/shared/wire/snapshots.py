@@ -3,13 +3,24 @@ container's files taken in milliseconds on its own edge, and the rollback to one
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
-# a snapshot's name: also its subvolume's name on the edge, so no slash and nothing odd
-SNAPSHOT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-SnapshotName = Annotated[str, Field(pattern=SNAPSHOT_NAME, description="letters, digits, '.', '_', '-'; 1-64")]
+# a snapshot's name: also its subvolume's name on the edge, so no slash and nothing odd; and
+# not NAME.json, the name of the file beside each snapshot
+SNAPSHOT_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+NAME_RULE = "letters, digits, '.', '_' and '-', 1 to 64, not starting with '.', '_' or '-', not ending in '.json'"
+
+
+def valid_snapshot_name(name: str) -> str:
+    if not re.fullmatch(SNAPSHOT_NAME, name) or name.endswith(".json"):
+        raise ValueError(f"snapshot name {name!r}: {NAME_RULE}")
+    return name
+
+
+SnapshotName = Annotated[str, AfterValidator(valid_snapshot_name), Field(description=NAME_RULE)]
 
 
 class SnapshotRequest(BaseModel):

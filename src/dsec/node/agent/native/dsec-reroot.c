@@ -107,10 +107,11 @@ int main(int argc, char **argv) {
 
     int tree = (int)syscall(SYS_open_tree, AT_FDCWD, new_root, OPEN_TREE_CLONE | O_CLOEXEC);
     if (tree < 0) return fail("open_tree NEW_ROOT");
-    if (readonly) {
-        struct mount_attr_s a = { MOUNT_ATTR_RDONLY, 0, 0, 0 };
-        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &a, sizeof a) < 0) return fail("make it read-only");
-    }
+    /* a clone of a shared host mount joins its peer group: private, so nothing mounted on the
+     * sandbox's new root shows on the host and nothing the host mounts there reaches the sandbox */
+    struct mount_attr_s a = { readonly ? MOUNT_ATTR_RDONLY : 0, 0, MS_PRIVATE, 0 };
+    if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &a, sizeof a) < 0)
+        return fail("make it private");
     snprintf(path, sizeof path, "/proc/%s/root", pid);
     int rootfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (rootfd < 0) return fail("open init's root");
