@@ -286,7 +286,7 @@ def test_off_unless_an_endpoint_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
 OFF_SCRIPT = textwrap.dedent("""
     import threading
     from opentelemetry import trace
-    from dsec import tracing
+    from dsec.shared import tracing
     assert not tracing.setup("dsec-serve")
     assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"  # the API's no-op
     assert not [t.name for t in threading.enumerate() if t.name.startswith("Otel")]
