@@ -48,7 +48,7 @@ BUDGET: list[tuple[str, float]] = [
     ("        rootfs.mount", 0.5),
     ("      backend.start", 11.0),
     ("        crun.run", 9.0),  # crun run -d by itself, measured outside dsec: 8-9 ms
-    ("        agent.attach", 1.0),
+    ("        agent.attach", 1.5),
     ("    quota.bind", 0.5),
     ("exec", 1.5),
     ("  edge.exec", 1.0),
