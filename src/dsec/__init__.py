@@ -14,6 +14,7 @@ from dsec.client.sdk import (
 )
 from dsec.shared.errors import (
     AdmissionRejected,
+    BranchUnsupported,
     CommandForgotten,
     DeadlineExceeded,
     DsecError,
@@ -64,7 +65,7 @@ from dsec.shared.wire.models import (
     VMInfo,
 )
 from dsec.shared.wire.rollouts import Inference, RolloutCounts, RolloutInfo, RolloutSpec, Step
-from dsec.shared.wire.snapshots import RollbackResult, SandboxSnapshot
+from dsec.shared.wire.snapshots import BranchRequest, RollbackResult, SandboxSnapshot
 
 __all__ = [
     "CheckpointInfo", "DrainReport", "FleetEvent",
@@ -80,4 +81,5 @@ __all__ = [
     "MetadataUnavailable", "RateLimited", "RequestTimeout",
     "AsyncRollouts", "Inference", "RolloutCounts", "RolloutInfo", "RolloutSpec", "Rollouts", "Step",
     "NotSupported", "RollbackResult", "SandboxSnapshot", "SnapshotLimit",
+    "BranchUnsupported", "BranchRequest",
 ]

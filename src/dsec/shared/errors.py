@@ -207,6 +207,19 @@ class NotSupported(DsecError):
         return False
 
 
+class BranchUnsupported(SandboxError):
+    """A live branch (``Sandbox.branch``) of this sandbox cannot be taken here, and the
+    message says exactly why (a container with no CRIU on its node, a hollow sandbox): the
+    request asked for what this sandbox cannot do, so it is the caller's (409, not infra)."""
+
+    status = 409
+    code = "branch_unsupported"
+
+    @property
+    def infra(self) -> bool:
+        return False
+
+
 class SnapshotLimit(DsecError):
     """A sandbox holds as many in-place snapshots as it may, or its snapshots hold its
     disk quota: drop one first."""
@@ -255,6 +268,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         SandboxBusy,
         LayerInUse,
         NotSupported,
+        BranchUnsupported,
         SnapshotLimit,
         PayloadTooLarge,
         AdmissionRejected,

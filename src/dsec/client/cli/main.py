@@ -467,9 +467,10 @@ from dsec.client.cli.top import top  # noqa: E402
 
 app.add_typer(node_app, name="node")
 app.add_typer(checkpoint_app, name="checkpoint")
-from dsec.client.cli.snapshots import snapshot_app  # noqa: E402
+from dsec.client.cli.snapshots import branch, snapshot_app  # noqa: E402
 
 app.add_typer(snapshot_app, name="snapshot")
+app.command("branch")(branch)
 app.command("move")(move)
 app.command("restore")(restore)
 node_app.command("drain")(drain)

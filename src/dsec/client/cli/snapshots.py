@@ -1,5 +1,6 @@
 """``dsec snapshot take | list | drop | rollback`` (docs/snapshots.md): a running
-container's in-place snapshots on its edge, and the rollback to one."""
+container's in-place snapshots on its edge, and the rollback to one; ``dsec branch``: the
+live branch of a running sandbox into new ones."""
 
 from __future__ import annotations
 
@@ -70,3 +71,16 @@ def rollback(sandbox_id: str, name: str, url: UrlOpt = None, token: TokenOpt = N
         console.print(f"{sandbox_id} rolled back to {name} in {res.rollback_ms:.1f} ms: {res.killed} processes "
                       f"killed, sessions restarted: {', '.join(res.sessions) or 'none'}, "
                       f"{res.commands_dropped} command records dropped")
+
+
+def branch(sandbox_id: str, n: Annotated[int, typer.Option("-n", "--n", help="how many children (1-16)")] = 1,
+           url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """Live-branch running SANDBOX_ID into N new sandboxes that continue from its state,
+    processes included (microVMs and VMs); it runs on."""
+    with _errors(), Client(url=url, token=token) as c:
+        children = c.connect(sandbox_id).branch(n)
+    if as_json:
+        print(json.dumps([ch.info.model_dump(mode="json") for ch in children], indent=1))
+    else:
+        for ch in children:
+            console.print(ch.sandbox_id)

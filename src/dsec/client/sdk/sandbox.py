@@ -219,6 +219,15 @@ class AsyncSandbox:
         return RollbackResult.model_validate(await self._client._json(
             "POST", f"{self._base}/rollback", json={"snapshot": name}, timeout=timeout))
 
+    async def branch(self, n: int = 1, *, timeout: float = 600.0) -> builtins.list[AsyncSandbox]:
+        """Live branch: ``n`` new sandboxes that continue from this one's running state,
+        its processes and memory included, each with its own id, hostname, clock and
+        entropy, limits and labels as this one's, and a copy of its command log; this one
+        runs on (paused for the moment of the capture). MicroVMs and VMs; a container
+        raises :class:`~dsec.BranchUnsupported` (docs/snapshots.md, "Live branch")."""
+        data = await self._client._json("POST", f"{self._base}/branch", json={"n": n}, timeout=timeout)
+        return [AsyncSandbox(self._client, SandboxInfo.model_validate(x)) for x in data]
+
     async def move(self, *, timeout: float = 330.0) -> SandboxInfo:
         """Move it to another edge (cluster admins): paused, checkpointed, restored there
         under the same id, its processes restarted; its files and command log come along."""

@@ -160,6 +160,11 @@ class Sandbox(_Face):
     def __repr__(self) -> str:
         return f"<Sandbox {self.sandbox_id} {self.info.state.value}>"
 
+    def _wrap(self, x: Any) -> Any:  # a live branch's children: sync handles too
+        if isinstance(x, list):
+            return [self._wrap(i) for i in x]
+        return Sandbox(self._portal, x) if isinstance(x, AsyncSandbox) else x
+
     refresh = _blocking(AsyncSandbox.refresh)
     exec = _blocking(AsyncSandbox.exec)
     run_shell = _blocking(AsyncSandbox.run_shell)
@@ -179,6 +184,7 @@ class Sandbox(_Face):
     snapshots = _blocking(AsyncSandbox.snapshots)
     drop_snapshot = _blocking(AsyncSandbox.drop_snapshot)
     rollback = _blocking(AsyncSandbox.rollback)
+    branch = _to_sandboxes(AsyncSandbox.branch)
     move = _blocking(AsyncSandbox.move)
     restore = _blocking(AsyncSandbox.restore)
     events = _blocking(AsyncSandbox.events)

@@ -234,6 +234,11 @@ class Apiserver:
         except BaseException:  # not made (or not known to be: then the sweep adopts it later)
             await self.blocks.release(hold)
             raise
+        await self._made(hold, info)
+        return info
+
+    async def _made(self, hold: str, info: SandboxInfo) -> None:
+        """A sandbox made under ``hold``: its quota bound to it, and the cluster's index told."""
         project_of_new = info.labels.get(PROJECT_LABEL, "default")
         # on one database (a cluster's), the index row is written in the bind's own transaction
         joint = self.index is not None and self.index.db is self.quotas.db
@@ -252,7 +257,6 @@ class Apiserver:
                     await asyncio.to_thread(self.index.index_put, info, project_of_new)
             except Exception as e:  # the sandbox exists: it only goes unreported should its node be lost
                 log.warning("sandbox %s not indexed: %s", info.sandbox_id, e)
-        return info
 
     def _later(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -469,6 +473,42 @@ class Apiserver:
             err = failed[0]
             raise err if isinstance(err, DsecError) else SandboxError(f"fork failed: {err}")
         return made
+
+    async def branch(self, sandbox_id: str, n: int) -> list[SandboxInfo]:
+        """``n`` live branches of a running sandbox (docs/snapshots.md), made on its own edge
+        (the capture of its memory is there; on another edge it would first have to go
+        through the shared store). The children are the parent's project's and job's, with
+        its labels and limits: each is admitted against the project's and the job's quotas
+        as a create is, all ``n`` before the edge is asked, and counted once made."""
+        edge = self.edge_for(sandbox_id)
+        parent = await edge.get(sandbox_id)  # (another project's token never gets here: 404)
+        project, job = parent.labels.get(PROJECT_LABEL, "default"), parent.job
+        rec = await ride_through(lambda: asyncio.to_thread(self.job_store.get, project, job)) \
+            if job is not None else None
+        if rec is not None:
+            await self.jobs.pace(rec, n)
+        disk = parent.disk_limit_mb or (parent.vm.disk_mb if parent.vm else None)
+        need = Need.of(parent.cpu_cores_limit, parent.memory_limit_mb, disk)
+        holds: list[str] = []
+        children: list[SandboxInfo] = []
+        try:
+            with tracing.span("quota.admit", project=project, n=n):
+                for _ in range(n):
+                    holds.append(await ride_through(lambda: self.blocks.admit(project, job, need)))
+            async with contextlib.AsyncExitStack() as admitted:
+                gates = [await admitted.enter_async_context(self.jobs.admit(
+                    project, job, parent.cpu_cores_limit, parent.memory_limit_mb, rec)) for _ in range(n)] \
+                    if job is not None else []
+                with tracing.span("edge.branch", edge=parent.edge, n=n):
+                    children = await edge.branch(sandbox_id, n)
+                for gate, child in zip(gates, children, strict=False):
+                    gate.made(child)
+        except BaseException:
+            await asyncio.gather(*(self.blocks.release(h) for h in holds), return_exceptions=True)
+            raise
+        for hold, child in zip(holds, children, strict=True):
+            await self._made(hold, child)
+        return children
 
     async def publish(self, sandbox_id: str, ref: str, *, scrub_paths: builtins.list[str] | None = None,
                       default_scrub: bool = True, source: str | None = None, visibility: str | None = None

@@ -156,6 +156,17 @@ class SandboxRuntime(Protocol):
         """Running again; returns what was done and, where its agent must be bound anew
         (paused across an edge restart), the link; raises :class:`SandboxLost` if it cannot be."""
 
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        """Capture the running sandbox (memory, processes, devices, and its disk at the same
+        instant) into files under ``work`` while it runs on (a brief pause at most); returns
+        the ``restore`` that :meth:`prepare` and :meth:`launch` start a child from (a live
+        branch: dsec.node.edge.branching). Raises
+        :class:`~dsec.shared.errors.BranchUnsupported` saying why where it cannot."""
+
+    async def released(self, restore: dict[str, str]) -> None:
+        """The children of a :meth:`branch_image` are made (or failed): drop what of its files
+        they do not hold themselves."""
+
     async def kill(self, sb: Sandbox) -> None:
         """Every process of it gone, without asking it (the first step of every teardown)."""
 

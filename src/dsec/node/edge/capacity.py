@@ -67,6 +67,19 @@ class Capacity(EdgeCore):
         if (why := refusal(room, args)) is not None:
             raise AdmissionRejected(f"edge {self.name} {why.message}", field=why.field)
 
+    def _admit_many(self, args: ContainerArgs | MicroVMArgs | VMArgs, n: int) -> None:
+        """Room for ``n`` sandboxes of ``args`` at once (a live branch's children), or the
+        refusal naming what is short; each is still admitted as it is made."""
+        self._admit(args)
+        if n > 1:
+            cpu, mem, count = self.held.totals()
+            more = n - 1
+            room = Room(self.cpus, self.cfg.cpu_overcommit, self.memory_mb, self.cfg.memory_overcommit,
+                        self.cfg.max_sandboxes, cpu + args.cpu_admitted * more, mem + args.memory_admitted_mb * more,
+                        count + more)
+            if (why := refusal(room, args)) is not None:
+                raise AdmissionRejected(f"edge {self.name} {why.message} (for {n} sandboxes at once)", field=why.field)
+
     async def stats(self) -> NodeStats:
         cpu, mem, n = self.held.totals()
         return NodeStats(

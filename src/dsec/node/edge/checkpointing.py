@@ -433,7 +433,7 @@ class Checkpointing(EdgeCore):
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
                       restored_from: str | None = None, base: list[str] | None = None,
-                      restore: dict[str, str] | None = None) -> SandboxInfo:
+                      restore: dict[str, str] | None = None, branched_from: str | None = None) -> SandboxInfo:
         raise NotImplementedError
 
 

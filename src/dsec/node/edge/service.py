@@ -33,6 +33,7 @@ from dsec.node.agent.watch import ensure_instances as ensure_inotify_instances
 from dsec.node.backends.api import Display, InitLink, SandboxLost, SandboxRuntime
 from dsec.node.checkpoints.store import CheckpointStore
 from dsec.node.edge.auditing import Auditing
+from dsec.node.edge.branching import Brancher
 from dsec.node.edge.capacity import Capacity
 from dsec.node.edge.checkpointing import Checkpointing
 from dsec.node.edge.config import EdgeConfig
@@ -102,6 +103,10 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
         self._init_checkpoints(CheckpointStore(meta or open_db(sqlite_url(cfg.data_dir)), layers))
         if meta is not None:  # a cluster's edge: its sandboxes walled off from the cluster's services
             self.network.use_cluster(Registry(meta), cfg.name)
+        self.brancher = Brancher(
+            running=lambda sid: self._running(sid)[0], backend_of=self.backend_of, admit=self._admit_many,
+            create=self._create, stop=self.stop, cmdlog=self.cmdlog, on_event=self.on_event,
+            work_dir=os.path.join(os.path.dirname(self.sandbox_root), "branches"))
 
     # ---- lifecycle of the edge itself ---------------------------------------
     async def start(self) -> None:
@@ -199,13 +204,18 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
     async def create(self, args: ContainerArgs | MicroVMArgs | VMArgs) -> SandboxInfo:
         return await self._create(args)
 
+    async def branch(self, sandbox_id: str, n: int = 1) -> list[SandboxInfo]:
+        """``n`` live branches of a running sandbox (dsec.node.edge.branching)."""
+        return await self.brancher.branch(sandbox_id, n)
+
     async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
                       extra: list[str] | None = None, origin: SandboxInfo | None = None,
                       restored_from: str | None = None, base: list[str] | None = None,
-                      restore: dict[str, str] | None = None) -> SandboxInfo:
+                      restore: dict[str, str] | None = None, branched_from: str | None = None) -> SandboxInfo:
         """A new sandbox, or (``sandbox_id`` given) one restored here from a checkpoint: the
         ``extra`` blobs stacked over its layers (``base``: their blobs as recorded then), its
-        creation time and lifetime those of ``origin``."""
+        creation time and lifetime those of ``origin``. ``branched_from``: a live branch's
+        child, started from ``restore`` (a branch image of that sandbox)."""
         t0 = time.monotonic()
         if base is None:
             base = (self._resolve_layers(args) if self.node_layers.catalog_local else
@@ -232,7 +242,7 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             disk_limit_mb=args.disk_limit_mb if isinstance(args, ContainerArgs) else None,
             expires_at=born + args.max_lifetime_s if args.max_lifetime_s else None,
             checkpoint_every_s=args.checkpoint_every_s,
-            restored_from=restored_from)
+            restored_from=restored_from, branched_from=branched_from)
         sb = Sandbox(Record(info, args, 0, digests), os.path.join(self.sandbox_root, sid))
         sb.keep_checkpoints = sandbox_id is not None  # a failed restore leaves the checkpoint for the next try
         self.sandboxes[sid] = sb  # reserves its share before the first await
@@ -336,8 +346,9 @@ class Edge(Capacity, Teardown, Recovery, Sweepers, Snapshots, Auditing, KeyedExe
             await agent.files.mkdirs(args.workdir)
         ctx.workdir = args.workdir
         # an init this create started holds no sessions; a re-adopted one, or a VM restored
-        # with its memory (its shells running on), may
-        if sb.rec.info.state != SandboxState.creating or sb.rec.info.restored_from is not None:
+        # with its memory (its shells running on: a checkpoint's, a live branch's), may
+        info = sb.rec.info
+        if info.state != SandboxState.creating or info.restored_from is not None or info.branched_from is not None:
             recovered = await agent.recover_sessions()
             if recovered:
                 log.info("sandbox %s: took back sessions %s", sb.id, recovered)

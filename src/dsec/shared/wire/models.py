@@ -387,6 +387,8 @@ class SandboxInfo(BaseModel):
     checkpoint: CheckpointInfo | None = Field(default=None, description="its newest checkpoint")
     restored_from: str | None = Field(default=None, description="the edge it ran on before its last restore, "
                                       "and why it moved")
+    branched_from: str | None = Field(default=None, description="the sandbox it is a live branch of (it started "
+                                      "from that sandbox's running state: docs/snapshots.md)")
 
 
 class SandboxUsage(BaseModel):
@@ -416,8 +418,8 @@ class VMInfo(BaseModel):
     vcpus: int
     memory_mb: int
     disk_mb: int
-    started_from: str = Field(description="boot, template, snapshot (a resumed pause), or checkpoint (restored "
-                              "from one, on this edge or another)")
+    started_from: str = Field(description="boot, template, snapshot (a resumed pause), checkpoint (restored "
+                              "from one, on this edge or another), or branch (a live branch of a running VM)")
     boot_s: float | None = None
     clone_s: float | None = None
     pause_s: float | None = None

@@ -1,5 +1,6 @@
 """Wire models of in-place snapshots (docs/snapshots.md): a snapshot of a running
-container's files taken in milliseconds on its own edge, and the rollback to one."""
+container's files taken in milliseconds on its own edge, the rollback to one, and the live
+branch of a running sandbox into new ones."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ class SnapshotRequest(BaseModel):
 
 class RollbackRequest(BaseModel):
     snapshot: SnapshotName = Field(description="the name of the snapshot to go back to")
+
+
+MAX_BRANCH = 16  # children of one branch call (each a running sandbox: the edge admits all n first)
+
+
+class BranchRequest(BaseModel):
+    """A live branch of a running sandbox: ``n`` new sandboxes continuing from its state."""
+
+    n: Annotated[int, Field(ge=1, le=MAX_BRANCH, description=f"how many children, 1 to {MAX_BRANCH}")] = 1
 
 
 class SandboxSnapshot(BaseModel):

@@ -1,13 +1,15 @@
 """In-place snapshots of a running container (docs/snapshots.md): take one, list them,
-drop one, roll back to one. The sandbox's own edge does the work (dsec.node.edge.rollback);
-the auth middleware has already refused another project's token (404)."""
+drop one, roll back to one; and the live branch of a running sandbox. The sandbox's own
+edge does the work (dsec.node.edge.rollback, dsec.node.edge.branching); the auth
+middleware has already refused another project's token (404)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
 from dsec.control.apiserver.core import Apiserver
-from dsec.shared.wire.snapshots import RollbackRequest, RollbackResult, SandboxSnapshot, SnapshotRequest
+from dsec.shared.wire.models import SandboxInfo
+from dsec.shared.wire.snapshots import BranchRequest, RollbackRequest, RollbackResult, SandboxSnapshot, SnapshotRequest
 
 
 def routes(api: Apiserver) -> APIRouter:
@@ -34,5 +36,12 @@ def routes(api: Apiserver) -> APIRouter:
         """Its files back to the snapshot exactly: every process but dsec-init is killed, shell sessions
         restart at their working directories of then, command log records after it are dropped."""
         return await api.edge_for(sandbox_id).rollback(sandbox_id, req.snapshot)
+
+    @router.post("/v1/sandboxes/{sandbox_id}/branch", status_code=201)
+    async def branch(sandbox_id: str, req: BranchRequest | None = None) -> list[SandboxInfo]:
+        """Live branch: ``n`` new sandboxes continuing from this running one's state, its processes and memory
+        included (microVMs and VMs; a container answers 409 branch_unsupported), on its edge; it runs on.
+        Each child is counted in the parent's project and job like a create."""
+        return await api.branch(sandbox_id, req.n if req else 1)
 
     return router

@@ -23,7 +23,7 @@ from dsec.node.host.process import alive, wait_gone
 from dsec.node.host.volume import SandboxVolume
 from dsec.node.storage.node import NodeLayers
 from dsec.shared import tracing
-from dsec.shared.errors import DsecError, InvalidRequest, SandboxBusy, SandboxError
+from dsec.shared.errors import BranchUnsupported, DsecError, InvalidRequest, SandboxBusy, SandboxError
 from dsec.shared.faults import failpoint
 from dsec.shared.wire.models import ContainerArgs, SandboxState
 
@@ -278,6 +278,16 @@ class ContainerSandboxes:
         if not self._state(sb).connected:  # paused across an edge restart: bound now that init answers
             link = await self._attach(sb)
         return "memory prefetch started, thawed", link
+
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        # a container's processes are host processes: carrying them takes CRIU (dump and
+        # restore), which this backend does not drive yet; microVMs and VMs branch today
+        raise BranchUnsupported(f"sandbox {sb.id} is a container: a container's live branch needs CRIU, "
+                                "which this edge does not drive yet; microVM and VM sandboxes branch with "
+                                "their processes")
+
+    async def released(self, restore: dict[str, str]) -> None:
+        return None
 
     async def kill(self, sb: Sandbox) -> None:
         cg = Cgroup(self.cgroup_path(sb.id))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from dsec.node.agent.initclient import SETSID
 from dsec.node.agent.watch import DirWatch
 from dsec.node.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox, SandboxLost
-from dsec.shared.errors import InvalidRequest, NotFound
+from dsec.shared.errors import BranchUnsupported, InvalidRequest, NotFound
 from dsec.shared.wire.models import FileStat, Owner
 
 _PIDS = itertools.count(1000)
@@ -179,6 +179,12 @@ class HollowSandboxes:
         if sb.id not in self.live:
             raise SandboxLost(f"hollow sandbox {sb.id} did not outlive its edge")
         return "hollow: nothing to thaw", self._link(sb)
+
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        raise BranchUnsupported(f"sandbox {sb.id} is hollow (a load instrument): it runs nothing to branch")
+
+    async def released(self, restore: dict[str, str]) -> None:
+        return None
 
     async def kill(self, sb: Sandbox) -> None:
         if isinstance(sb.state, HollowState) and sb.state.init is not None:

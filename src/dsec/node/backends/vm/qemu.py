@@ -22,6 +22,9 @@ from typing import Any
 from dsec.shared.errors import SandboxError
 
 QEMU = "qemu-system-x86_64"
+# the RAM a machine makes itself when no memory backend is named, by the name its
+# migration stream gives it (QEMU's MachineClass.default_ram_id)
+DEFAULT_RAM_ID = {"microvm": "microvm.ram", "q35": "pc.ram"}
 
 
 class QMPError(SandboxError):
@@ -83,6 +86,10 @@ class VMSpec:
     mem_path: str | None = None  # RAM in a file: a template (share on) or its clone (share off)
     mem_shared: bool = False
     extra: list[str] = field(default_factory=list)
+    # the RAM block's name in the migration stream: a file-backed RAM restores a stream only
+    # under the name it was saved with ("ram" for templates; a booted VM's is its machine's
+    # default, DEFAULT_RAM_ID: a live branch's children restore such a VM's stream)
+    mem_id: str = "ram"
 
     def fingerprint(self, version: str) -> str:
         """The hardware as QEMU sees it: the command line with every path taken out
@@ -112,9 +119,9 @@ class VMSpec:
              "-device", f"virtio-balloon-{dev},free-page-reporting=on",
              "-object", "rng-random,id=rng,filename=/dev/urandom", "-device", f"virtio-rng-{dev},rng=rng"]
         if self.mem_path:
-            a += ["-object", f"memory-backend-file,id=ram,size={self.memory_mb}M,mem-path={self.mem_path},"
+            a += ["-object", f"memory-backend-file,id={self.mem_id},size={self.memory_mb}M,mem-path={self.mem_path},"
                   f"share={'on' if self.mem_shared else 'off'}"]
-            machine += ",memory-backend=ram"
+            machine += f",memory-backend={self.mem_id}"
         a += ["-machine", machine]
         for i, d in enumerate(self.disks):
             ro = "on" if d.readonly else "off"

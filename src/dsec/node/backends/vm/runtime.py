@@ -30,7 +30,7 @@ from typing import Any
 from dsec.node.agent.initclient import SpawnFailed
 from dsec.node.backends.vm.channel import GuestChannel
 from dsec.node.backends.vm.guest import KERNEL_CMDLINE, GuestImage, ensure_guest
-from dsec.node.backends.vm.qemu import QMP, Disk, QMPError, VMSpec, probe_accel, qemu_version
+from dsec.node.backends.vm.qemu import DEFAULT_RAM_ID, QMP, Disk, QMPError, VMSpec, probe_accel, qemu_version
 from dsec.shared import tracing
 from dsec.shared.errors import SandboxError
 from dsec.shared.wire.models import VM_OVERHEAD_MB
@@ -496,10 +496,12 @@ class VMRuntime:
             raise SnapshotError("snapshot was made by a different QEMU version or VM configuration")
         return meta
 
-    async def restore(self, vm: VMInstance, state: str, meta_path: str, ignore_shared: bool = False) -> None:
+    async def restore(self, vm: VMInstance, state: str, meta_path: str, ignore_shared: bool = False,
+                      run: bool = True) -> None:
         """Start QEMU from a snapshot and let the guest run. The file reaches QEMU through
         a pipe, hashed on the way; the guest is let run (``cont``) only once the whole
-        stream matched its checksum, so a corrupt snapshot never executes."""
+        stream matched its checksum, so a corrupt snapshot never executes. ``run=False``
+        leaves it paused, checked."""
         t0 = time.monotonic()
         meta = self.check_meta(vm, meta_path)
         try:
@@ -528,7 +530,8 @@ class VMRuntime:
             digest, size = await asyncio.wait_for(asyncio.shield(feeder), 30)
             if size != meta.get("size") or digest != meta.get("sha256"):
                 raise SnapshotError("snapshot file is corrupt (checksum mismatch)")
-            await vm.qmp.execute("cont")
+            if run:
+                await vm.qmp.execute("cont")
         except BaseException as e:
             await self.kill(vm)  # the reading end closes: the feeder stops
             with contextlib.suppress(BaseException):
@@ -619,6 +622,97 @@ class VMRuntime:
                 await self.kill(vm)
                 raise SandboxError(f"cloned VM's agent did not answer: {self.console_tail(vm)}") from None
             await ch.identity(hostname, time.time_ns())  # fresh clock, hostname and entropy per clone
+        vm.channel = ch
+        vm.timings["clone_s"] = time.monotonic() - t0
+        return ch
+
+    # ---- live branch: a running VM's image that children start from --------------------
+    async def branch_image(self, vm: VMInstance, work: str) -> dict[str, str]:
+        """Capture running ``vm`` into ``work`` for children that share its RAM copy on
+        write, the parent running on unchanged (the same QEMU, the same RAM).
+
+        1. The parent is stopped; its whole RAM and device state is migrated into a file
+           and its disk copied (a reflink where the filesystem has them) meanwhile; ``cont``
+           (QEMU takes its disks back after a completed outgoing migration).
+        2. A template QEMU, its RAM a file mapped shared, is restored from that stream:
+           every guest page lands in the file. It is saved again with x-ignore-shared, so
+           the state it leaves is devices only (kilobytes), and ends.
+        3. Each child (:meth:`branch_child`) maps that RAM file private, copy on write,
+           and restores the small state: no page is read from a stream per child.
+
+        QEMU 7.2 cannot migrate a guest that came in and never ran (its disks stay inactive
+        until ``cont``), so the template runs for the moment between a ``cont`` and a
+        ``stop``: the children start from the parent's state a few milliseconds of guest
+        time later, with the disk as the template left it (both in step)."""
+        if vm.qmp is None or not vm.running:
+            raise SandboxError("VM is not running")
+        t0 = time.monotonic()
+        full, disk = os.path.join(work, "full.state"), os.path.join(work, "upper.img")
+        await vm.qmp.execute("stop")
+        try:
+            # QEMU's stop drained and flushed its disks: the file is the guest's disk at this instant
+            copy = asyncio.create_task(self.make_upper(disk, 0, copy_of=vm.spec.disks[0].path))
+            try:
+                digest, size = await self._save_state(vm, full, ignore_shared=False)
+            finally:
+                await copy
+        finally:
+            with contextlib.suppress(QMPError):  # (a QEMU gone meanwhile fails the parent by itself)
+                await vm.qmp.execute("cont")
+        paused_s = time.monotonic() - t0
+        mem_id = vm.spec.mem_id if vm.spec.mem_path else DEFAULT_RAM_ID[vm.spec.machine]
+        tspec = VMSpec(**{**vm.spec.__dict__, "disks": [Disk(disk, vm.spec.disks[0].serial, False), *vm.spec.disks[1:]],
+                          "mem_path": os.path.join(work, "ram"), "mem_shared": True, "mem_id": mem_id,
+                          "extra": list(vm.spec.extra)})
+        config = tspec.fingerprint(self.version)  # a child's is the same (paths and sharing aside)
+        with open(os.path.join(work, "full.json"), "w") as f:
+            json.dump({"version": SNAPSHOT_VERSION, "sha256": digest, "size": size, "config": config}, f)
+        tpl = VMInstance(sid=f"br-{os.path.basename(work)[-8:]}-{vm.sid[-6:]}", dir=work, sock_dir=self.sock_dir,
+                         spec=tspec)
+        try:
+            await self.restore(tpl, full, os.path.join(work, "full.json"), run=False)
+            assert tpl.qmp is not None
+            await tpl.qmp.execute("cont")
+            await tpl.qmp.execute("stop")
+            digest, size = await self._save_state(tpl, os.path.join(work, "state"), ignore_shared=True)
+        finally:
+            await self.kill(tpl)
+            self.remove_cgroup(tpl.sid)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(full)  # the RAM file holds it now
+        with open(os.path.join(work, "state.json"), "w") as f:
+            json.dump({"version": SNAPSHOT_VERSION, "sha256": digest, "size": size, "config": config}, f)
+        log.info("branch image of %s: parent paused %.3f s, %d MiB of RAM, ready %.3f s", vm.sid, paused_s,
+                 os.stat(os.path.join(work, "ram")).st_blocks >> 11, time.monotonic() - t0)
+        return {"branch": work, "ram": os.path.join(work, "ram"), "state": os.path.join(work, "state"),
+                "meta": os.path.join(work, "state.json"), "disk": disk, "mem_id": mem_id,
+                "paused_ms": f"{paused_s * 1e3:.1f}"}
+
+    async def branch_child(self, vm: VMInstance, image: dict[str, str], hostname: str) -> GuestChannel:
+        """Start ``vm`` from a :meth:`branch_image`: the image's RAM file hard-linked into
+        its own directory (the same pages in the page cache, mapped private: copy on write;
+        the link keeps the file for the child's pause and resume, and goes with its
+        directory), its disk a copy of the image's, its devices restored; then a fresh
+        clock, hostname and entropy (the guest's RNG is reseeded: no two children share a
+        random stream)."""
+        t0 = time.monotonic()
+        ram = os.path.join(vm.dir, "ram")
+        try:
+            os.link(image["ram"], ram)
+        except OSError as e:  # another filesystem: a copy (correct, but its pages are its own)
+            log.warning("branch child %s: RAM file copied, not linked (%s): no memory shared", vm.sid, e)
+            await asyncio.to_thread(subprocess.run, ["cp", "--sparse=always", "--reflink=auto", image["ram"], ram],
+                                    check=True)
+        vm.spec.mem_path, vm.spec.mem_shared, vm.spec.mem_id = ram, False, image["mem_id"]
+        await self.make_upper(vm.spec.disks[0].path, 0, copy_of=image["disk"])
+        await self.restore(vm, image["state"], image["meta"], ignore_shared=True)
+        ch = GuestChannel(vm.agent_sock)
+        try:
+            await ch.connect(timeout=30, alive=lambda: not vm.exited.is_set())
+        except SandboxError:
+            await self.kill(vm)
+            raise SandboxError(f"branched VM's agent did not answer: {self.console_tail(vm)}") from None
+        await ch.identity(hostname, time.time_ns())
         vm.channel = ch
         vm.timings["clone_s"] = time.monotonic() - t0
         return ch

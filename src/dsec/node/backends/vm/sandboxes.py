@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from dataclasses import dataclass
 
 from dsec.node.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox, SandboxLost
@@ -25,7 +26,7 @@ BOOT_TIMEOUT_S = 180
 @dataclass
 class VMState(BackendState):
     vm: VMInstance
-    restore: dict[str, str] | None = None  # restored from a checkpoint: its state, meta and disk files
+    restore: dict[str, str] | None = None  # restored from a checkpoint (state, meta, disk) or a branch image
     channel: GuestChannel | None = None  # the guest agent's, from its launch until connect takes it
 
 
@@ -67,6 +68,14 @@ class VMSandboxes:
     async def launch(self, sb: Sandbox, digests: list[str]) -> Launched:
         args, state = self._args(sb), self._state(sb)
         vm = state.vm
+        if state.restore is not None and "branch" in state.restore:
+            with tracing.span("vm.branch_child", sandbox_id=sb.id):
+                ch = await self.vms.branch_child(vm, state.restore, sb.id)
+            state.channel = ch
+            self.vms.save_spec(vm)
+            return Launched(vm.pid, VMInfo(
+                machine=vm.spec.machine, accelerator=vm.spec.accel, vcpus=args.vcpus, memory_mb=args.memory_mb,
+                disk_mb=args.disk_mb, started_from="branch", clone_s=vm.timings.get("clone_s")))
         if state.restore is not None:
             return await self._from_checkpoint(sb, vm, args, digests, state.restore)
         if args.template:
@@ -146,6 +155,20 @@ class VMSandboxes:
         if fresh and vm.channel:  # paused across an edge restart: a new agent binding
             link = InitLink(vm.channel, GuestFiles(vm.channel))
         return f"restored in {vm.timings.get('restore_s', 0):.2f} s", link
+
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        """The running VM captured into ``work`` (VMRuntime.branch_image): children share
+        its RAM copy on write; it runs on."""
+        os.makedirs(work)
+        try:
+            return await self.vms.branch_image(self._vm(sb), work)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, work, True))
+            raise
+
+    async def released(self, restore: dict[str, str]) -> None:
+        # each child holds its own link to the RAM file and its own disk: the image's go
+        await asyncio.to_thread(shutil.rmtree, restore["branch"], True)
 
     async def kill(self, sb: Sandbox) -> None:
         if isinstance(sb.state, VMState):  # (none: a record taken back only to be torn down)

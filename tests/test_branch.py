@@ -1,0 +1,165 @@
+"""Live branch of a running sandbox (docs/snapshots.md, "Live branch") on a real ``dsec
+serve``: a microVM on real QEMU (under TCG on our machines: slow, so one VM test does the
+whole story) branched into children that see its files and carry on its running process
+with its memory, while it runs on and each diverges; the children's own identity and
+entropy, their command log, project, quota and events; and nothing left behind (files,
+QEMU processes) once all have stopped. Then the refusals: a container (409 until the
+edge drives CRIU), a paused parent (409), a bad ``n`` (400 naming it), another project's
+token (404)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import dsec
+from tests.conftest import TOKEN, Platform, leftovers, qemu_pids
+
+BUSYBOX = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.25)
+
+
+def _branches_dir(platform: Platform) -> list[str]:
+    """Branch images still on the edge (each is dropped once its children are made)."""
+    root = os.path.join(platform.data_dir, "edges", "edge0")
+    for base in (os.path.join(root, "volume"), root):
+        d = os.path.join(base, "branches")
+        if os.path.isdir(d):
+            return os.listdir(d)
+    return []
+
+
+async def _state(sb: dsec.AsyncSandbox) -> tuple[str, int]:
+    """The background loop's secret and counter, as it last wrote them."""
+    secret, count = (await sb.read_file("/tmp/loop")).decode().split()
+    return secret, int(count)
+
+
+async def test_microvm_branch_carries_processes_memory_and_files(platform: Platform) -> None:
+    project = f"br{uuid.uuid4().hex[:6]}"
+    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as admin:
+        await admin.projects.create(project, dsec.ProjectQuota(sandboxes=3))
+        token = (await admin.create_token(project, "admin")).token
+    async with dsec.AsyncClient(url=platform.url, token=token) as client:
+        vm = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256, labels={"team": "search"}))
+        children: list[dsec.AsyncSandbox] = []
+        try:
+            await vm.write_file("/root/seed", b"s3cret")
+            await vm.write_file("/root/base.txt", b"from the parent")
+            # a process holding state only in its memory: the seed file is gone before the branch
+            await vm.run_shell("(sh -c 'secret=$(cat /root/seed); i=0; while true; do i=$((i+1)); "
+                               "echo \"$secret $i\" > /tmp/loop; sleep 0.2; done' >/dev/null 2>&1 &) ; "
+                               "sleep 1; rm /root/seed; cd /srv && export KEEP=kept")
+            loop_pid = (await vm.exec("pgrep -f 'while true'")).stdout.split()[0]
+            logged = await vm.exec("cat /proc/sys/kernel/random/uuid", key="k-before")  # differs per run
+            _, count_at_branch = await _state(vm)
+
+            t0 = time.monotonic()
+            children = await vm.branch(n=2)
+            took = time.monotonic() - t0
+            assert len(children) == 2 and len({c.sandbox_id for c in children}) == 2
+            assert vm.sandbox_id not in {c.sandbox_id for c in children}
+            for c in children:
+                info = c.info
+                assert info.state == "running" and info.branched_from == vm.sandbox_id
+                assert info.backend == "microvm" and info.vm is not None and info.vm.started_from == "branch"
+                assert info.labels["team"] == "search" and info.labels["dsec.project"] == project
+                assert info.memory_limit_mb == vm.info.memory_limit_mb
+                # its own identity: the hostname is its own id
+                assert (await c.exec("hostname")).stdout.strip() == c.sandbox_id
+                # the parent's files, and its running process with the memory it held
+                assert await c.read_file("/root/base.txt") == b"from the parent"
+                assert (await c.exec("test -e /root/seed")).exit_code != 0
+                assert (await c.exec(f"kill -0 {loop_pid}")).exit_code == 0
+                secret, count = await _state(c)
+                assert secret == "s3cret" and count >= count_at_branch
+                # ... still running in the child: its counter goes on
+                assert await _wait_count_above(c, count)
+                # the shell session carried over, with its cwd and variables
+                assert (await c.run_shell("echo $PWD $KEEP")).stdout.split() == ["/srv", "kept"]
+                # the command log starts from the parent's: the keyed command replays its result
+                log = await c.command_log()
+                assert [r.key for r in log] == ["k-before"]
+                again = await c.exec("cat /proc/sys/kernel/random/uuid", key="k-before")
+                assert again.stdout == logged.stdout and len(logged.stdout) == 37
+                assert any(e.kind == "branched" and vm.sandbox_id in e.message for e in await c.events())
+            # the parent runs on, untouched, and its event names the children
+            assert (await vm.exec(f"kill -0 {loop_pid}")).exit_code == 0
+            assert await _wait_count_above(vm, count_at_branch)
+            assert (await vm.run_shell("echo $PWD $KEEP")).stdout.split() == ["/srv", "kept"]
+            ev = [e for e in await vm.events() if e.kind == "branched"]
+            assert ev and all(c.sandbox_id in ev[-1].message for c in children)
+            # each diverges on its own: files and the RNG (reseeded per child)
+            await vm.write_file("/root/who", b"parent")
+            for i, c in enumerate(children):
+                await c.write_file("/root/who", f"child{i}".encode())
+            assert await vm.read_file("/root/who") == b"parent"
+            assert [await c.read_file("/root/who") for c in children] == [b"child0", b"child1"]
+            rand = [(await s.exec("head -c 16 /dev/urandom | od -An -tx1")).stdout for s in (vm, *children)]
+            assert len(set(rand)) == 3
+            # the children count in the parent's project: 3 of its 3 sandboxes are held now
+            with pytest.raises(dsec.QuotaExceeded):
+                await vm.branch(n=1)
+            assert _branches_dir(platform) == []  # the image went once the children were made
+            print(f"branch of 2 microVM children under TCG: {took:.2f} s")
+        finally:
+            for s in (*children, vm):
+                await s.stop()
+    for s in (vm, *children):
+        assert leftovers(platform, s.sandbox_id) == []
+        assert qemu_pids(s.sandbox_id) == []
+    assert _branches_dir(platform) == []
+
+
+async def _wait_count_above(sb: dsec.AsyncSandbox, count: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (await _state(sb))[1] > count:
+            return True
+        await asyncio.sleep(0.3)
+    return False
+
+
+@pytest.fixture
+def box(platform: Platform) -> Iterator[dsec.Sandbox]:
+    with dsec.Client(url=platform.url, token=TOKEN) as c:
+        s = c.run_container(dsec.ContainerArgs(**BUSYBOX))  # type: ignore[arg-type]
+        try:
+            yield s
+        finally:
+            if s.refresh().state.value in ("running", "paused"):
+                s.stop()
+
+
+def test_branch_of_a_container_or_a_paused_sandbox_is_409(platform: Platform, box: dsec.Sandbox) -> None:
+    with dsec.Client(url=platform.url, token=TOKEN) as c:
+        before = {i.sandbox_id for i in c.list()}
+        with pytest.raises(dsec.BranchUnsupported) as e:
+            box.branch(2)
+        assert e.value.status == 409 and "CRIU" in e.value.message and not e.value.infra
+        box.pause()
+        with pytest.raises(dsec.SandboxNotRunning) as e2:
+            box.branch(1)
+        assert "paused" in e2.value.message
+        assert box.refresh().state.value == "paused"  # left as it was
+        assert {i.sandbox_id for i in c.list()} == before  # no child was made, nothing held
+    assert _branches_dir(platform) == []
+
+
+def test_branch_bad_n_and_another_project(platform: Platform, box: dsec.Sandbox) -> None:
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{platform.url}/v1/sandboxes/{box.sandbox_id}/branch"
+    for bad in (0, 17, -1, "x"):
+        r = httpx.post(url, json={"n": bad}, headers=h)
+        assert r.status_code == 400 and r.json()["field"] == "n", r.text
+    with dsec.Client(url=platform.url, token=TOKEN) as admin:
+        project = f"br{uuid.uuid4().hex[:6]}"
+        admin.projects.create(project, dsec.ProjectQuota(sandboxes=1))
+        other = admin.create_token(project, "admin").token
+    r = httpx.post(url, json={"n": 1}, headers={"Authorization": f"Bearer {other}"})
+    assert r.status_code == 404 and r.json()["field"] == "sandbox_id", r.text
