@@ -631,14 +631,16 @@ class VMRuntime:
         """Capture running ``vm`` into ``work`` for children that share its RAM copy on
         write, the parent running on unchanged (the same QEMU, the same RAM).
 
-        1. The parent is stopped; its whole RAM and device state is migrated into a file
-           and its disk copied (a reflink where the filesystem has them) meanwhile; ``cont``
-           (QEMU takes its disks back after a completed outgoing migration).
-        2. A template QEMU, its RAM a file mapped shared, is restored from that stream:
-           every guest page lands in the file. It is saved again with x-ignore-shared, so
-           the state it leaves is devices only (kilobytes), and ends.
-        3. Each child (:meth:`branch_child`) maps that RAM file private, copy on write,
-           and restores the small state: no page is read from a stream per child.
+        1. The parent is stopped (QEMU drains and flushes its disks) and its disk copied
+           (a reflink where the filesystem has them).
+        2. A template QEMU is started over that copy, its RAM a file mapped shared, waiting
+           for a migration; the parent migrates its whole RAM and device state straight
+           into it through a pipe (no file, no second read): every guest page lands in the
+           file. Then the parent gets ``cont`` (QEMU takes its disks back after a completed
+           outgoing migration): that is the parent's whole pause.
+        3. The template is saved with x-ignore-shared: a state of devices only (kilobytes),
+           and ends. Each child (:meth:`branch_child`) maps the RAM file private, copy on
+           write, and restores that state: no page is read from a stream per child.
 
         QEMU 7.2 cannot migrate a guest that came in and never ran (its disks stay inactive
         until ``cont``), so the template runs for the moment between a ``cont`` and a
@@ -647,30 +649,23 @@ class VMRuntime:
         if vm.qmp is None or not vm.running:
             raise SandboxError("VM is not running")
         t0 = time.monotonic()
-        full, disk = os.path.join(work, "full.state"), os.path.join(work, "upper.img")
-        await vm.qmp.execute("stop")
-        try:
-            # QEMU's stop drained and flushed its disks: the file is the guest's disk at this instant
-            copy = asyncio.create_task(self.make_upper(disk, 0, copy_of=vm.spec.disks[0].path))
-            try:
-                digest, size = await self._save_state(vm, full, ignore_shared=False)
-            finally:
-                await copy
-        finally:
-            with contextlib.suppress(QMPError):  # (a QEMU gone meanwhile fails the parent by itself)
-                await vm.qmp.execute("cont")
-        paused_s = time.monotonic() - t0
+        disk = os.path.join(work, "upper.img")
         mem_id = vm.spec.mem_id if vm.spec.mem_path else DEFAULT_RAM_ID[vm.spec.machine]
         tspec = VMSpec(**{**vm.spec.__dict__, "disks": [Disk(disk, vm.spec.disks[0].serial, False), *vm.spec.disks[1:]],
                           "mem_path": os.path.join(work, "ram"), "mem_shared": True, "mem_id": mem_id,
                           "extra": list(vm.spec.extra)})
-        config = tspec.fingerprint(self.version)  # a child's is the same (paths and sharing aside)
-        with open(os.path.join(work, "full.json"), "w") as f:
-            json.dump({"version": SNAPSHOT_VERSION, "sha256": digest, "size": size, "config": config}, f)
         tpl = VMInstance(sid=f"br-{os.path.basename(work)[-8:]}-{vm.sid[-6:]}", dir=work, sock_dir=self.sock_dir,
                          spec=tspec)
         try:
-            await self.restore(tpl, full, os.path.join(work, "full.json"), run=False)
+            await vm.qmp.execute("stop")
+            try:
+                await self.make_upper(disk, 0, copy_of=vm.spec.disks[0].path)
+                await self.launch(tpl, incoming=True)
+                await self._migrate_into(vm, tpl)
+            finally:
+                with contextlib.suppress(QMPError):  # (a QEMU gone meanwhile fails the parent by itself)
+                    await vm.qmp.execute("cont")
+            paused_s = time.monotonic() - t0
             assert tpl.qmp is not None
             await tpl.qmp.execute("cont")
             await tpl.qmp.execute("stop")
@@ -678,15 +673,36 @@ class VMRuntime:
         finally:
             await self.kill(tpl)
             self.remove_cgroup(tpl.sid)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(full)  # the RAM file holds it now
-        with open(os.path.join(work, "state.json"), "w") as f:
-            json.dump({"version": SNAPSHOT_VERSION, "sha256": digest, "size": size, "config": config}, f)
+        with open(os.path.join(work, "state.json"), "w") as f:  # a child's config is the template's, paths aside
+            json.dump({"version": SNAPSHOT_VERSION, "sha256": digest, "size": size,
+                       "config": tspec.fingerprint(self.version)}, f)
         log.info("branch image of %s: parent paused %.3f s, %d MiB of RAM, ready %.3f s", vm.sid, paused_s,
                  os.stat(os.path.join(work, "ram")).st_blocks >> 11, time.monotonic() - t0)
         return {"branch": work, "ram": os.path.join(work, "ram"), "state": os.path.join(work, "state"),
                 "meta": os.path.join(work, "state.json"), "disk": disk, "mem_id": mem_id,
                 "paused_ms": f"{paused_s * 1e3:.1f}"}
+
+    @staticmethod
+    async def _migrate_into(src: VMInstance, dst: VMInstance) -> None:
+        """Migrate stopped ``src`` into ``dst`` (started with ``-incoming defer``) through a
+        pipe between the two QEMUs; ``dst`` ends paused, holding the state."""
+        assert src.qmp is not None and dst.qmp is not None
+        r, w = os.pipe()
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+            await dst.qmp.execute("getfd", {"fdname": "state"}, fds=[r])
+            await dst.qmp.execute("migrate-incoming", {"uri": "fd:state"})
+            await src.qmp.execute("migrate-set-capabilities", {"capabilities": [
+                {"capability": "x-ignore-shared", "state": False}]})
+            await src.qmp.execute("migrate-set-parameters", {"max-bandwidth": 64 << 30})
+            await src.qmp.execute("getfd", {"fdname": "state"}, fds=[w])
+        finally:  # the QEMUs hold the two ends now: one ending closes the pipe for the other
+            os.close(r)
+            os.close(w)
+        await src.qmp.execute("migrate", {"uri": "fd:state"})
+        await src.qmp.wait_migration()
+        await dst.qmp.wait_status("paused")
 
     async def branch_child(self, vm: VMInstance, image: dict[str, str], hostname: str) -> GuestChannel:
         """Start ``vm`` from a :meth:`branch_image`: the image's RAM file hard-linked into
