@@ -10,6 +10,7 @@ token (404)."""
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import time
 import uuid
@@ -25,13 +26,12 @@ BUSYBOX = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.25)
 
 
 def _branches_dir(platform: Platform) -> list[str]:
-    """Branch images still on the edge (each is dropped once its children are made)."""
-    root = os.path.join(platform.data_dir, "edges", "edge0")
-    for base in (os.path.join(root, "volume"), root):
-        d = os.path.join(base, "branches")
-        if os.path.isdir(d):
-            return os.listdir(d)
-    return []
+    """Branch images still on the platform's edges (each is dropped once its children are made)."""
+    found: list[str] = []
+    for d in glob.glob(os.path.join(platform.data_dir, "edges", "*", "branches")) + \
+            glob.glob(os.path.join(platform.data_dir, "edges", "*", "volume", "branches")):
+        found += os.listdir(d)
+    return found
 
 
 async def _state(sb: dsec.AsyncSandbox) -> tuple[str, int]:
