@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -46,7 +48,7 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
         await admin.projects.create(project, dsec.ProjectQuota(sandboxes=3))
         token = (await admin.create_token(project, "admin")).token
     async with dsec.AsyncClient(url=platform.url, token=token) as client:
-        vm = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256, labels={"team": "search"}))
+        vm = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256, labels={"team": "search"}, job="search-1"))
         children: list[dsec.AsyncSandbox] = []
         try:
             await vm.write_file("/root/seed", b"s3cret")
@@ -69,6 +71,7 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
                 assert info.state == "running" and info.branched_from == vm.sandbox_id
                 assert info.backend == "microvm" and info.vm is not None and info.vm.started_from == "branch"
                 assert info.labels["team"] == "search" and info.labels["dsec.project"] == project
+                assert info.job == "search-1"
                 assert info.memory_limit_mb == vm.info.memory_limit_mb
                 # its own identity: the hostname is its own id
                 assert (await c.exec("hostname")).stdout.strip() == c.sandbox_id
@@ -106,14 +109,42 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
             with pytest.raises(dsec.QuotaExceeded):
                 await vm.branch(n=1)
             assert _branches_dir(platform) == []  # the image went once the children were made
+            assert _qemus_of_branch_images() == []  # and its template QEMU with it
+            # a child pauses and resumes like any VM (its RAM file is its own link), and branches in turn
+            await children[1].stop()
+            await children[0].pause()
+            assert (await children[0].resume()).state == "running"
+            _, before = await _state(children[0])
+            assert await _wait_count_above(children[0], before)
+            grand = (await children[0].branch(1))[0]
+            children.append(grand)
+            assert grand.info.branched_from == children[0].sandbox_id
+            assert await grand.read_file("/root/who") == b"child0"
+            assert (await grand.exec(f"kill -0 {loop_pid}")).exit_code == 0
+            assert await _wait_count_above(grand, (await _state(grand))[1])
             print(f"branch of 2 microVM children under TCG: {took:.2f} s")
         finally:
             for s in (*children, vm):
-                await s.stop()
+                await s.stop()  # (a stopped one answers with its info)
     for s in (vm, *children):
         assert leftovers(platform, s.sandbox_id) == []
         assert qemu_pids(s.sandbox_id) == []
     assert _branches_dir(platform) == []
+
+
+def _qemus_of_branch_images() -> list[int]:
+    """QEMU processes started over a branch image (its template)."""
+    out = []
+    for cmd in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmd, "rb") as f:
+                argv = f.read()
+        except OSError:
+            continue
+        if argv.startswith(b"qemu-system") or b"/qemu-system" in argv.split(b"\0")[0]:
+            if b"/branches/" in argv:
+                out.append(int(cmd.split("/")[2]))
+    return out
 
 
 async def _wait_count_above(sb: dsec.AsyncSandbox, count: int, timeout: float = 30.0) -> bool:
@@ -142,6 +173,10 @@ def test_branch_of_a_container_or_a_paused_sandbox_is_409(platform: Platform, bo
         with pytest.raises(dsec.BranchUnsupported) as e:
             box.branch(2)
         assert e.value.status == 409 and "CRIU" in e.value.message and not e.value.infra
+        # the CLI says the same
+        cli = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "branch", box.sandbox_id, "-n", "2",
+                              "--url", platform.url, "--token", TOKEN], capture_output=True, text=True, timeout=60)
+        assert cli.returncode != 0 and "CRIU" in cli.stdout + cli.stderr, cli
         box.pause()
         with pytest.raises(dsec.SandboxNotRunning) as e2:
             box.branch(1)
