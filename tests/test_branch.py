@@ -1,6 +1,6 @@
 """Live branch of a running sandbox (docs/snapshots.md, "Live branch") on a real ``dsec
 serve``: a microVM on real QEMU (under TCG on our machines: slow, so one VM test does the
-whole story) branched into children that see its files and carry on its running process
+whole story, and one more covers a cold-booted parent) branched into children that see its files and carry on its running process
 with its memory, while it runs on and each diverges; the children's own identity and
 entropy, their command log, project, quota and events; and nothing left behind (files,
 QEMU processes) once all have stopped. Then the refusals: a container (409 until the
@@ -130,6 +130,26 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
         assert leftovers(platform, s.sandbox_id) == []
         assert qemu_pids(s.sandbox_id) == []
     assert _branches_dir(platform) == []
+
+
+async def test_branch_of_a_cold_booted_microvm(platform: Platform, client: dsec.AsyncClient) -> None:
+    """A parent booted without a template has its RAM as QEMU's own (no file): its children
+    restore its stream under the machine's own RAM name (qemu.DEFAULT_RAM_ID)."""
+    vm = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256, template=False, disk_mb=256))
+    kids: list[dsec.AsyncSandbox] = []
+    try:
+        await vm.run_shell("echo cold > /root/x; (sleep 999 >/dev/null 2>&1 &)")
+        sleeper = (await vm.exec("pgrep -x sleep")).stdout.strip()
+        kids = await vm.branch(1)
+        assert kids[0].info.vm is not None and kids[0].info.vm.started_from == "branch"
+        r = await kids[0].exec("cat /root/x; pgrep -x sleep")
+        assert r.stdout.split() == ["cold", sleeper]
+        assert (await vm.exec("pgrep -x sleep")).stdout.strip() == sleeper
+    finally:
+        for s in (*kids, vm):
+            await s.stop()
+    for s in (*kids, vm):
+        assert leftovers(platform, s.sandbox_id) == [] and qemu_pids(s.sandbox_id) == []
 
 
 def _qemus_of_branch_images() -> list[int]:
