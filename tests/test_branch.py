@@ -45,9 +45,10 @@ async def _state(sb: dsec.AsyncSandbox) -> tuple[str, int]:
 async def test_microvm_branch_carries_processes_memory_and_files(platform: Platform) -> None:
     project = f"br{uuid.uuid4().hex[:6]}"
     async with dsec.AsyncClient(url=platform.url, token=TOKEN) as admin:
-        await admin.projects.create(project, dsec.ProjectQuota(sandboxes=3))
+        await admin.projects.create(project, dsec.ProjectQuota(sandboxes=4))
         token = (await admin.create_token(project, "admin")).token
     async with dsec.AsyncClient(url=platform.url, token=token) as client:
+        await client.create_job("search-1", quota=dsec.JobQuota(sandboxes=3))
         vm = await client.run_microvm(dsec.MicroVMArgs(memory_mb=256, labels={"team": "search"}, job="search-1"))
         children: list[dsec.AsyncSandbox] = []
         try:
@@ -105,9 +106,14 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
             assert [await c.read_file("/root/who") for c in children] == [b"child0", b"child1"]
             rand = [(await s.exec("head -c 16 /dev/urandom | od -An -tx1")).stdout for s in (vm, *children)]
             assert len(set(rand)) == 3
-            # the children count in the parent's project: 3 of its 3 sandboxes are held now
-            with pytest.raises(dsec.QuotaExceeded):
+            # the children count in the parent's job: 3 of its 3 sandboxes are held now ...
+            with pytest.raises(dsec.QuotaExceeded) as q:
                 await vm.branch(n=1)
+            assert "search-1" in q.value.message
+            # ... and in its project (4 of them, 3 held): 2 more are refused before the edge is asked
+            with pytest.raises(dsec.QuotaExceeded) as q:
+                await vm.branch(n=2)
+            assert "search-1" not in q.value.message, q.value.message
             assert _branches_dir(platform) == []  # the image went once the children were made
             assert _qemus_of_branch_images() == []  # and its template QEMU with it
             # a child pauses and resumes like any VM (its RAM file is its own link), and branches in turn
