@@ -1,11 +1,12 @@
 """Live branch of a running sandbox (docs/snapshots.md, "Live branch") on a real ``dsec
 serve``: a microVM on real QEMU (under TCG on our machines: slow, so one VM test does the
-whole story, and one more covers a cold-booted parent) branched into children that see its files and carry on its running process
-with its memory, while it runs on and each diverges; the children's own identity and
-entropy, their command log, project, quota and events; and nothing left behind (files,
-QEMU processes) once all have stopped. Then the refusals: a container (409 until the
-edge drives CRIU), a paused parent (409), a bad ``n`` (400 naming it), another project's
-token (404)."""
+whole story, one more covers a cold-booted parent) branched into children that see its
+files and carry on its running process with its memory, while it runs on and each
+diverges; the children's own identity and entropy, their command log, job, project,
+quotas and events; a child's pause, resume and own branch; and nothing left behind
+(files, QEMU processes) once all have stopped. Then the refusals: a container (409 until
+the edge drives CRIU), a paused parent (409), a bad ``n`` (400 naming it), another
+project's token (404)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def rollback(sandbox_id: str, name: str, url: UrlOpt = None, token: TokenOpt = N
                       f"{res.commands_dropped} command records dropped")
 
 
-def branch(sandbox_id: str, n: Annotated[int, typer.Option("-n", "--n", help="how many children (1-16)")] = 1,
+def branch(sandbox_id: str, n: Annotated[int, typer.Option("-n", "--children", help="how many children (1-16)")] = 1,
            url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """Live-branch running SANDBOX_ID into N new sandboxes that continue from its state,
     processes included (microVMs and VMs); it runs on."""
