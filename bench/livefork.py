@@ -70,7 +70,7 @@ async def round_(c: dsec.AsyncClient, parent: dsec.AsyncSandbox, n: int, a: argp
     out["branch_s"].append(time.monotonic() - t0)
     ev = [e.message for e in await parent.events() if e.kind == "branched"][-1]
     out["pause_ms"].append(float(re.search(r"paused ([\d.]+) ms", ev).group(1)))  # type: ignore[union-attr]
-    held = [(await k.exec("pgrep -f bytearray")).exit_code == 0 for k in kids]
+    held = [(await k.exec(["pgrep", "-f", "bytearray"])).exit_code == 0 for k in kids]
     assert all(held), "a child lost the parent's process"
     await asyncio.sleep(a.settle)
     for rss, pss, uss in mem(kids):

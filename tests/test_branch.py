@@ -59,7 +59,9 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
             await vm.run_shell("(sh -c 'secret=$(cat /root/seed); i=0; while true; do i=$((i+1)); "
                                "echo \"$secret $i\" > /tmp/loop; sleep 0.2; done' >/dev/null 2>&1 &) ; "
                                "sleep 1; rm /root/seed; cd /srv && export KEEP=kept")
-            loop_pid = (await vm.exec("pgrep -f 'while true'")).stdout.split()[0]
+            found = (await vm.exec(["pgrep", "-f", "while true"])).stdout.split()  # (argv: no shell to match)
+            assert len(found) == 1, found
+            loop_pid = found[0]
             logged = await vm.exec("cat /proc/sys/kernel/random/uuid", key="k-before")  # differs per run
             _, count_at_branch = await _state(vm)
 
