@@ -80,12 +80,15 @@ class Brancher:
         t0 = time.monotonic()
         async with sb.lock:  # no pause, checkpoint or rollback of the parent meanwhile
             self._check_running(sb)
+            at = time.time()  # the capture's instant, at the latest (the parent stops right after)
             image = await backend.branch_image(sb, work)
         captured_s = time.monotonic() - t0
         tasks: list[asyncio.Task[SandboxInfo]] = []
         try:
-            # the log as of the capture (finished records: one running then ran on in the parent)
-            commands = await asyncio.to_thread(self.cmdlog.export, sb.id)
+            # the log as of the capture: the records finished by then, as a rollback keeps them
+            # (one finishing later ran on in the parent; a child retrying its key runs it again)
+            commands = [r for r in await asyncio.to_thread(self.cmdlog.export, sb.id)
+                        if isinstance(f := r.get("finished_at"), int | float) and f <= at]
             tasks = [asyncio.create_task(self._child(args, sb, image, commands)) for _ in range(n)]
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
