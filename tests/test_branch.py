@@ -38,7 +38,8 @@ def _branches_dir(platform: Platform) -> list[str]:
 
 
 async def _state(sb: dsec.AsyncSandbox) -> tuple[str, int]:
-    """The background loop's secret and counter, as it last wrote them."""
+    """The background loop's secret and counter, as it last wrote them (it renames each
+    write into place: a read never sees a half-written file)."""
     secret, count = (await sb.read_file("/tmp/loop")).decode().split()
     return secret, int(count)
 
@@ -57,7 +58,8 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
             await vm.write_file("/root/base.txt", b"from the parent")
             # a process holding state only in its memory: the seed file is gone before the branch
             await vm.run_shell("(sh -c 'secret=$(cat /root/seed); i=0; while true; do i=$((i+1)); "
-                               "echo \"$secret $i\" > /tmp/loop; sleep 0.2; done' >/dev/null 2>&1 &) ; "
+                               "echo \"$secret $i\" > /tmp/loop.new; mv /tmp/loop.new /tmp/loop; sleep 0.2; done' "
+                               ">/dev/null 2>&1 &) ; "
                                "sleep 1; rm /root/seed; cd /srv && export KEEP=kept")
             found = (await vm.exec(["pgrep", "-f", "while true"])).stdout.split()  # (argv: no shell to match)
             assert len(found) == 1, found
