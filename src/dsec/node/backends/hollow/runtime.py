@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from dsec.node.agent.initclient import SETSID
 from dsec.node.agent.watch import DirWatch
 from dsec.node.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox, SandboxLost
-from dsec.shared.errors import InvalidRequest, NotFound
+from dsec.shared.errors import BranchUnsupported, InvalidRequest, NotFound
 from dsec.shared.wire.models import FileStat, Owner
 
 _PIDS = itertools.count(1000)
@@ -171,6 +171,9 @@ class HollowSandboxes:
 
     async def connect(self, sb: Sandbox) -> InitLink:
         return self._link(sb)
+
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        raise BranchUnsupported("a hollow sandbox has no processes or files to branch")
 
     async def pause(self, sb: Sandbox) -> str:
         return "hollow: nothing to freeze"
