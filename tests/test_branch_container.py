@@ -145,6 +145,15 @@ async def test_child_continues_the_parents_process_with_its_files_in_its_own_nam
     assert "mine.txt" not in await host.sh(parent, "ls /root")
     assert (await host.sh(children[1], "cat /root/mine.txt")).strip() == children[1].id
 
+    # a child is branched in turn (its channel to the edge is in its own namespace too)
+    work2 = f"{work}-2"
+    grandchild = await host.make_child(await rt.branch_image(children[0], work2), children[0])
+    await asyncio.sleep(0.2)
+    g_token, g_n, _ = await _count(host, grandchild)
+    assert g_token == token and g_n > 1
+    assert (await host.sh(grandchild, "cat /root/mine.txt")).strip() == children[0].id
+    children.append(grandchild)
+
     # the parent ran on throughout, and still answers
     assert (await _count(host, parent))[1] > n_parent
     assert (await host.sh(parent, "cat /root/after.txt")).strip() == "after"
@@ -154,7 +163,8 @@ async def test_child_continues_the_parents_process_with_its_files_in_its_own_nam
     for sb in [*children, parent]:
         await host.release(sb)
     rt.drop_branch_image(work)
-    assert not os.path.exists(work)
+    rt.drop_branch_image(work2)
+    assert not os.path.exists(work) and not os.path.exists(work2)
     for sid in ids:
         assert leftovers(host.node, sid) == [], sid
     # no process is left in the children's network namespaces (they went with their inits)
@@ -198,7 +208,15 @@ async def test_what_criu_refuses_is_branch_unsupported_and_the_parent_runs_on(ho
         with contextlib.suppress(BaseException):
             await running
     assert not os.path.exists(work)
+
+    # an open shell session: its shell's channels (which dsec-init holds for it) are the host's
+    assert (await agent.exec(ExecRequest(cmd="cd /root && pwd", session="s1"))).stdout.strip() == "/root"
+    with pytest.raises(BranchUnsupported) as e:
+        await rt.branch_image(parent, work)
+    assert "unix socket of the host" in e.value.message, e.value.message
+    assert not os.path.exists(work)
     assert alive(parent.rec.init_pid)
+    assert (await agent.exec(ExecRequest(cmd="pwd", session="s1"))).stdout.strip() == "/root"
     await host.release(parent)
     assert leftovers(host.node, parent.id) == []
 
