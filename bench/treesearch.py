@@ -266,7 +266,7 @@ async def by_branch(a: argparse.Namespace, data_dir: str, outputs: dict[str, str
 
     async def capture(name: str) -> None:
         t0 = time.perf_counter()
-        work = os.path.join(node.volume.mnt, f"img-{name}")
+        work = os.path.join(node.rt.branch_dir(), f"img-{name}")
         await node.rt.branch_image(live[name], work)
         t["capture"].append((time.perf_counter() - t0) * 1e3)
         with open(os.path.join(work, "criu", "dsec.json")) as f:
@@ -411,7 +411,7 @@ async def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     a.load = (load0, os.getloadavg()[0])
     same = out_rb == out_rc and len(out_rb) == a.expansions
-    body = render(a, rb, rc, sizes, same) + (render_live(lb, out_lb == out_rb) if a.live else "")
+    body = render(a, rb, rc, sizes, same) + ("\n" + render_live(lb, out_lb == out_rb) if a.live else "")
     report(body, a.write, "treesearch.py", "treesearch",
            "Tree search: in-place rollback against recreate + replay (`bench/treesearch.py`)")
 

@@ -72,8 +72,8 @@ async def host(node: Node) -> AsyncIterator[DebianHost]:  # noqa: F811 - node: t
 
 
 @pytest.fixture
-def work(node: Node) -> str:  # noqa: F811
-    return os.path.join(node.volume.mnt, f"branch-{secrets.token_hex(4)}")
+def work(host: DebianHost) -> str:
+    return os.path.join(_rt(host).branch_dir(), f"branch-{secrets.token_hex(4)}")
 
 
 def _rt(h: Host) -> ContainerSandboxes:

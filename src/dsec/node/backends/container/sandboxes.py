@@ -184,14 +184,17 @@ class ContainerSandboxes:
     async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
         """Frozen: a btrfs snapshot of its directory (the overlay's upper and work dirs) at
         ``work``/root and a CRIU dump of its process tree at ``work``/criu, taken at the
-        same instant; thawed. ``work`` is a new directory on the sandbox volume; the caller
-        removes it with :meth:`drop_branch_image`."""
+        same instant; thawed. ``work`` is a new directory in :meth:`branch_dir`; the caller
+        removes it with :meth:`drop_branch_image` once its children are made (they hold
+        nothing of it)."""
         branching.criu_binary()  # (BranchUnsupported before anything is frozen)
         if not self.volume.available or not self.volume.is_subvolume(sb.dir):
             raise BranchUnsupported(f"sandbox {sb.id} is not on a btrfs sandbox volume ({self.volume.status}): a "
                                     "live branch snapshots its writable layer")
         if self._args(sb).record_access:
             raise BranchUnsupported("a sandbox recording its file access (record_access) cannot be branched live")
+        if os.path.dirname(os.path.abspath(work)) != self.branch_dir():
+            raise SandboxError(f"a branch image goes under {self.branch_dir()} (the sandbox volume), not at {work}")
         images = os.path.join(work, "criu")
         os.makedirs(images)
         try:
@@ -207,6 +210,13 @@ class ContainerSandboxes:
             await asyncio.to_thread(self.drop_branch_image, work)
             raise
         return {"kind": branching.KIND, "image": work}
+
+    def branch_dir(self) -> str:
+        """Where branch images go: a directory on the sandbox volume (a btrfs snapshot of a
+        sandbox's directory can only be made on the same filesystem)."""
+        d = os.path.join(self.volume.mnt, "branches")
+        os.makedirs(d, exist_ok=True)
+        return d
 
     def drop_branch_image(self, work: str) -> None:
         """A branch image gone: its root's subvolume and its CRIU images."""
