@@ -3,19 +3,22 @@
 # processes) into a fixed prefix, once. Debian 12's criu 3.17 cannot dump on recent kernels
 # ("vdso: Unexpected rt vDSO area bounds"), so this builds the newer release from Debian
 # trixie's source package, from the same mirror the machine's apt sources already name.
-# Idempotent: skipped when the prefix already holds a working criu of that version. Run as root.
+# Idempotent: skipped when the prefix already holds this build (BUILD names it). Run as root.
 set -euo pipefail
 
 PREFIX="${DSEC_CRIU_PREFIX:-/usr/local/lib/dsec/criu}"
 SUITE=trixie
-WANT=4.1  # at least this release (the vDSO fix)
+# what is built: the release (4.1 has the vDSO fix) and the patch on it; a prefix holding
+# another build is rebuilt
+PATCH="$(cd "$(dirname "$0")" && pwd)/criu-sockopts.patch"
+BUILD="4.1.1 $(sha256sum "$PATCH" | cut -c1-12)"
 
-if [ -x "$PREFIX/sbin/criu" ] && "$PREFIX/sbin/criu" --version 2>/dev/null | grep -q "Version: $WANT"; then
+if [ -x "$PREFIX/sbin/criu" ] && [ "$(cat "$PREFIX/BUILD" 2>/dev/null)" = "$BUILD" ]; then
   exit 0
 fi
 
 # the build's dependencies from Debian 12 (criu's own Build-Depends, less the docs and GPU plugins)
-DEPS=(dpkg-dev gcc make pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
+DEPS=(dpkg-dev patch gcc make pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
       python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libaio-dev libgnutls28-dev
       libnftables-dev uuid-dev)
 missing=()
@@ -57,8 +60,10 @@ if [ -z "$SRC" ]; then
   SRC=$(find "$WORK/src" -maxdepth 1 -mindepth 1 -type d -name 'criu-*' | head -1)
 fi
 
+patch -s -d "$SRC" -p1 < "$PATCH"
 echo "== CRIU: building $(basename "$SRC") into $PREFIX"
 # the criu binary only: no docs (asciidoc), no plugins, no python bindings
-make -C "$SRC" -j"$(nproc)" criu >/dev/null
+make -C "$SRC" -j"$(nproc)" criu >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log" >&2; exit 1; }
 install -D -m 0755 "$SRC/criu/criu" "$PREFIX/sbin/criu"
+echo "$BUILD" > "$PREFIX/BUILD"
 "$PREFIX/sbin/criu" --version
