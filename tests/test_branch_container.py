@@ -25,7 +25,7 @@ from dsec.node.host.cgroup import WORKLOAD, Cgroup
 from dsec.node.host.process import alive
 from dsec.shared.errors import BranchUnsupported
 from dsec.shared.wire.models import ContainerArgs, ExecRequest
-from tests.test_backend_contract import Host, Node, leftovers, node  # noqa: F401 - node: the module fixture
+from tests.test_backend_contract import Host, Node, leftovers, node, runtime  # noqa: F401 - node: the module fixture
 
 # a counter in memory (never read back from the file) under a token drawn at its start:
 # a child that restarted it would show a new token and a count from 1
@@ -156,6 +156,15 @@ async def test_child_continues_the_parents_process_with_its_files_in_its_own_nam
         # its files are its own: a write in one child is not in the parent or the other child
         await host.sh(child, f"echo {child.id} > /root/mine.txt")
     assert "mine.txt" not in await host.sh(parent, "ls /root")
+    assert (await host.sh(children[1], "cat /root/mine.txt")).strip() == children[1].id
+
+    # a restarted edge knows the restored children (crun does not) and takes one back
+    again = runtime("container", host.node)
+    assert {c.id for c in children} <= await again.known()
+    await host.agents[children[1].id].close()
+    adopted = await again.adopt(children[1], True)
+    assert adopted.running and adopted.link is not None
+    host.bind(children[1], adopted.link)
     assert (await host.sh(children[1], "cat /root/mine.txt")).strip() == children[1].id
 
     # a child is branched in turn (its channel to the edge is in its own namespace too)
