@@ -197,15 +197,18 @@ class ContainerSandboxes:
             raise SandboxError(f"a branch image goes under {self.branch_dir()} (the sandbox volume), not at {work}")
         images = os.path.join(work, "criu")
         os.makedirs(images)
+        cg = Cgroup(self.cgroup_path(sb.id))
+        paused = cg.frozen()  # (a paused sandbox is captured as it is, and stays paused)
         try:
-            await self.freeze(sb)
+            if not paused:
+                await self.freeze(sb)
             try:
                 self.volume.snapshot(sb.dir, os.path.join(work, "root"))
                 with tracing.span("criu.dump", sandbox_id=sb.id):
-                    await branching.dump(sb.rec.init_pid, self.cgroup_path(sb.id),
-                                         Cgroup(self.cgroup_path(sb.id)).dir("freezer"), images)
+                    await branching.dump(sb.rec.init_pid, self.cgroup_path(sb.id), cg.dir("freezer"), images)
             finally:
-                await self.thaw(sb)
+                if not paused:
+                    await self.thaw(sb)
         except BaseException:
             await asyncio.to_thread(self.drop_branch_image, work)
             raise
