@@ -12,7 +12,13 @@ than ``--depth`` (the default, 64 expansions with 3 children each, reaches depth
   the action, and a snapshot of the child (a leaf at the depth bound takes none); a node's
   snapshot is dropped once its last child is expanded (not timed);
 - recreate: an expansion is a fresh sandbox, the setup and every action on the path from
-  the root replayed, the action, and a stop (what branching without snapshots costs).
+  the root replayed, the action, and a stop (what branching without snapshots costs);
+- live branch (``--live``, CRIU): every node of the tree is a running container; a node is
+  captured once (``branch_image``: its processes by CRIU, its files by a btrfs snapshot)
+  and an expansion is a child restored from that image, the action, and (a node to be
+  expanded in turn) its own capture; a node stops once its last child is made. This leg
+  drives the container backend in this process as an edge does (the SDK's live-branch
+  call is the edge's, elsewhere), on its own sandbox volume.
 
 Then the size leg: snapshot and rollback times with 0, 64 MiB and ``--big-mib`` MiB
 written since the base (the target: snapshot <= 10 ms, rollback <= 20 ms at 1 GiB).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -38,8 +45,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from container import report, start_server  # noqa: E402
 
 import dsec  # noqa: E402
+from dsec.node.agent.aether import DEFAULT_PATH, Aether, AgentContext  # noqa: E402
+from dsec.node.agent.native import ensure_init_binary  # noqa: E402
+from dsec.node.backends.api import Record, Sandbox  # noqa: E402
+from dsec.node.backends.container.sandboxes import ContainerSandboxes  # noqa: E402
+from dsec.node.host import linux  # noqa: E402
+from dsec.node.host.cgroup import Cgroup  # noqa: E402
 from dsec.node.host.prep import prepare_cgroups  # noqa: E402
+from dsec.node.host.volume import SandboxVolume  # noqa: E402
 from dsec.node.layers.store import LayerStore  # noqa: E402
+from dsec.node.storage.node import NodeLayers  # noqa: E402
+from dsec.shared.wire.models import Backend, ContainerArgs, ExecRequest, SandboxInfo, SandboxState  # noqa: E402
 
 ARGS = dict(image="base/busybox", memory_limit_mb=256, cpu_cores_limit=1.0)
 
@@ -176,6 +192,145 @@ async def by_size(c: dsec.AsyncClient, a: argparse.Namespace) -> list[tuple[int,
     return rows
 
 
+class LiveNode:
+    """The container backend on a private sandbox volume, driven as an edge drives it:
+    create, exec, branch_image, a child from an image, stop."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir, self.tag = data_dir, os.urandom(3).hex()
+        self.run_dir = f"/run/dsec/tree{self.tag}"
+        self.volume = SandboxVolume(os.path.join(data_dir, "edges", "tree"), 4)
+        self.volume.setup()
+        if not self.volume.available:
+            raise SystemExit(f"no btrfs sandbox volume: {self.volume.status}")
+        self.root = os.path.join(self.volume.mnt, "sandboxes")
+        os.makedirs(self.root, exist_ok=True)
+        store = LayerStore(os.path.join(data_dir, "layers"))
+        self.digests = store.get(str(ARGS["image"])).all_blobs
+        self.rt = ContainerSandboxes(NodeLayers(store, data_dir, self.run_dir, "eager"), self.volume, self.run_dir,
+                                     f"dsec-tree{self.tag}",
+                                     ensure_init_binary(os.path.join(data_dir, "bin", "dsec-init")))
+        self.agents: dict[str, Aether] = {}
+
+    def _bind(self, sb: Sandbox, link: object) -> None:
+        self.agents[sb.id] = Aether(AgentContext(sb.id, sb.rec.init_pid, {"PATH": DEFAULT_PATH, "HOME": "/root"}, "/"),
+                                    link.init, link.files)  # type: ignore[attr-defined]
+
+    def _new(self) -> Sandbox:
+        sid = f"tree-{os.urandom(6).hex()}"
+        args = ContainerArgs(**ARGS)  # type: ignore[arg-type]
+        now = time.time()
+        info = SandboxInfo(sandbox_id=sid, edge="tree", backend=Backend.container, state=SandboxState.creating,
+                           image=args.image, layers=[], created_at=now, last_active_at=now,
+                           memory_limit_mb=args.memory_limit_mb, cpu_cores_limit=args.cpu_cores_limit)
+        return Sandbox(Record(info, args, 0, self.digests), os.path.join(self.root, sid))
+
+    async def create(self, restore: dict[str, str] | None = None) -> Sandbox:
+        sb = self._new()
+        await self.rt.prepare(sb, self.digests, restore=restore)
+        sb.rec.init_pid = (await self.rt.launch(sb, self.digests)).init_pid
+        self._bind(sb, await self.rt.connect(sb))
+        return sb
+
+    async def exec(self, sb: Sandbox, cmd: str) -> str:
+        r = await self.agents[sb.id].exec(ExecRequest(cmd=cmd, timeout_s=120))
+        if r.exit_code != 0:
+            raise RuntimeError(f"{cmd!r}: {r}")
+        return r.stdout
+
+    def memory(self, sb: Sandbox) -> int:
+        """Bytes charged to its cgroup (its processes' memory and the page cache they made)."""
+        with open(os.path.join(Cgroup(self.rt.cgroup_path(sb.id)).dir("memory"), "memory.usage_in_bytes")) as f:
+            return int(f.read())
+
+    async def stop(self, sb: Sandbox) -> None:
+        await self.rt.kill(sb)
+        await self.agents.pop(sb.id).close()
+        await self.rt.destroy(sb)
+        linux.unmount_all(sb.dir)
+        self.volume.remove(sb.dir)
+
+    def close(self) -> None:
+        self.rt.close(sandboxes_left=False)
+        self.volume.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+async def by_branch(a: argparse.Namespace, data_dir: str, outputs: dict[str, str]) -> dict[str, list[float]]:
+    """The live-branch leg (see the module's docstring)."""
+    t: dict[str, list[float]] = {"expansion": [], "child": [], "capture": [], "dump": [], "child_mib": [],
+                                 "fresh": [], "fresh_mib": []}
+    node = LiveNode(data_dir)
+    live: dict[str, Sandbox] = {}
+    images: dict[str, str] = {}
+
+    async def capture(name: str) -> None:
+        t0 = time.perf_counter()
+        work = os.path.join(node.rt.branch_dir(), f"img-{name}")
+        await node.rt.branch_image(live[name], work)
+        t["capture"].append((time.perf_counter() - t0) * 1e3)
+        with open(os.path.join(work, "criu", "dsec.json")) as f:
+            t["dump"].append(json.load(f)["dump_ms"])
+        images[name] = work
+
+    try:
+        for _ in range(3):  # fresh creates, for the memory and time of a child against them
+            t0 = time.perf_counter()
+            sb = await node.create()
+            t["fresh"].append((time.perf_counter() - t0) * 1e3)
+            t["fresh_mib"].append(node.memory(sb) / 2**20)
+            await node.stop(sb)
+        live["r"] = await node.create()
+        await node.exec(live["r"], setup_cmd(a.files))
+        await capture("r")
+        for parent, k in plan(a):
+            t0 = time.perf_counter()
+            child = await node.create({"kind": "container-criu", "image": images[parent.name]})
+            t1 = time.perf_counter()
+            name = f"{parent.name}{k}"
+            outputs[name] = await node.exec(child, action(parent, k, a.files))
+            t["child_mib"].append(node.memory(child) / 2**20)
+            if parent.depth + 1 < a.depth:
+                live[name] = child
+                await capture(name)
+            else:
+                await node.stop(child)
+            t["expansion"].append((time.perf_counter() - t0) * 1e3)
+            t["child"].append((t1 - t0) * 1e3)
+            if k == a.branching - 1:  # fully expanded: the node and its image go (not timed)
+                await node.stop(live.pop(parent.name))
+                node.rt.drop_branch_image(images.pop(parent.name))
+    finally:
+        for sb in live.values():
+            await node.stop(sb)
+        for work in images.values():
+            node.rt.drop_branch_image(work)
+        node.close()
+    return t
+
+
+def render_live(lb: dict[str, list[float]], same: bool | None) -> str:
+    check = "" if same is None else (" Every child's test output was the same as the rollback way's: "
+                                     + ("yes." if same else "**NO**."))
+    return "\n".join([
+        "", "Live branch (CRIU; the container backend driven in-process as an edge drives it, each node a running "
+        "container)." + check,
+        "", "| live branch (ms) | median | p90 |", "|---|---|---|",
+        f"| whole expansion (child restored, action, its own capture if it is expanded in turn) | "
+        f"{med(lb['expansion']):.1f} | {p90(lb['expansion']):.1f} |",
+        f"| &nbsp;&nbsp;of which the child (prepare from the image, CRIU restore, connect) | {med(lb['child']):.1f} | "
+        f"{p90(lb['child']):.1f} |",
+        f"| a node's capture (freeze, btrfs snapshot, CRIU dump, thaw), once per node | {med(lb['capture']):.1f} | "
+        f"{p90(lb['capture']):.1f} |",
+        f"| &nbsp;&nbsp;of which the CRIU dump | {med(lb['dump']):.1f} | {p90(lb['dump']):.1f} |",
+        f"| a fresh create (same backend, same harness) | {med(lb['fresh']):.1f} | {p90(lb['fresh']):.1f} |",
+        "", f"Memory charged to a child's cgroup after its action: median {med(lb['child_mib']):.1f} MiB "
+        f"(a fresh sandbox: {med(lb['fresh_mib']):.1f} MiB). CRIU restores each child's memory as its own copy "
+        "(nothing is shared copy-on-write between children, unlike a VM's memory snapshot); here the workload "
+        "between actions is a shell's, so a child is mostly dsec-init and the page cache of its files.",
+    ])
+
+
 def render(a: argparse.Namespace, rb: dict[str, list[float]], rc: dict[str, list[float]],
            sizes: list[tuple[int, float, float, float, float, float]], same: bool) -> str:
     ratio = med(rc["expansion"]) / med(rb["expansion"])
@@ -222,14 +377,25 @@ async def main() -> None:
     ap.add_argument("--big-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--data-dir", default=os.environ.get("DSEC_DATA_DIR", "/var/lib/dsec"))
+    ap.add_argument("--live", action="store_true", help="also the live-branch leg (CRIU, scripts/criu.sh)")
+    ap.add_argument("--only-live", action="store_true", help="the live-branch leg alone (no dsec serve)")
     ap.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in that file")
     a = ap.parse_args()
     prepare_cgroups()
     load0 = os.getloadavg()[0]
     d = tempfile.mkdtemp(prefix="dsec-bench-")
     LayerStore(os.path.join(d, "layers")).link_from(os.path.join(a.data_dir, "layers"))
+    if a.only_live:
+        try:
+            lb = await by_branch(a, d, {})
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        print(render_live(lb, None))
+        return
     token = "bench-" + os.urandom(8).hex()
     proc, url = start_server(d, token)
+    lb: dict[str, list[float]] = {}
+    out_lb: dict[str, str] = {}
     try:
         async with dsec.AsyncClient(url=url, token=token) as c:
             out_rb: dict[str, str] = {}
@@ -237,13 +403,16 @@ async def main() -> None:
             rb = await by_rollback(c, a, out_rb)
             rc = await by_recreate(c, a, out_rc)
             sizes = await by_size(c, a)
+        if a.live:
+            lb = await by_branch(a, d, out_lb)
     finally:
         proc.terminate()
         proc.wait()
         shutil.rmtree(d, ignore_errors=True)
     a.load = (load0, os.getloadavg()[0])
     same = out_rb == out_rc and len(out_rb) == a.expansions
-    report(render(a, rb, rc, sizes, same), a.write, "treesearch.py", "treesearch",
+    body = render(a, rb, rc, sizes, same) + ("\n" + render_live(lb, out_lb == out_rb) if a.live else "")
+    report(body, a.write, "treesearch.py", "treesearch",
            "Tree search: in-place rollback against recreate + replay (`bench/treesearch.py`)")
 
 

@@ -236,6 +236,15 @@ class DeadlineExceeded(SandboxError):
     code = "deadline_exceeded"
 
 
+class BranchUnsupported(SandboxError):
+    """A live branch cannot capture this sandbox as it is: CRIU is missing, or a process
+    holds what CRIU cannot checkpoint (a channel to the host, a TCP connection, ...); the
+    message names it, in CRIU's own words where CRIU refused."""
+
+    status = 409
+    code = "branch_unsupported"
+
+
 class RolloutLost(DsecError):
     """A rollout worker no longer holds the rollout: cancelled, finished, or taken by
     another worker after its lease ran out. It must stop running it."""
@@ -283,6 +292,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         MetadataUnavailable,
         SandboxError,
         DeadlineExceeded,
+        BranchUnsupported,
         InsufficientStorage,
         RolloutLost,
         InferenceRefused,

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 
+from dsec.node.host import linux
 from dsec.shared.errors import DeadlineExceeded, SandboxError
 
 SETSID = 1
@@ -58,8 +59,8 @@ _Reply = tuple[list[bytes], "asyncio.Future[int] | None", list[int]]
 
 
 class InitClient:
-    def __init__(self, sock_path: str) -> None:
-        self.sock_path = sock_path
+    def __init__(self, sock_path: str, netns: str | None = None) -> None:
+        self.sock_path, self.netns = sock_path, netns
         self._sock: socket.socket | None = None
         # each reply carries the exit future of the pid it announces ("P"), made before
         # the exit notice can arrive
@@ -74,7 +75,11 @@ class InitClient:
         # is starved, or busy reaping a fork bomb's orphans) would otherwise block the
         # edge's event loop until init accepts; _on_readable also reads until EAGAIN
         # (recv_fds ignores its flags argument)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        kind = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        if self.netns is None:
+            sock = socket.socket(socket.AF_UNIX, kind)
+        else:  # made in the sandbox's netns, so init's end of the connection is too (a CRIU dump finds it)
+            sock = linux.in_netns(self.netns, lambda: socket.socket(socket.AF_UNIX, kind))
         deadline = loop.time() + timeout
         while True:
             try:

@@ -140,7 +140,7 @@ class SandboxRuntime(Protocol):
     async def prepare(self, sb: Sandbox, digests: list[str], restore: dict[str, str] | None = None
                       ) -> list[tuple[str, str]]:
         """Its storage: the layer images (bottom to top) made into its root or disks;
-        ``restore``: a VM checkpoint's files to start from. Returns events (kind, message)
+        ``restore``: a VM checkpoint's files, or a :meth:`branch_image`, to start from. Returns events (kind, message)
         for the sandbox's log."""
 
     async def launch(self, sb: Sandbox, digests: list[str]) -> Launched:
@@ -148,6 +148,13 @@ class SandboxRuntime(Protocol):
 
     async def connect(self, sb: Sandbox) -> InitLink:
         """The channel to the init that :meth:`launch` started, configured for the workload."""
+
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        """Capture the running sandbox at one instant into the directory ``work`` (its
+        processes and memory, and its files), leaving it running; returns the ``restore``
+        dict that :meth:`prepare` and :meth:`launch` of a child take to start from that
+        instant instead of afresh. Raises :class:`~dsec.shared.errors.BranchUnsupported`
+        naming what cannot be captured."""
 
     async def pause(self, sb: Sandbox) -> str:
         """Stop it running and give back its memory; returns what was done, for its event."""

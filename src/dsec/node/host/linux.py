@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import socket
 import struct
@@ -19,12 +20,14 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
 
 MS_RDONLY = 1
 MS_REMOUNT = 32
 MNT_DETACH = 2
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
@@ -108,6 +111,58 @@ def in_netns(netns_path: str, fn: Callable[[], T]) -> T:
         finally:
             os.close(home)
             os.close(target)
+
+
+def in_ns(ns_path: str, nstype: int, fn: Callable[[], T]) -> T:
+    """``fn`` run from the calling thread inside the namespace at ``ns_path`` of type
+    ``nstype`` (a CLONE_NEW* flag: one whose setns is per thread, such as UTS), which
+    returns home afterwards."""
+    kind = {CLONE_NEWNET: "net", CLONE_NEWUTS: "uts"}[nstype]
+    home = os.open(f"/proc/thread-self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+    target = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc.setns(target, nstype), f"setns into {ns_path}")
+        try:
+            return fn()
+        finally:
+            _check(_libc.setns(home, nstype), f"setns back to the host's {kind} namespace")
+    finally:
+        os.close(home)
+        os.close(target)
+
+
+def new_netns(fn: Callable[[], T]) -> tuple[int, T]:
+    """A new network namespace with its loopback up, and ``fn`` run in it from the calling
+    thread, which returns home afterwards. Returns an fd of the namespace (the caller
+    closes it; whatever holds it or runs in it keeps it) and ``fn``'s result."""
+    with _netns_lock:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _check(_libc.unshare(CLONE_NEWNET), "unshare a network namespace")
+            try:
+                ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    _loopback_up()
+                    return ns, fn()
+                except BaseException:
+                    os.close(ns)
+                    raise
+            finally:
+                _check(_libc.setns(home, CLONE_NEWNET), "setns back to host netns")
+        finally:
+            os.close(home)
+
+
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def _loopback_up() -> None:
+    """``lo`` up in the calling thread's network namespace (what an OCI runtime does for a
+    namespace it makes itself), without netlink: two ioctls."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
 def socket_in_netns(netns_path: str, family: int = socket.AF_INET) -> socket.socket:

@@ -99,9 +99,11 @@ class Limits:
 
 
 def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
-               tmpfs: dict[str, int] | None = None, readonly: bool = False) -> dict[str, object]:
+               tmpfs: dict[str, int] | None = None, readonly: bool = False,
+               netns: str | None = None) -> dict[str, object]:
     """``tmpfs``: extra size-bounded tmpfs mounts (path -> MiB), charged to the sandbox's memory.
-    ``readonly``: the root filesystem read-only inside the sandbox.
+    ``readonly``: the root filesystem read-only inside the sandbox. ``netns``: the network
+    namespace it joins (made by the caller), instead of a new one of crun's.
 
     The limits here are the sandbox cgroup's, which holds dsec-init: the workload's own plus
     a reserve, and no CPU quota. The workload's exact limits go on its child cgroup
@@ -145,7 +147,8 @@ def oci_config(sandbox_id: str, rootfs: str, limits: Limits, cgroup_path: str,
                 "cpu": {"shares": 1024},
                 "pids": {"limit": limits.pids + PIDS_RESERVE},
             },
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "namespaces": [{"type": t, **({"path": netns} if t == "network" and netns else {})}
+                           for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp_profile(),

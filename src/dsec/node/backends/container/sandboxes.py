@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import threading
 from dataclasses import dataclass
 
 from dsec.node.agent.initclient import ChannelLost, InitClient
 from dsec.node.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox
+from dsec.node.backends.container import branching
 from dsec.node.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.node.host import linux, memory
 from dsec.node.host.cgroup import WORKLOAD, Cgroup
@@ -32,6 +34,21 @@ FREEZE_TIMEOUT_S = 10.0  # a task in uninterruptible sleep (I/O) delays freezing
 _REROOT_BUILD = threading.Lock()  # dsec-reroot's compile, once (a snapshot starts it, a rollback may too)
 
 
+def _listener(path: str) -> socket.socket:
+    """dsec-init's listening socket at ``path`` (made in the namespace of the calling thread)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        lsock.bind(path)
+        os.chmod(path, 0o600)
+        lsock.listen(64)
+    except BaseException:
+        lsock.close()
+        raise
+    return lsock
+
+
 def _cpu_shares(args: ContainerArgs) -> int:
     return 2 if args.qos == "best_effort" else 1024
 
@@ -40,6 +57,7 @@ def _cpu_shares(args: ContainerArgs) -> int:
 class ContainerState(BackendState):
     qgroup: int | None = None  # its subvolume on the sandbox volume (disk quota)
     connected: bool = False  # its init answered this edge (a container paused across a restart has not)
+    branch: str | None = None  # the branch image it starts from (a live branch's child), until it runs
 
 
 class ContainerSandboxes:
@@ -49,6 +67,9 @@ class ContainerSandboxes:
         self.run_dir, self.init_binary = run_dir, init_binary
         self.runtime = CrunRuntime(os.path.join(run_dir, "crun"), cgroup_parent=cgroup_parent)
         os.makedirs(os.path.join(run_dir, "s"), exist_ok=True)
+        # one directory per child restored by CRIU (its log, its pid file): crun does not know
+        # them, so this is how a restarted edge's known() finds them
+        self.criu_dir = os.path.join(run_dir, "criu")
 
     def cgroup_path(self, sandbox_id: str) -> str:
         return self.runtime.cgroup_path(sandbox_id)
@@ -74,7 +95,17 @@ class ContainerSandboxes:
             raise InvalidRequest("record_access needs a shared layer store read on demand", field="record_access")
         state = sb.state = ContainerState()
         events = []
-        if self.volume.available:
+        if restore is not None and restore.get("kind") == branching.KIND:
+            # a live branch's child: its writable layer is the parent's at the captured instant
+            if not self.volume.available:
+                raise BranchUnsupported(f"no btrfs sandbox volume here ({self.volume.status})")
+            image = restore["image"]
+            self.volume.snapshot(os.path.join(image, "root"), sb.dir)
+            if args.disk_limit_mb is not None:
+                self.volume.limit(sb.dir, args.disk_limit_mb)
+            state.qgroup, state.branch = self.volume.subvolume_id(sb.dir), image
+            events.append(("branch", "writable layer from the branch image"))
+        elif self.volume.available:
             self.volume.create(sb.dir, args.disk_limit_mb)
             state.qgroup = self.volume.subvolume_id(sb.dir)
         if queued := await layers.prefetch(digests):
@@ -104,24 +135,34 @@ class ContainerSandboxes:
 
     async def launch(self, sb: Sandbox, digests: list[str]) -> Launched:
         sid, args = sb.id, self._args(sb)
+        if (image := self._state(sb).branch) is not None:
+            with tracing.span("criu.restore", sandbox_id=sid):
+                restored = await branching.restore(
+                    os.path.join(image, "criu"), os.path.join(sb.dir, "rootfs"), self.cgroup_path(sid),
+                    self.sock_path(sid), os.path.join(self.criu_dir, sid), sid, _listener)
+            # CRIU gives its cgroups the parent's state at the dump, frozen among it
+            await self.thaw(sb)
+            return Launched(restored.pid)
         limits = Limits(args.memory_limit_mb, args.cpu_cores_limit, args.pids_limit, cpu_shares=_cpu_shares(args))
-        with open(os.path.join(sb.dir, "config.json"), "w") as f:
-            json.dump(oci_config(sid, os.path.join(sb.dir, "rootfs"), limits, self.cgroup_path(sid), args.tmpfs,
-                                 args.readonly_rootfs), f)
         sock_path = self.sock_path(sid)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(sock_path)
-        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
+        # its network namespace is made here, not by crun, and init's listening socket in it:
+        # every socket of init's channel to the edge then belongs to the sandbox's own
+        # namespace, which is what lets CRIU checkpoint it (node/backends/container/branching.py)
+        with tracing.span("netns.new", sandbox_id=sid):
+            netns, lsock = await asyncio.to_thread(linux.new_netns, lambda: _listener(sock_path))
+        init_fd = -1
         try:
-            lsock.bind(sock_path)
-            os.chmod(sock_path, 0o600)
-            lsock.listen(64)
+            with open(os.path.join(sb.dir, "config.json"), "w") as f:
+                json.dump(oci_config(sid, os.path.join(sb.dir, "rootfs"), limits, self.cgroup_path(sid), args.tmpfs,
+                                     args.readonly_rootfs, netns=f"/proc/{os.getpid()}/fd/{netns}"), f)
+            init_fd = os.open(self.init_binary, os.O_RDONLY | os.O_CLOEXEC)
             with tracing.span("crun.run", sandbox_id=sid):
                 pid = await self.runtime.run(sid, sb.dir, init_fd, lsock.fileno())
         finally:
             lsock.close()
-            os.close(init_fd)
+            os.close(netns)
+            if init_fd >= 0:
+                os.close(init_fd)
         return Launched(pid)
 
     async def connect(self, sb: Sandbox) -> InitLink:
@@ -132,12 +173,65 @@ class ContainerSandboxes:
         # and back waited for the GIL under a burst of creates (docs/performance.md)
         procs = Cgroup(self.cgroup_path(sb.id)).split_workload(args.memory_limit_mb, args.cpu_cores_limit,
                                                               args.pids_limit, _cpu_shares(args), idle)
+        state = self._state(sb)
+        if state.branch is not None:  # restored: its init holds the child's S/w already; the limits are its own
+            state.branch = None
+            for fd in procs:
+                os.close(fd)
+            return await self._attach(sb)
         return await self._attach(sb, (procs, idle))
+
+    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
+        """Frozen: a btrfs snapshot of its directory (the overlay's upper and work dirs) at
+        ``work``/root and a CRIU dump of its process tree at ``work``/criu, taken at the
+        same instant; thawed. ``work`` is a new directory in :meth:`branch_dir`; the caller
+        removes it with :meth:`drop_branch_image` once its children are made (they hold
+        nothing of it)."""
+        branching.criu_binary()  # (BranchUnsupported before anything is frozen)
+        if not self.volume.available or not self.volume.is_subvolume(sb.dir):
+            raise BranchUnsupported(f"sandbox {sb.id} is not on a btrfs sandbox volume ({self.volume.status}): a "
+                                    "live branch snapshots its writable layer")
+        if self._args(sb).record_access:
+            raise BranchUnsupported("a sandbox recording its file access (record_access) cannot be branched live")
+        if os.path.dirname(os.path.abspath(work)) != self.branch_dir():
+            raise SandboxError(f"a branch image goes under {self.branch_dir()} (the sandbox volume), not at {work}")
+        images = os.path.join(work, "criu")
+        os.makedirs(images)
+        cg = Cgroup(self.cgroup_path(sb.id))
+        paused = cg.frozen()  # (a paused sandbox is captured as it is, and stays paused)
+        try:
+            if not paused:
+                await self.freeze(sb)
+            try:
+                self.volume.snapshot(sb.dir, os.path.join(work, "root"))
+                with tracing.span("criu.dump", sandbox_id=sb.id):
+                    await branching.dump(sb.rec.init_pid, self.cgroup_path(sb.id), cg.dir("freezer"), images)
+            finally:
+                if not paused:
+                    await self.thaw(sb)
+        except BaseException:
+            await asyncio.to_thread(self.drop_branch_image, work)
+            raise
+        return {"kind": branching.KIND, "image": work}
+
+    def branch_dir(self) -> str:
+        """Where branch images go: a directory on the sandbox volume (a btrfs snapshot of a
+        sandbox's directory can only be made on the same filesystem)."""
+        d = os.path.join(self.volume.mnt, "branches")
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    def drop_branch_image(self, work: str) -> None:
+        """A branch image gone: its root's subvolume and its CRIU images."""
+        root = os.path.join(work, "root")
+        if self.volume.is_subvolume(root):
+            self.volume.remove(root)
+        branching.drop(work)
 
     async def _attach(self, sb: Sandbox, workload: tuple[list[int], bool] | None = None) -> InitLink:
         """Connect to the container's init (``workload``: at create, the cgroup.procs fds
         its children join, and whether they run SCHED_IDLE)."""
-        init = InitClient(self.sock_path(sb.id))
+        init = InitClient(self.sock_path(sb.id), netns=f"/proc/{sb.rec.init_pid}/ns/net" if sb.rec.init_pid else None)
         try:
             try:
                 await init.connect()
@@ -310,11 +404,16 @@ class ContainerSandboxes:
             await failpoint("stop.deleted")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.sock_path(sb.id))
+            shutil.rmtree(os.path.join(self.criu_dir, sb.id), ignore_errors=True)
         if left:
             raise SandboxError(f"cgroups not removed: {left}")
 
     async def known(self) -> set[str]:
-        return set(await self.runtime.list())
+        try:
+            restored = set(os.listdir(self.criu_dir))
+        except FileNotFoundError:
+            restored = set()
+        return set(await self.runtime.list()) | restored
 
     async def adopt(self, sb: Sandbox, known_to_runtime: bool) -> Adopted:
         """The kernel's freezer, not the record, says whether it is paused: an edge killed
@@ -341,6 +440,7 @@ class ContainerSandboxes:
             with contextlib.suppress(DsecError):
                 await self.runtime.delete(sid)
             await asyncio.to_thread(cg.remove)
+            shutil.rmtree(os.path.join(self.criu_dir, sid), ignore_errors=True)
         return strays
 
     def detach(self, sb: Sandbox) -> None:
