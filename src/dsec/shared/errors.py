@@ -209,8 +209,10 @@ class NotSupported(DsecError):
 
 class BranchUnsupported(SandboxError):
     """A live branch (``Sandbox.branch``) of this sandbox cannot be taken here, and the
-    message says exactly why (a container with no CRIU on its node, a hollow sandbox): the
-    request asked for what this sandbox cannot do, so it is the caller's (409, not infra)."""
+    message says exactly why: CRIU is missing on its node, a process holds what CRIU cannot
+    checkpoint (a channel to the host, a TCP connection, ...: in CRIU's own words), a hollow
+    sandbox. The request asked for what this sandbox cannot do, so it is the caller's (409,
+    not infra)."""
 
     status = 409
     code = "branch_unsupported"
@@ -234,15 +236,6 @@ class DeadlineExceeded(SandboxError):
 
     status = 504
     code = "deadline_exceeded"
-
-
-class BranchUnsupported(SandboxError):
-    """A live branch cannot capture this sandbox as it is: CRIU is missing, or a process
-    holds what CRIU cannot checkpoint (a channel to the host, a TCP connection, ...); the
-    message names it, in CRIU's own words where CRIU refused."""
-
-    status = 409
-    code = "branch_unsupported"
 
 
 class RolloutLost(DsecError):
@@ -292,7 +285,6 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         MetadataUnavailable,
         SandboxError,
         DeadlineExceeded,
-        BranchUnsupported,
         InsufficientStorage,
         RolloutLost,
         InferenceRefused,

@@ -149,13 +149,6 @@ class SandboxRuntime(Protocol):
     async def connect(self, sb: Sandbox) -> InitLink:
         """The channel to the init that :meth:`launch` started, configured for the workload."""
 
-    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
-        """Capture the running sandbox at one instant into the directory ``work`` (its
-        processes and memory, and its files), leaving it running; returns the ``restore``
-        dict that :meth:`prepare` and :meth:`launch` of a child take to start from that
-        instant instead of afresh. Raises :class:`~dsec.shared.errors.BranchUnsupported`
-        naming what cannot be captured."""
-
     async def pause(self, sb: Sandbox) -> str:
         """Stop it running and give back its memory; returns what was done, for its event."""
 

@@ -373,15 +373,9 @@ class ContainerSandboxes:
             link = await self._attach(sb)
         return "memory prefetch started, thawed", link
 
-    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
-        # a container's processes are host processes: carrying them takes CRIU (dump and
-        # restore), which this backend does not drive yet; microVMs and VMs branch today
-        raise BranchUnsupported(f"sandbox {sb.id} is a container: a container's live branch needs CRIU, "
-                                "which this edge does not drive yet; microVM and VM sandboxes branch with "
-                                "their processes")
-
     async def released(self, restore: dict[str, str]) -> None:
-        return None
+        # each child's root is its own snapshot and its processes are restored: the image goes
+        await asyncio.to_thread(self.drop_branch_image, restore["image"])
 
     async def kill(self, sb: Sandbox) -> None:
         cg = Cgroup(self.cgroup_path(sb.id))

@@ -172,9 +172,6 @@ class HollowSandboxes:
     async def connect(self, sb: Sandbox) -> InitLink:
         return self._link(sb)
 
-    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
-        raise BranchUnsupported("a hollow sandbox has no processes or files to branch")
-
     async def pause(self, sb: Sandbox) -> str:
         return "hollow: nothing to freeze"
 

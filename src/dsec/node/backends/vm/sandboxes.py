@@ -17,7 +17,7 @@ from dsec.node.backends.vm.display import VMDisplay
 from dsec.node.backends.vm.runtime import SnapshotError, VMInstance, VMRuntime
 from dsec.node.storage.node import NodeLayers
 from dsec.shared import tracing
-from dsec.shared.errors import BranchUnsupported, SandboxError
+from dsec.shared.errors import SandboxError
 from dsec.shared.wire.models import MicroVMArgs, SandboxState, VMArgs, VMInfo
 
 BOOT_TIMEOUT_S = 180
@@ -130,9 +130,6 @@ class VMSandboxes:
         return Launched(vm.pid, VMInfo(
             machine=vm.spec.machine, accelerator=vm.spec.accel, vcpus=args.vcpus, memory_mb=args.memory_mb,
             disk_mb=args.disk_mb, started_from="checkpoint", restore_s=vm.timings.get("restore_s")))
-
-    async def branch_image(self, sb: Sandbox, work: str) -> dict[str, str]:
-        raise BranchUnsupported("a live branch of a VM sandbox is not offered by this backend")
 
     async def pause(self, sb: Sandbox) -> str:
         vm = self._vm(sb)
