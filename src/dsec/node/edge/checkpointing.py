@@ -354,7 +354,7 @@ class Checkpointing:
 
     async def evict(self, sandbox_id: str, moved_to: str) -> SandboxInfo:
         """Stop ``sandbox_id`` here because it now runs on ``moved_to``; its checkpoints stay."""
-        sb = self.table.sandboxes.get(sandbox_id)
+        sb = self.lifecycle.check(Op.EVICT, sandbox_id)
         if sb is None:
             return self.table.tombstone(sandbox_id)
         sb.keep_checkpoints = True

@@ -97,9 +97,9 @@ class Creation:
         return await self.create_sandbox(args)
 
     async def create_sandbox(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
-                      extra: list[str] | None = None, origin: SandboxInfo | None = None,
-                      restored_from: str | None = None, base: list[str] | None = None,
-                      restore: dict[str, str] | None = None) -> SandboxInfo:
+                             extra: list[str] | None = None, origin: SandboxInfo | None = None,
+                             restored_from: str | None = None, base: list[str] | None = None,
+                             restore: dict[str, str] | None = None) -> SandboxInfo:
         """A new sandbox, or (``sandbox_id`` given) one restored here from a checkpoint: the
         ``extra`` blobs stacked over its layers (``base``: their blobs as recorded then), its
         creation time and lifetime those of ``origin``; ``restore``: files its backend's

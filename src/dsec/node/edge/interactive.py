@@ -234,9 +234,11 @@ class Interactive:
         return self.node.watchers.add(sandbox_id, await self._dir_watch(Op.WATCHER_CREATE, sandbox_id, path, recursive))
 
     async def watcher_events(self, sandbox_id: str, watcher_id: str) -> list[FsEvent]:
+        self.lifecycle.check(Op.WATCHER_EVENTS, sandbox_id)  # (answers in any state: the watcher is looked up)
         return fs_events(self.node.watchers.get(sandbox_id, watcher_id))
 
     async def watcher_remove(self, sandbox_id: str, watcher_id: str) -> None:
+        self.lifecycle.check(Op.WATCHER_REMOVE, sandbox_id)
         self.node.watchers.remove(sandbox_id, watcher_id)
 
     async def http_stream(self, sandbox_id: str, port: int, method: str, path: str, headers: list[tuple[str, str]],

@@ -2,8 +2,8 @@
 
 Owns a container's snapshots on its edge: taking one (the sandbox frozen for a btrfs
 snapshot of its directory, the subvolume holding its overlay's upper and work dirs),
-listing and dropping them, bounding them per sandbox and against its disk quota,
-dropping them all when it ends, and the rollback:
+listing and dropping them, bounding them per sandbox and against its disk quota, and the
+rollback (dropping them all when the sandbox ends is dsec.node.edge.inplace's):
 
 1. a writable snapshot of the snapshot (constant time) gets a fresh overlay over the same
    lower layers, mounted on the host;
