@@ -111,7 +111,7 @@ class Edge:
         self.recovery = Recovery(node, table, self.lifecycle, self.teardown, self.cmdlog)
         self.sweepers = Sweepers(node, table, self.lifecycle, self.teardown, self.auditing, self.checkpointing,
                                  self.cmdlog)
-        self.fncall_service = FnCallService(self, node.cpus if cfg.hollow else os.cpu_count() or 1)
+        self.fncall_service = FnCallService(self, os.cpu_count() or 1)
         if meta is not None:  # a cluster's edge: its sandboxes walled off from the cluster's services
             node.network.use_cluster(Registry(meta), cfg.name)
 
