@@ -159,19 +159,22 @@ class Lifecycle:
 
     def attached(self, op: Op, sandbox_id: str) -> tuple[Sandbox, Aether]:
         """A sandbox ``op`` may reach through its agent, and the agent; it counts as used now."""
-        sb = self.check(op, sandbox_id)
-        if sb is None or sb.agent is None:
-            raise self._refusal(op, sandbox_id, sb)
-        sb.rec.info.last_active_at = time.time()
-        sb.dirty = True
-        return sb, sb.agent
+        return self._attach(op, sandbox_id, self.table.find(sandbox_id))
 
     async def ready(self, op: Op, sandbox_id: str) -> tuple[Sandbox, Aether]:
         """:meth:`attached`, a paused sandbox resumed first where ``op`` resumes (RESUMES)."""
         sb = self.table.find(sandbox_id)
         if op in RESUMES and sb is not None and state_of(sb) == State.PAUSED:
             await self.resume_sandbox(sb)
-        return self.attached(op, sandbox_id)
+            sb = self.table.find(sandbox_id)  # (what the table holds after the wait)
+        return self._attach(op, sandbox_id, sb)
+
+    def _attach(self, op: Op, sandbox_id: str, sb: Sandbox | None) -> tuple[Sandbox, Aether]:
+        if state_of(sb) not in LEGAL[op] or sb is None or sb.agent is None:
+            raise self._refusal(op, sandbox_id, sb)
+        sb.rec.info.last_active_at = time.time()
+        sb.dirty = True
+        return sb, sb.agent
 
     def _refusal(self, op: Op, sandbox_id: str, sb: Sandbox | None) -> SandboxNotRunning:
         """Why ``op`` may not go ahead (NotFound, raised, for a sandbox this edge never had)."""
