@@ -18,7 +18,7 @@ A create is driven by the edge: :meth:`~SandboxRuntime.prepare`, then
 :meth:`~SandboxRuntime.launch` (its init's pid, which the edge records), the edge wires
 its network, then :meth:`~SandboxRuntime.connect` gives the channel to dsec-init
 (:class:`InitLink`) over which the edge makes the sandbox's agent. Another backend
-implements :class:`SandboxRuntime` and is chosen in ``EdgeCore.backend_of``;
+implements :class:`SandboxRuntime` and is chosen in ``EdgeNode.backend_of`` (dsec.node.edge.core);
 tests/test_backend_contract.py runs the same tests against each.
 """
 

@@ -18,7 +18,6 @@ network connections (docs/fault-tolerance.md says why there is no CRIU here).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -28,16 +27,20 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 from sqlalchemy.exc import IntegrityError
 
 from dsec.node.backends.api import SandboxLost
 from dsec.node.checkpoints import delta
-from dsec.node.checkpoints.store import COMMANDS_EXT, Checkpoint, CheckpointStore, had_checkpoints
-from dsec.node.edge.core import EdgeCore
+from dsec.node.checkpoints.store import COMMANDS_EXT, Checkpoint
+from dsec.node.edge.chains import Chain, CheckpointChains
+from dsec.node.edge.cmdlog import CommandLog
+from dsec.node.edge.core import EdgeNode
+from dsec.node.edge.creation import Creation
+from dsec.node.edge.lifecycle import Lifecycle, Op
 from dsec.node.edge.sandbox import Sandbox, explain
-from dsec.node.edge.teardown import MOVED_TO
+from dsec.node.edge.table import SandboxTable
+from dsec.node.edge.teardown import MOVED_TO, Teardown
 from dsec.node.layers.store import ImportOptions
 from dsec.shared.errors import InvalidRequest, NotFound, SandboxBusy, SandboxNotRunning
 from dsec.shared.faults import failpoint
@@ -46,71 +49,22 @@ from dsec.shared.wire.models import ContainerArgs, CreateRequest, MicroVMArgs, S
 
 log = logging.getLogger("dsec.edge")
 FULL_EVERY = 8  # a chain: one full checkpoint and up to FULL_EVERY - 1 deltas over it
-BUILDS_AT_ONCE = 2  # mkfs.erofs is CPU-bound: the edge builds this many checkpoints at a time
 CHECKPOINT_TIMEOUT_S = 600.0  # a checkpoint's build and upload; a sandbox's next waits for it
 
 
-@dataclass
-class Chain:
-    """Where a sandbox's checkpoints stand on this edge (kept beside its manifest)."""
+class Checkpointing:
+    """checkpoint, the scheduled checkpoints, restore and evict."""
 
-    seq: int = 0  # the newest checkpoint's
-    stack: list[str] = field(default_factory=list)  # its complete stack
-    inherited: list[str] = field(default_factory=list)  # what it was restored from (under every full)
-    deltas: int = 0  # deltas since the last full (-1: none taken here yet, the next is full)
-    commands_seq: int = 0  # the command log's newest seq in that checkpoint
-    taken_at: float = 0.0
-
-
-class Checkpointing(EdgeCore):
-    checkpoints: CheckpointStore
-    _chains: dict[str, Chain]
-    _ckpt_tasks: dict[str, asyncio.Task[CheckpointInfo | None]]
-    _ckpt_locks: dict[str, asyncio.Lock]  # one checkpoint of a sandbox at a time (each its own seq)
-    _builds: asyncio.Semaphore
-
-    def _init_checkpoints(self, store: CheckpointStore) -> None:
-        self.checkpoints = store
-        self._chains = {}
-        self._ckpt_tasks = {}
-        self._ckpt_locks = {}
-        self._builds = asyncio.Semaphore(BUILDS_AT_ONCE)
-        self.ckpt_dir = os.path.join(self.volume.mnt if self.volume.available else self.root, "checkpoints")
-        self.manifest_dir = os.path.join(self.root, "manifests")
-        os.makedirs(self.manifest_dir, exist_ok=True)
-        if os.path.isdir(self.ckpt_dir):  # snapshots a previous process left half-used
-            for name in os.listdir(self.ckpt_dir):
-                self.volume.remove(os.path.join(self.ckpt_dir, name))
-        os.makedirs(self.ckpt_dir, exist_ok=True)
-
-    # ---- the chain's state on this edge ----------------------------------------------
-    def _chain_path(self, sandbox_id: str) -> str:
-        return os.path.join(self.manifest_dir, f"{sandbox_id}.json")
-
-    def _chain(self, sb: Sandbox) -> tuple[Chain, delta.Manifest]:
-        """The chain as of the newest checkpoint, from its file; a missing or stale file
-        (a checkpoint recorded after it) starts a full one."""
-        chain, manifest = self._chains.get(sb.id), None
-        path = self._chain_path(sb.id)
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-            manifest = {k: tuple(v) for k, v in raw.pop("manifest").items()}
-            chain = Chain(**raw)
-        except (OSError, ValueError, TypeError, KeyError):
-            chain = chain or Chain(deltas=-1)
-        latest = self.checkpoints.latest(sb.id)
-        if latest is not None and latest.seq != chain.seq:  # recorded elsewhere or after the file
-            chain = Chain(seq=latest.seq, stack=latest.stack, inherited=chain.inherited, deltas=-1)
-            manifest = None
-        return chain, manifest or {}  # type: ignore[return-value]
-
-    def _save_chain(self, sandbox_id: str, chain: Chain, manifest: delta.Manifest) -> None:
-        path = self._chain_path(sandbox_id)
-        with open(path + ".tmp", "w") as f:
-            json.dump({**chain.__dict__, "manifest": manifest}, f, separators=(",", ":"))
-        os.replace(path + ".tmp", path)
-        self._chains[sandbox_id] = chain
+    def __init__(self, node: EdgeNode, table: SandboxTable, chains: CheckpointChains, lifecycle: Lifecycle,
+                 creation: Creation, teardown: Teardown, cmdlog: CommandLog) -> None:
+        self.node = node
+        self.volume, self.layers = node.volume, node.layers
+        self.table = table
+        self.chains = chains
+        self.lifecycle = lifecycle
+        self.creation = creation
+        self.teardown = teardown
+        self.cmdlog = cmdlog
 
     # ---- taking one --------------------------------------------------------------------
     async def checkpoint(self, sandbox_id: str, full: bool = False) -> CheckpointInfo:
@@ -123,54 +77,50 @@ class Checkpointing(EdgeCore):
         return cp
 
     def _checkpointable(self, sandbox_id: str) -> Sandbox:
-        sb = self._get_live(sandbox_id)
-        if sb is None:
-            info = self._tombstone(sandbox_id)
-            raise SandboxNotRunning(f"sandbox {sandbox_id} is {info.state.value}: nothing to checkpoint")
-        if sb.rec.info.state not in (SandboxState.running, SandboxState.paused):
-            raise SandboxNotRunning(f"sandbox {sandbox_id} is {sb.rec.info.state.value}")
+        sb = self.lifecycle.check(Op.CHECKPOINT, sandbox_id)
+        assert sb is not None
         return sb
 
-    def _schedule_checkpoint(self, sb: Sandbox, now: float) -> None:
+    def schedule(self, sb: Sandbox, now: float) -> None:
         """From the TTL loop's visit of ``sb``: start its checkpoint if one is due (one at a time)."""
         args = sb.rec.args
         if (not args.checkpoint_every_s or sb.stopping or sb.rec.info.state != SandboxState.running
-                or sb.agent is None or (sb.ops and self.backend_of(sb).snapshot_files(sb) is not None)):
+                or sb.agent is None or (sb.ops and self.node.backend_of(sb).snapshot_files(sb) is not None)):
             # (a VM's, taken whole with QEMU down, waits for a quiet moment)
             return
-        task = self._ckpt_tasks.get(sb.id)
+        task = self.chains.tasks.get(sb.id)
         if task is not None and not task.done():
             return
-        last = self._chains[sb.id].taken_at if sb.id in self._chains else sb.rec.info.created_at
+        last = self.chains.chains[sb.id].taken_at if sb.id in self.chains.chains else sb.rec.info.created_at
         if now - last >= args.checkpoint_every_s:
-            self._ckpt_tasks[sb.id] = asyncio.create_task(self._take(sb, full=False, forced=False))
+            self.chains.tasks[sb.id] = asyncio.create_task(self._take(sb, full=False, forced=False))
 
     async def _take(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
         """One checkpoint of ``sb``; scheduled ones log their failures and are tried again
         at the next interval, forced ones raise."""
-        lock = self._ckpt_locks.setdefault(sb.id, asyncio.Lock())
+        lock = self.chains.locks.setdefault(sb.id, asyncio.Lock())
         try:
             async with lock, asyncio.timeout(CHECKPOINT_TIMEOUT_S):
                 return await self._take_one(sb, full, forced)
         except Exception as e:
             if forced:
                 raise
-            self.on_event(sb.id, "checkpoint_failed", explain(e))
+            self.node.on_event(sb.id, "checkpoint_failed", explain(e))
             # not again before the next interval (a first one that fails too)
-            self._chains.setdefault(sb.id, Chain(deltas=-1)).taken_at = time.time()
+            self.chains.chains.setdefault(sb.id, Chain(deltas=-1)).taken_at = time.time()
             return None
 
     async def _take_one(self, sb: Sandbox, full: bool, forced: bool) -> CheckpointInfo | None:
-        if (files := self.backend_of(sb).snapshot_files(sb)) is not None:
+        if (files := self.node.backend_of(sb).snapshot_files(sb)) is not None:
             return await self._take_vm(sb, files, forced)
-        chain, before = await asyncio.to_thread(self._chain, sb)
+        chain, before = await asyncio.to_thread(self.chains.read, sb)
         if full or chain.deltas < 0 or chain.deltas + 1 >= FULL_EVERY:
             full, before = True, {}
         commands = await asyncio.to_thread(self.cmdlog.export, sb.id)
         commands_seq = max((int(c["seq"]) for c in commands), default=0)  # type: ignore[call-overload]
-        work = os.path.join(self.ckpt_dir, f"{sb.id}.{chain.seq + 1}.{secrets.token_hex(4)}")
+        work = os.path.join(self.chains.ckpt_dir, f"{sb.id}.{chain.seq + 1}.{secrets.token_hex(4)}")
         # the build slot first: a sandbox waiting for one holds no snapshot meanwhile
-        async with self._builds:
+        async with self.chains.builds:
             try:
                 freeze_ms = await self._snapshot(sb, work)
                 t0 = time.monotonic()
@@ -179,7 +129,7 @@ class Checkpointing(EdgeCore):
                 d = await asyncio.to_thread(delta.prune, upper, now, before)
                 if d.files == 0 and commands_seq == chain.commands_seq and not forced and not full:
                     chain.taken_at = time.time()
-                    self._chains[sb.id] = chain
+                    self.chains.chains[sb.id] = chain
                     return None  # nothing changed: nothing to write
                 digest = None
                 if d.files or full:
@@ -192,7 +142,7 @@ class Checkpointing(EdgeCore):
             [*chain.stack, *([digest] if digest else [])]
         info = sb.rec.info
         cp = Checkpoint(
-            sandbox_id=sb.id, seq=chain.seq + 1, kind="full" if full else "delta", edge=self.name, digest=digest,
+            sandbox_id=sb.id, seq=chain.seq + 1, kind="full" if full else "delta", edge=self.node.name, digest=digest,
             stack=stack, bytes=self._blob_bytes(digest), files=d.files, freeze_ms=freeze_ms,
             build_ms=(time.monotonic() - t0) * 1e3, taken_at=time.time(),
             project=info.labels.get("dsec.project", "default"), commands=cmd_name,
@@ -200,10 +150,10 @@ class Checkpointing(EdgeCore):
         if sb.teardown is not None and not sb.keep_checkpoints:
             return None  # stopped meanwhile: its checkpoints are being dropped
         try:
-            await asyncio.to_thread(self.checkpoints.add, cp)
+            await asyncio.to_thread(self.chains.store.add, cp)
         except IntegrityError:  # another edge recorded this seq: it holds the sandbox now
             raise SandboxBusy(f"sandbox {sb.id}'s checkpoint {cp.seq} was recorded by another edge") from None
-        await asyncio.to_thread(self._save_chain, sb.id, Chain(
+        await asyncio.to_thread(self.chains.save, sb.id, Chain(
             seq=cp.seq, stack=stack, inherited=chain.inherited, deltas=0 if full else chain.deltas + 1,
             commands_seq=commands_seq, taken_at=cp.taken_at), now)
         return self._taken(sb, cp, d.files)
@@ -218,7 +168,7 @@ class Checkpointing(EdgeCore):
     def _taken(self, sb: Sandbox, cp: Checkpoint, entries: int) -> CheckpointInfo:
         public = CheckpointInfo(**cp.model_dump(include=set(CheckpointInfo.model_fields)))
         sb.rec.info.checkpoint = public
-        self.on_event(sb.id, "checkpoint", f"{cp.kind} #{cp.seq}: {entries} entries, {cp.bytes} bytes, "
+        self.node.on_event(sb.id, "checkpoint", f"{cp.kind} #{cp.seq}: {entries} entries, {cp.bytes} bytes, "
                       f"frozen {cp.freeze_ms:.1f} ms, built in {cp.build_ms:.0f} ms")
         return public
 
@@ -227,9 +177,9 @@ class Checkpointing(EdgeCore):
         """A VM's checkpoint: its RAM and devices (QEMU's migration stream, as a pause writes
         it) and its disk, copied while QEMU is down, then it runs on from that very state;
         stored whole. A restore brings the VM back running, processes and all."""
-        seq = await asyncio.to_thread(self.checkpoints.next_seq, sb.id)
-        work = os.path.join(self.ckpt_dir, f"{sb.id}.{seq}.{secrets.token_hex(4)}")
-        async with self._builds:
+        seq = await asyncio.to_thread(self.chains.store.next_seq, sb.id)
+        work = os.path.join(self.chains.ckpt_dir, f"{sb.id}.{seq}.{secrets.token_hex(4)}")
+        async with self.chains.builds:
             try:
                 os.makedirs(work)
                 freeze_ms = await self._vm_snapshot(sb, files, work, forced)
@@ -246,17 +196,17 @@ class Checkpointing(EdgeCore):
             finally:
                 await asyncio.shield(asyncio.to_thread(shutil.rmtree, work, True))
         cp = Checkpoint(
-            sandbox_id=sb.id, seq=seq, kind="full", edge=self.name, digest=None, stack=[], bytes=size, files=0,
+            sandbox_id=sb.id, seq=seq, kind="full", edge=self.node.name, digest=None, stack=[], bytes=size, files=0,
             freeze_ms=freeze_ms, build_ms=(time.monotonic() - t0) * 1e3, taken_at=time.time(),
             project=sb.rec.info.labels.get("dsec.project", "default"), commands=cmd_name,
             record=self._ckpt_record(sb, 0, vm={**names, "meta": meta}))
         if sb.teardown is not None and not sb.keep_checkpoints:
             return None
         try:
-            await asyncio.to_thread(self.checkpoints.add, cp)
+            await asyncio.to_thread(self.chains.store.add, cp)
         except IntegrityError:
             raise SandboxBusy(f"sandbox {sb.id}'s checkpoint {cp.seq} was recorded by another edge") from None
-        self._chains[sb.id] = Chain(seq=seq, taken_at=cp.taken_at)
+        self.chains.chains[sb.id] = Chain(seq=seq, taken_at=cp.taken_at)
         return self._taken(sb, cp, 0)
 
     async def _vm_snapshot(self, sb: Sandbox, files: dict[str, str], work: str, forced: bool) -> float | None:
@@ -270,17 +220,17 @@ class Checkpointing(EdgeCore):
                     raise SandboxBusy(f"sandbox {sb.id} has {sb.ops} request(s) in flight; a VM's checkpoint "
                                       "waits for them to end")
                 return None
-            info, backend = sb.rec.info, self.backend_of(sb)
+            info, backend = sb.rec.info, self.node.backend_of(sb)
             running = info.state == SandboxState.running
             t0 = time.perf_counter()
             if running:
                 info.state = SandboxState.paused  # requests arriving meanwhile wait for the lock (_ready)
-                self.held.update(sb)
+                self.table.held.update(sb)
                 try:
                     await backend.pause(sb)
                 except BaseException:
                     info.state = SandboxState.running
-                    self.held.update(sb)
+                    self.table.held.update(sb)
                     raise
             try:
                 for src, name in ((files["state"], "snapshot.state"), (files["meta"], "snapshot.json"),
@@ -292,13 +242,13 @@ class Checkpointing(EdgeCore):
                     try:
                         _, link = await backend.resume(sb)
                     except SandboxLost as e:
-                        self.on_event(sb.id, "snapshot_error", e.message)
-                        asyncio.create_task(self._teardown(sb, SandboxState.failed, f"checkpoint: {e.message}"))
+                        self.node.on_event(sb.id, "snapshot_error", e.message)
+                        asyncio.create_task(self.teardown.teardown(sb, SandboxState.failed, f"checkpoint: {e.message}"))
                         raise
                     if link is not None:
-                        await self.bind_agent(sb, link)
+                        await self.lifecycle.bind_agent(sb, link)
                     info.state = SandboxState.running
-                    self.held.update(sb)
+                    self.table.held.update(sb)
             return (time.perf_counter() - t0) * 1e3
 
     def _put_vm_file(self, sandbox_id: str, seq: int, path: str, kind: str) -> str:
@@ -319,7 +269,7 @@ class Checkpointing(EdgeCore):
                 raise SandboxNotRunning(f"sandbox {sb.id} is stopping")
             frozen = sb.rec.info.state == SandboxState.paused  # already: leave it so
             if not frozen:
-                await self.containers.freeze(sb)
+                await self.node.containers.freeze(sb)
             t0 = time.perf_counter()
             try:
                 await failpoint("checkpoint.frozen")
@@ -332,7 +282,7 @@ class Checkpointing(EdgeCore):
                 return (time.perf_counter() - t0) * 1e3
             finally:
                 if not frozen:
-                    await self.containers.thaw(sb)
+                    await self.node.containers.thaw(sb)
 
     def _drop_work(self, work: str) -> None:
         if os.path.lexists(work):
@@ -359,32 +309,15 @@ class Checkpointing(EdgeCore):
             self.layers.backend.put(tmp, name)
         return name
 
-    def _forget_checkpoints(self, sb: Sandbox, keep: bool) -> None:
-        """At the end of ``sb`` here: its chain file goes; its checkpoints too unless it
-        moved (or its restore here failed: the checkpoint is still the sandbox)."""
-        task = self._ckpt_tasks.pop(sb.id, None)
-        if task is not None and not task.done():
-            task.cancel()
-        self._chains.pop(sb.id, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._chain_path(sb.id))
-        # (a checkpoint ever begun here has a lock: it may have committed its row already)
-        begun = self._ckpt_locks.pop(sb.id, None) is not None
-        if not keep and (task is not None or begun or had_checkpoints(sb.rec.info)):
-            try:  # fenced: a stale copy ending here leaves the holder's checkpoints alone
-                self.checkpoints.drop_sandbox(sb.id, holder=self.name)
-            except Exception as e:  # the database is away: the apiserver's stop drops them too
-                log.warning("sandbox %s: checkpoints not dropped: %s", sb.id, e)
-
     # ---- restore and evict ----------------------------------------------------------------
     async def restore(self, spec: RestoreSpec) -> SandboxInfo:
         """Bring checkpoint ``spec.seq`` of ``spec.sandbox_id`` back here, under its own id:
         its layers with the checkpoint's stack over them, its command log, its record."""
-        cp = await asyncio.to_thread(self.checkpoints.get, spec.sandbox_id, spec.seq)
+        cp = await asyncio.to_thread(self.chains.store.get, spec.sandbox_id, spec.seq)
         if cp is None:
             raise NotFound(f"sandbox {spec.sandbox_id} has no checkpoint {spec.seq}", field="seq")
-        if spec.sandbox_id in self.sandboxes:
-            sb = self.sandboxes[spec.sandbox_id]
+        if spec.sandbox_id in self.table.sandboxes:
+            sb = self.table.sandboxes[spec.sandbox_id]
             if not sb.stopping:  # a retry of a restore that went through
                 return sb.rec.info
         args = _args(cp.record["args"])
@@ -395,16 +328,16 @@ class Checkpointing(EdgeCore):
         if isinstance(vm, dict):  # the VM's files: read from the store by its backend's launch
             restore = {"state": self.layers.backend.path(vm["vmstate"]), "disk": self.layers.backend.path(vm["vmdisk"]),
                        "meta": json.dumps(vm["meta"])}
-        info = await self._create(args, sandbox_id=spec.sandbox_id, extra=cp.stack, origin=old,
+        info = await self.creation.create_sandbox(args, sandbox_id=spec.sandbox_id, extra=cp.stack, origin=old,
                                   restored_from=f"{old.edge} ({spec.reason})", base=cp.record.get("digests"),
                                   restore=restore)
         await asyncio.to_thread(self.cmdlog.restore, spec.sandbox_id, commands)
         chain = Chain(seq=cp.seq, stack=cp.stack, inherited=cp.stack, deltas=-1,
                       commands_seq=max((int(c.get("seq") or 0) for c in commands), default=0),  # type: ignore[call-overload]
                       taken_at=time.time())
-        await asyncio.to_thread(self._save_chain, spec.sandbox_id, chain, {})
+        await asyncio.to_thread(self.chains.save, spec.sandbox_id, chain, {})
         info.checkpoint = CheckpointInfo(**cp.model_dump(include=set(CheckpointInfo.model_fields)))
-        self.on_event(spec.sandbox_id, "restored", f"from checkpoint #{cp.seq} of edge {old.edge} ({spec.reason})")
+        self.node.on_event(spec.sandbox_id, "restored", f"from checkpoint #{cp.seq} of edge {old.edge} ({spec.reason})")
         return info
 
     def _get_commands(self, name: str | None) -> list[dict[str, object]]:
@@ -421,20 +354,14 @@ class Checkpointing(EdgeCore):
 
     async def evict(self, sandbox_id: str, moved_to: str) -> SandboxInfo:
         """Stop ``sandbox_id`` here because it now runs on ``moved_to``; its checkpoints stay."""
-        sb = self.sandboxes.get(sandbox_id)
+        sb = self.lifecycle.check(Op.EVICT, sandbox_id)
         if sb is None:
-            return self._tombstone(sandbox_id)
+            return self.table.tombstone(sandbox_id)
         sb.keep_checkpoints = True
-        await self._teardown(sb, SandboxState.stopped, f"{MOVED_TO}{moved_to}")
+        await self.teardown.teardown(sb, SandboxState.stopped, f"{MOVED_TO}{moved_to}")
         sb.rec.info.error = f"{MOVED_TO}{moved_to}"
-        await asyncio.to_thread(self.state.put, sb.rec)
+        await asyncio.to_thread(self.table.state.put, sb.rec)
         return sb.rec.info
-
-    async def _create(self, args: ContainerArgs | MicroVMArgs | VMArgs, sandbox_id: str | None = None,
-                      extra: list[str] | None = None, origin: SandboxInfo | None = None,
-                      restored_from: str | None = None, base: list[str] | None = None,
-                      restore: dict[str, str] | None = None, branched_from: str | None = None) -> SandboxInfo:
-        raise NotImplementedError
 
 
 def _args(raw: dict[str, object]) -> ContainerArgs | MicroVMArgs | VMArgs:

@@ -1,405 +1,251 @@
-"""The in-process edge's streams: the agent's live objects (output callbacks, the process
-table, inotify watches, a pty, an HTTP response) turned into the contract's async
-iterators of models, and the polled directory watchers the edge holds for clients.
-
-Every stream here ends its work when the consumer closes it: a closed exec stream
-cancels the command, a closed TTY kills the shell, a closed watch drops its inotify fd.
-"""
+"""Requests into a running sandbox, through its agent: exec (plain, streamed, keyed through
+dsec.node.edge.keyed), files, processes, the TTY, directory watches, HTTP to its ports,
+the display of a VM, and the FnCall pool's worker channel. Each goes through the
+lifecycle's gate first (a paused sandbox resumes); the streams themselves are
+dsec.node.edge.streams'."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import secrets
-import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+import socket
+from collections.abc import AsyncIterator
 
-from dsec.node.agent.aether import Aether, OnData
-from dsec.node.agent.fdio import write_all
-from dsec.node.agent.initclient import exit_code
+from dsec.node.agent.aether import DEFAULT_PATH, OnData
 from dsec.node.agent.interfaces import check_path
-from dsec.node.agent.procs import Proc, ProcessTable
+from dsec.node.agent.procs import ProcessTable
 from dsec.node.agent.watch import DirWatch
-from dsec.shared.errors import AdmissionRejected, DsecError, InvalidRequest, NotFound, SandboxBusy
+from dsec.node.backends.api import Display
+from dsec.node.edge.core import EdgeNode
+from dsec.node.edge.keyed import KeyedExec
+from dsec.node.edge.lifecycle import Lifecycle, Op
+from dsec.node.edge.runner import CommandRunner
+from dsec.node.edge.streams import (
+    MAX_STREAMS_PER_SANDBOX,
+    MAX_WATCHERS,
+    MAX_WATCHERS_PER_SANDBOX,
+    InputBuffer,
+    StreamSlots,
+    Watchers,
+    check_signal,
+    exec_events,
+    find_proc,
+    fs_events,
+    proc_events,
+    proc_input,
+    proc_list,
+    proc_resize,
+    proc_start,
+    tty_session,
+    watch_stream,
+)
+from dsec.shared import tracing
+from dsec.shared.errors import InvalidRequest, PayloadTooLarge
 from dsec.shared.wire.edge import FsEvent, HttpPart, ProcInfo, ProcOutput, ProcRef, ProcSpec, TtyInput, TtyOutput
-from dsec.shared.wire.models import ExecEvent, ExecResult
+from dsec.shared.wire.models import ExecEvent, ExecRequest, ExecResult, FileStat, HttpResponse, Owner
 
-INPUT_LIMIT = 4 << 20  # bytes of input queued for a stream before its input is ended
-KEEPALIVE_S = 30.0  # a quiet stream says it is alive this often (proxies and clients time out idle ones)
-MAX_WATCHERS, MAX_WATCHERS_PER_SANDBOX = 8192, 256
-MAX_STREAMS_PER_SANDBOX = 256  # as many as its process table holds processes
-TTY_DRAIN_S = 0.5  # output after the shell's exit still goes out for this long
+__all__ = ["MAX_STREAMS_PER_SANDBOX", "MAX_WATCHERS", "MAX_WATCHERS_PER_SANDBOX", "InputBuffer", "Interactive",
+           "StreamSlots", "Watchers"]
 
 
-async def exec_events(run: Callable[[OnData], Awaitable[ExecResult]]) -> AsyncIterator[ExecEvent]:
-    """A command's output as it is produced, then its result; closing the stream early
-    cancels the command."""
-    queue: asyncio.Queue[ExecEvent | BaseException | None] = asyncio.Queue()
+class Interactive:
+    """The contract's requests into a sandbox (see the module's docstring)."""
 
-    def on_data(name: str, data: bytes) -> None:
-        queue.put_nowait(ExecEvent(type=name, data=data.decode("utf-8", errors="replace")))  # type: ignore[arg-type]
+    def __init__(self, node: EdgeNode, lifecycle: Lifecycle, runner: CommandRunner, keyed: KeyedExec) -> None:
+        self.node = node
+        self.lifecycle = lifecycle
+        self.runner = runner
+        self.keyed = keyed
 
-    async def go() -> None:
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self._exec(sandbox_id, req, None)
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        with self.node.streams.hold(sandbox_id, "streamed command"):
+            async for ev in exec_events(lambda on_data: self._exec(sandbox_id, req, on_data)):
+                yield ev
+
+    async def _exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
+        with tracing.span("edge.exec", sandbox_id=sandbox_id, session=req.session, keyed=req.key is not None):
+            if req.key is not None:
+                return await self.keyed.exec(sandbox_id, req, on_data)
+            sb, agent = await self.lifecycle.ready(Op.EXEC, sandbox_id)
+            return await self.runner.run(sb, agent, req, on_data)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        check_path(path)
+        _, agent = await self.lifecycle.ready(Op.READ_FILE, sandbox_id)
+        return await agent.files.read_file(path, self.node.cfg.max_file_bytes)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
+                         owner: Owner | None = None) -> None:
+        limit = self.node.cfg.max_file_bytes
+        if len(data) > limit:
+            raise PayloadTooLarge(f"file body of {len(data)} bytes exceeds the {limit}-byte limit", field="body")
+        check_path(path)
+        sb, agent = await self.lifecycle.ready(Op.WRITE_FILE, sandbox_id)
+        self.node.audit.record(sb.id, "file_write", f"{path} ({len(data)} bytes, mode {mode:o})")
+        await agent.files.write_file(path, data, mode, owner)
+
+    async def make_dir(self, sandbox_id: str, path: str, owner: Owner | None = None) -> bool:
+        """Make ``path`` and its parents; False if it already existed."""
+        check_path(path)
+        sb, agent = await self.lifecycle.ready(Op.MAKE_DIR, sandbox_id)
+        if await agent.files.exists(path):
+            return False
+        self.node.audit.record(sb.id, "file_write", f"{path} (directory)")
+        await agent.files.mkdirs(path, owner)
+        return True
+
+    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None:
+        """The user.* extended attributes under ``prefix`` on ``path`` become ``values``."""
+        check_path(path)
+        sb, agent = await self.lifecycle.ready(Op.SET_XATTRS, sandbox_id)
+        self.node.audit.record(sb.id, "file_write", f"{path} (xattrs {prefix}*)")
+        await agent.files.set_xattrs(path, prefix, values)
+
+    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        check_path(source, "source")
+        check_path(destination, "destination")
+        sb, agent = await self.lifecycle.ready(Op.MOVE, sandbox_id)
+        self.node.audit.record(sb.id, "file_write", f"{source} moved to {destination}")
+        await agent.files.move(source, destination)
+        return await agent.files.stat(destination)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        check_path(path)
+        _, agent = await self.lifecycle.ready(Op.LIST_DIR, sandbox_id)
+        return await agent.files.list_dir(path)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        check_path(path)
+        _, agent = await self.lifecycle.ready(Op.STAT, sandbox_id)
+        return await agent.files.stat(path)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        check_path(path)
+        sb, agent = await self.lifecycle.ready(Op.REMOVE, sandbox_id)
+        self.node.audit.record(sb.id, "file_remove", f"{path}{' (recursive)' if recursive else ''}")
+        await agent.files.remove(path, recursive)
+
+    async def http(self, sandbox_id: str, port: int, method: str, path: str,
+                   headers: list[tuple[str, str]], body: bytes, timeout: float = 60.0) -> HttpResponse:
+        sb, agent = await self.lifecycle.ready(Op.HTTP, sandbox_id)
+        self.node.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
+        return await agent.http_request(port, method, path, headers, body, timeout)
+
+    async def spawn_worker(self, sandbox_id: str, argv: list[str], files: dict[str, bytes]
+                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Put ``files`` (root-owned, read-only to others) into a sandbox and start ``argv``
+        as root with a socketpair for stdin and stdout: the FnCall pool's worker channel."""
+        _, agent = await self.lifecycle.ready(Op.SPAWN_WORKER, sandbox_id)
+        for path, data in files.items():
+            await agent.files.write_file(path, data, 0o644)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            queue.put_nowait(ExecEvent(type="result", result=await run(on_data)))
-        except Exception as e:  # noqa: BLE001 - re-raised to the consumer
-            queue.put_nowait(e)
+            await agent.init.spawn(argv, {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, "/",
+                                   [theirs.fileno(), theirs.fileno(), devnull])
+        except BaseException:
+            mine.close()
+            raise
         finally:
-            queue.put_nowait(None)
+            theirs.close()
+            os.close(devnull)
+        return await asyncio.open_unix_connection(sock=mine, limit=64 << 20)
 
-    task = asyncio.create_task(go())
-    try:
-        while (item := await queue.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+    def _display(self, op: Op, sandbox_id: str) -> Display:
+        sb, _ = self.lifecycle.attached(op, sandbox_id)
+        display = self.node.backend_of(sb).display(sb)
+        if display is None:
+            raise InvalidRequest(f"sandbox {sandbox_id} has no display (a VMArgs sandbox with display=True has)",
+                                 field="sandbox_id")
+        return display
 
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        await self.lifecycle.ready(Op.SCREENSHOT, sandbox_id)
+        return await self._display(Op.SCREENSHOT, sandbox_id).screenshot()
 
-class InputBuffer:
-    """Input items pushed without ever waiting (so whoever reads them off a socket keeps
-    reading, and sees the peer leave), taken as an async iterator. Past ``limit`` bytes
-    queued the input ends: a consumer that stopped reading does not make the edge hold
-    unbounded input."""
+    async def send_keys(self, sandbox_id: str, keys: str) -> None:
+        await self.lifecycle.ready(Op.SEND_KEYS, sandbox_id)
+        await self._display(Op.SEND_KEYS, sandbox_id).send_keys(keys)
 
-    def __init__(self, limit: int = INPUT_LIMIT) -> None:
-        self.q: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
-        self.queued, self.limit, self.ended = 0, limit, False
+    async def click(self, sandbox_id: str, x: int, y: int, button: str = "left") -> None:
+        await self.lifecycle.ready(Op.CLICK, sandbox_id)
+        await self._display(Op.CLICK, sandbox_id).click(x, y, button)
 
-    def push(self, item: Any, size: int) -> None:
-        if self.ended:
-            return
-        if self.queued + size > self.limit:
-            self.end()
-            return
-        self.queued += size
-        self.q.put_nowait((item, size))
-
-    def end(self) -> None:
-        if not self.ended:
-            self.ended = True
-            self.q.put_nowait(None)
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while (got := await self.q.get()) is not None:
-            item, size = got
-            self.queued -= size
-            yield item
-
-
-# ---- processes ---------------------------------------------------------------------
-
-def find_proc(table: ProcessTable, ref: ProcRef) -> Proc:
-    p = table.find(ref.pid, ref.tag)
-    if p is None:
-        raise NotFound(f"process with {ref} not found", field="ref")
-    return p
-
-
-async def proc_start(table: ProcessTable, spec: ProcSpec) -> Proc:
-    try:
-        return await table.start(spec.cmd, spec.args, spec.envs, spec.cwd, spec.pty, spec.stdin, spec.tag,
-                                 spec.owner)
-    except ValueError as e:  # the table is full
-        raise AdmissionRejected(str(e)) from None
-
-
-async def proc_events(p: Proc) -> AsyncIterator[ProcOutput]:
-    """``start`` (its pid), then what it prints from now on, then its end; a keepalive
-    while it is quiet."""
-    q = p.subscribe()
-    try:
-        yield ProcOutput(kind="start", pid=p.pid)
-        while True:
-            try:
-                ev = await asyncio.wait_for(q.get(), KEEPALIVE_S)
-            except TimeoutError:
-                yield ProcOutput(kind="keepalive", pid=p.pid)
-                continue
-            p.consumed(q, ev)
-            if ev.kind == "end":
-                yield ProcOutput(kind="end", pid=p.pid, exit_code=ev.exit_code, status=ev.status)
-                return
-            yield ProcOutput(kind="data" if ev.kind == "data" else "lost", pid=p.pid, stream=ev.stream,
-                             data=ev.data)
-    finally:
-        p.unsubscribe(q)
-
-
-def proc_list(table: ProcessTable) -> list[ProcInfo]:
-    return [ProcInfo(pid=p.pid, tag=p.tag, cmd=p.cmd, args=p.args, envs=p.envs, cwd=p.cwd, pty=p.pty)
-            for p in table.procs.values()]
-
-
-async def proc_input(table: ProcessTable, ref: ProcRef, data: bytes) -> None:
-    p = find_proc(table, ref)
-    try:
-        await table.write(p, data)
-    except (ValueError, OSError) as e:
-        raise SandboxBusy(f"cannot write to process {p.pid}: {e}", field="ref") from None
-
-
-async def proc_resize(table: ProcessTable, ref: ProcRef, cols: int, rows: int) -> None:
-    p = find_proc(table, ref)
-    try:
-        await table.resize(p, cols, rows)
-    except ValueError as e:
-        raise SandboxBusy(str(e), field="ref") from None
-
-
-# ---- directory watches ------------------------------------------------------------------
-
-def fs_events(w: DirWatch) -> list[FsEvent]:
-    return [FsEvent(name=e.name, kind=e.kind) for e in w.drain()]  # type: ignore[arg-type]
-
-
-async def watch_stream(w: DirWatch) -> AsyncIterator[list[FsEvent]]:
-    """Batches of events as they come; an empty batch every KEEPALIVE_S of quiet."""
-    try:
-        yield []  # the watch exists: what happens from here on is reported
-        while not w.closed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(w.changed.wait(), KEEPALIVE_S)
-            yield fs_events(w)
-    finally:
-        w.close()
-
-
-class Watchers:
-    """Directory watchers the edge holds for clients that poll them (E2B's CreateWatcher):
-    bounded per sandbox and per edge, released with their sandbox."""
-
-    def __init__(self) -> None:
-        self.by_sandbox: dict[str, dict[str, DirWatch]] = {}
-
-    def count(self) -> int:
-        return sum(len(ws) for ws in self.by_sandbox.values())
-
-    def add(self, sandbox_id: str, w: DirWatch) -> str:
-        mine = self.by_sandbox.setdefault(sandbox_id, {})
-        for wid in [k for k, v in mine.items() if v.closed]:
-            del mine[wid]
-        if len(mine) >= MAX_WATCHERS_PER_SANDBOX or self.count() >= MAX_WATCHERS:
-            w.close()
-            limit = (f"{MAX_WATCHERS_PER_SANDBOX} watchers per sandbox" if len(mine) >= MAX_WATCHERS_PER_SANDBOX
-                     else f"{MAX_WATCHERS} watchers per edge")
-            raise AdmissionRejected(f"at most {limit}", field="path", sandbox_id=sandbox_id)
-        wid = secrets.token_hex(8)
-        mine[wid] = w
-        return wid
-
-    def get(self, sandbox_id: str, watcher_id: str) -> DirWatch:
-        w = self.by_sandbox.get(sandbox_id, {}).get(watcher_id)
-        if w is None:
-            raise NotFound(f"watcher {watcher_id!r} not found", field="watcher_id", sandbox_id=sandbox_id)
-        return w
-
-    def remove(self, sandbox_id: str, watcher_id: str) -> None:
-        self.get(sandbox_id, watcher_id).close()
-        self.by_sandbox[sandbox_id].pop(watcher_id, None)
-
-    def release(self, sandbox_id: str) -> None:
-        for w in self.by_sandbox.pop(sandbox_id, {}).values():
-            w.close()
-
-
-class StreamSlots:
-    """Open streams per sandbox (TTYs, streamed execs, process streams, watches, streamed
-    port responses): bounded, so that one client cannot hold an edge's memory and fds
-    open through one sandbox. A slot is held for as long as the stream is."""
-
-    def __init__(self, per_sandbox: int = MAX_STREAMS_PER_SANDBOX) -> None:
-        self.per_sandbox = per_sandbox
-        self.open: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def hold(self, sandbox_id: str, what: str) -> Iterator[None]:
-        n = self.open.get(sandbox_id, 0)
-        if n >= self.per_sandbox:
-            raise AdmissionRejected(f"sandbox {sandbox_id} has {n} open streams (terminals, streamed commands, "
-                                    f"watches, port streams), the most it may; close one before opening a {what}",
-                                    sandbox_id=sandbox_id)
-        self.open[sandbox_id] = n + 1
-        try:
-            yield
-        finally:
-            left = self.open.get(sandbox_id, 1) - 1
-            if left > 0:
-                self.open[sandbox_id] = left
-            else:
-                self.open.pop(sandbox_id, None)
-
-
-# ---- the TTY duplex ------------------------------------------------------------------------
-
-async def tty_session(agent: Aether, cols: int, rows: int, input: AsyncIterator[TtyInput],
-                      touch: Callable[[], None]) -> AsyncIterator[TtyOutput]:
-    """An interactive shell on a new pty: ``input`` is written to it (and resizes it),
-    its output comes back, the exit code last. The shell is killed when the input ends
-    or the consumer closes the stream."""
-    master, pid, exited = await agent.open_tty(cols, rows)
-    loop = asyncio.get_running_loop()
-    out: asyncio.Queue[bytes] = asyncio.Queue()
-    os.set_blocking(master, False)
-
-    def readable() -> None:
-        try:
-            data = os.read(master, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        out.put_nowait(data)
-        if not data:
-            loop.remove_reader(master)
-
-    async def pump_in() -> None:
-        async for item in input:
-            if item.resize is not None:
-                await agent.resize_tty(master, max(1, min(item.resize[0], 1000)), max(1, min(item.resize[1], 1000)))
-            if item.data:
-                await write_all(master, item.data)  # a full pty waits, never fails the session
-            touch()
-
-    loop.add_reader(master, readable)
-    in_task = asyncio.create_task(pump_in())
-    ended_input = False
-    try:
-        yield TtyOutput()  # the shell is up
-        while True:
-            get = asyncio.ensure_future(out.get())
-            done, _ = await asyncio.wait([get, in_task, exited], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
-            if get in done:
-                data = get.result()
-                if data:
-                    yield TtyOutput(data=data)
-                    continue
-                break  # the pty closed
-            get.cancel()
-            if in_task in done:
-                ended_input = True
-                break
-            break  # exited: let the last output through below
-        if not ended_input:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(TTY_DRAIN_S):
-                    while data := await out.get():
-                        yield TtyOutput(data=data)
-            with contextlib.suppress(TimeoutError, DsecError):
-                await asyncio.wait_for(asyncio.shield(exited), 2)
-            code = exit_code(exited.result()) if exited.done() and not exited.exception() else -1
-            yield TtyOutput(exit_code=code)
-    finally:
-        in_task.cancel()
-        with contextlib.suppress(BaseException):  # its wait on the pty must end before the fd closes
-            await in_task
-        if not exited.done():
-            with contextlib.suppress(DsecError):
-                await agent.init.kill_tree(pid, signal.SIGKILL, 0, include_self=True)
-            with contextlib.suppress(asyncio.TimeoutError, DsecError):
-                await asyncio.wait_for(asyncio.shield(exited), 2)
-        with contextlib.suppress(Exception):
-            loop.remove_reader(master)
-        os.close(master)
-
-
-def check_signal(sig: int) -> int:
-    if sig not in signal.valid_signals():
-        raise InvalidRequest(f"{sig} is not a signal", field="signal")
-    return sig
-
-
-class InteractiveOps:
-    """The contract's process, TTY, watch and streamed-HTTP operations of the in-process
-    edge, written against what every sandbox has once ready: its agent."""
-
-    watchers: Watchers
-    streams: StreamSlots
-
-    async def _ready(self, sandbox_id: str) -> tuple[Any, Aether]:
-        raise NotImplementedError
-
-    async def touch(self, sandbox_id: str) -> None:
-        raise NotImplementedError
-
-    def _audit(self, sandbox_id: str, kind: str, detail: str) -> None:
-        raise NotImplementedError
-
-    async def _table(self, sandbox_id: str) -> ProcessTable:
-        _, agent = await self._ready(sandbox_id)
-        await self.touch(sandbox_id)
+    async def _table(self, op: Op, sandbox_id: str) -> ProcessTable:
+        _, agent = await self.lifecycle.ready(op, sandbox_id)
+        self.lifecycle.table.touch(sandbox_id)
         return agent.procs
 
     async def proc_start(self, sandbox_id: str, spec: ProcSpec) -> AsyncIterator[ProcOutput]:
-        with self.streams.hold(sandbox_id, "process stream"):
-            p = await proc_start(await self._table(sandbox_id), spec)
+        with self.node.streams.hold(sandbox_id, "process stream"):
+            p = await proc_start(await self._table(Op.PROC_START, sandbox_id), spec)
             async for ev in proc_events(p):
                 yield ev
 
     async def proc_connect(self, sandbox_id: str, ref: ProcRef) -> AsyncIterator[ProcOutput]:
-        with self.streams.hold(sandbox_id, "process stream"):
-            p = find_proc(await self._table(sandbox_id), ref)
+        with self.node.streams.hold(sandbox_id, "process stream"):
+            p = find_proc(await self._table(Op.PROC_CONNECT, sandbox_id), ref)
             async for ev in proc_events(p):
                 yield ev
 
     async def proc_list(self, sandbox_id: str) -> list[ProcInfo]:
-        return proc_list(await self._table(sandbox_id))
+        return proc_list(await self._table(Op.PROC_LIST, sandbox_id))
 
     async def proc_input(self, sandbox_id: str, ref: ProcRef, data: bytes) -> None:
-        await proc_input(await self._table(sandbox_id), ref, data)
+        await proc_input(await self._table(Op.PROC_INPUT, sandbox_id), ref, data)
 
     async def proc_close_stdin(self, sandbox_id: str, ref: ProcRef) -> None:
-        table = await self._table(sandbox_id)
+        table = await self._table(Op.PROC_CLOSE_STDIN, sandbox_id)
         table.close_stdin(find_proc(table, ref))
 
     async def proc_signal(self, sandbox_id: str, ref: ProcRef, signal: int) -> None:
-        table = await self._table(sandbox_id)
+        table = await self._table(Op.PROC_SIGNAL, sandbox_id)
         await table.signal(find_proc(table, ref), check_signal(signal))
 
     async def proc_resize(self, sandbox_id: str, ref: ProcRef, cols: int, rows: int) -> None:
-        await proc_resize(await self._table(sandbox_id), ref, cols, rows)
+        await proc_resize(await self._table(Op.PROC_RESIZE, sandbox_id), ref, cols, rows)
 
     async def tty(self, sandbox_id: str, cols: int, rows: int, input: AsyncIterator[TtyInput]
                   ) -> AsyncIterator[TtyOutput]:
         cols, rows = max(1, min(cols, 1000)), max(1, min(rows, 1000))
-        sb, agent = await self._ready(sandbox_id)
-        self._audit(sb.id, "tty", f"interactive shell {cols}x{rows}")
+        sb, agent = await self.lifecycle.ready(Op.TTY, sandbox_id)
+        self.node.audit.record(sb.id, "tty", f"interactive shell {cols}x{rows}")
 
         def touch() -> None:
-            asyncio.ensure_future(self.touch(sandbox_id))
-        with self.streams.hold(sb.id, "terminal"):
+            self.lifecycle.table.touch(sandbox_id)
+        with self.node.streams.hold(sb.id, "terminal"):
             async for out in tty_session(agent, cols, rows, input, touch):
                 yield out
 
-    async def _dir_watch(self, sandbox_id: str, path: str, recursive: bool) -> DirWatch:
+    async def _dir_watch(self, op: Op, sandbox_id: str, path: str, recursive: bool) -> DirWatch:
         check_path(path)
-        _, agent = await self._ready(sandbox_id)
+        _, agent = await self.lifecycle.ready(op, sandbox_id)
         return agent.files.watch(path, recursive)
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool) -> AsyncIterator[list[FsEvent]]:
-        with self.streams.hold(sandbox_id, "watch"):
-            async for batch in watch_stream(await self._dir_watch(sandbox_id, path, recursive)):
+        with self.node.streams.hold(sandbox_id, "watch"):
+            async for batch in watch_stream(await self._dir_watch(Op.WATCH, sandbox_id, path, recursive)):
                 yield batch
 
     async def watcher_create(self, sandbox_id: str, path: str, recursive: bool) -> str:
-        return self.watchers.add(sandbox_id, await self._dir_watch(sandbox_id, path, recursive))
+        return self.node.watchers.add(sandbox_id, await self._dir_watch(Op.WATCHER_CREATE, sandbox_id, path, recursive))
 
     async def watcher_events(self, sandbox_id: str, watcher_id: str) -> list[FsEvent]:
-        return fs_events(self.watchers.get(sandbox_id, watcher_id))
+        self.lifecycle.check(Op.WATCHER_EVENTS, sandbox_id)  # (answers in any state: the watcher is looked up)
+        return fs_events(self.node.watchers.get(sandbox_id, watcher_id))
 
     async def watcher_remove(self, sandbox_id: str, watcher_id: str) -> None:
-        self.watchers.remove(sandbox_id, watcher_id)
+        self.lifecycle.check(Op.WATCHER_REMOVE, sandbox_id)
+        self.node.watchers.remove(sandbox_id, watcher_id)
 
     async def http_stream(self, sandbox_id: str, port: int, method: str, path: str, headers: list[tuple[str, str]],
                           body: bytes, timeout: float = 60.0) -> AsyncIterator[HttpPart]:
-        sb, agent = await self._ready(sandbox_id)
-        self._audit(sb.id, "http", f"{method} :{port}{path[:512]}")
-        with self.streams.hold(sb.id, "port stream"):
+        sb, agent = await self.lifecycle.ready(Op.HTTP_STREAM, sandbox_id)
+        self.node.audit.record(sb.id, "http", f"{method} :{port}{path[:512]}")
+        with self.node.streams.hold(sb.id, "port stream"):
             resp = await agent.http_stream(port, method, path, headers, body, timeout)
             try:
                 yield HttpPart(status=resp.status, headers=resp.headers)

@@ -20,29 +20,32 @@ from dsec.node.edge.cmdlog import (
     interrupted,
     replay,
 )
-from dsec.node.edge.core import EdgeCore
+from dsec.node.edge.lifecycle import Lifecycle, Op
+from dsec.node.edge.runner import CommandRunner
 from dsec.node.edge.sandbox import Sandbox, explain
+from dsec.node.edge.table import SandboxTable
 from dsec.shared.errors import CommandForgotten, DeadlineExceeded, DsecError, KeyConflict
 from dsec.shared.wire.models import CommandRecord, ExecRequest, ExecResult
 
 
-class KeyedExec(EdgeCore):
+class KeyedExec:
     """exec with a key: recorded, replayed, waited for, refused on a different command."""
 
-    cmdlog: CommandLog
+    def __init__(self, table: SandboxTable, lifecycle: Lifecycle, runner: CommandRunner, cmdlog: CommandLog) -> None:
+        self.table = table
+        self.lifecycle = lifecycle
+        self.runner = runner
+        self.cmdlog = cmdlog
 
-    async def _run_exec(self, sb: Sandbox, agent: Aether, req: ExecRequest, on_data: OnData | None) -> ExecResult:
-        raise NotImplementedError
-
-    async def _keyed_exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
+    async def exec(self, sandbox_id: str, req: ExecRequest, on_data: OnData | None) -> ExecResult:
         assert req.key is not None
         fp = fingerprint(req)
-        self._get_live(sandbox_id)  # validates the id and its edge
+        self.lifecycle.check(Op.COMMAND_LOG, sandbox_id)  # validates the id and its edge (records answer in any state)
         # a recorded key answers even from a paused or ended sandbox: nothing needs to run
         recorded = await self._recorded(sandbox_id, req, fp, on_data)
         if recorded is not None:
             return recorded
-        sb, agent = await self._ready(sandbox_id)
+        sb, agent = await self.lifecycle.ready(Op.EXEC, sandbox_id)
         recorded = await self._recorded(sandbox_id, req, fp, on_data)  # _ready may have waited
         if recorded is not None:
             return recorded
@@ -92,7 +95,7 @@ class KeyedExec(EdgeCore):
         key = req.key
         assert key is not None
         try:
-            res = await self._run_exec(sb, agent, req, relay)
+            res = await self.runner.run(sb, agent, req, relay)
         except DsecError as e:
             if e.infra:  # it may have run in part: never again
                 self.cmdlog.interrupt(sb.id, key, f"dsec: the platform failed under this command: {e.message}")
@@ -110,11 +113,11 @@ class KeyedExec(EdgeCore):
         return res
 
     async def command_log(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[CommandRecord]:
-        if self._get_live(sandbox_id) is None and sandbox_id not in self.sandboxes:
-            self._tombstone(sandbox_id)  # NotFound for a sandbox this edge never had
+        if self.lifecycle.check(Op.COMMAND_LOG, sandbox_id) is None:
+            self.table.tombstone(sandbox_id)  # NotFound for a sandbox this edge never had
         return self.cmdlog.list(sandbox_id, after, max(1, min(limit, MAX_RECORDS)))
 
-    async def _close_command_log(self) -> None:
+    async def close(self) -> None:
         """Keyed commands in flight end with the edge (their records say interrupted next start)."""
         tasks = [f.task for f in self.cmdlog.inflight.values()]
         for t in tasks:

@@ -2,8 +2,8 @@
 
 Owns a container's snapshots on its edge: taking one (the sandbox frozen for a btrfs
 snapshot of its directory, the subvolume holding its overlay's upper and work dirs),
-listing and dropping them, bounding them per sandbox and against its disk quota,
-dropping them all when it ends, and the rollback:
+listing and dropping them, bounding them per sandbox and against its disk quota, and the
+rollback (dropping them all when the sandbox ends is dsec.node.edge.inplace's):
 
 1. a writable snapshot of the snapshot (constant time) gets a fresh overlay over the same
    lower layers, mounted on the host;
@@ -31,14 +31,16 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import time
 
-from dsec.node.edge.core import EdgeCore
+from dsec.node.edge.cmdlog import CommandLog
+from dsec.node.edge.core import EdgeNode
+from dsec.node.edge.inplace import GROUP_FILE, group_of, inplace_dir
+from dsec.node.edge.lifecycle import Lifecycle, Op
 from dsec.node.edge.sandbox import Sandbox
+from dsec.node.edge.table import SandboxTable
 from dsec.node.host import linux
 from dsec.node.host.linux import unmount_all
-from dsec.node.host.volume import SandboxVolume
 from dsec.shared.errors import InvalidRequest, NotFound, NotSupported, SandboxError, SandboxNotRunning, SnapshotLimit
 from dsec.shared.wire.models import ContainerArgs, SandboxState
 from dsec.shared.wire.snapshots import RollbackResult, SandboxSnapshot, valid_snapshot_name
@@ -50,94 +52,35 @@ KILL_TIMEOUT_S = 10.0  # the workload's SIGKILL, as in a teardown
 INFLIGHT_WAIT_S = 5.0  # keyed commands killed by a rollback: their records settle before the log is cut
 MS_MOVE = 8192
 FULL_SLACK = 1 << 20  # a sandbox within this of its disk limit takes no snapshot more
-GROUP_FILE = ".group.json"  # beside the snapshots: the level-1 qgroup holding the sandbox and them
 _DISCARDS: set[asyncio.Future[None]] = set()  # old roots being removed (a reference keeps each task alive)
 
 
-def inplace_dir(volume: SandboxVolume, sandbox_id: str) -> str:
-    return os.path.join(volume.mnt, "inplace", sandbox_id)
-
-
-def drop_all(volume: SandboxVolume, sandbox_id: str) -> int:
-    """At the end of a sandbox: every snapshot of it goes (their subvolumes and the
-    directory); how many there were."""
-    d = inplace_dir(volume, sandbox_id)
-    n, group = 0, _group_of(d)
-    for attempt in range(3):  # a spare copy being made as the sandbox ended lands meanwhile
-        for entry in os.listdir(d):
-            path = os.path.join(d, entry)
-            try:  # by what it is, not by its name; one that will not go does not keep the rest
-                if volume.is_subvolume(path):
-                    volume.remove(path)
-                    n += not entry.startswith(".")
-                elif os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
-            except OSError as e:
-                log.warning("snapshots of %s: %s not removed: %s", sandbox_id, entry, e)
-        try:
-            os.rmdir(d)
-            break
-        except OSError:
-            if attempt == 2:
-                raise
-            time.sleep(0.05)
-    # a rollback's copy or old root not removed yet (their removal runs in the background)
-    sandboxes = os.path.join(volume.mnt, "sandboxes")
-    for entry in os.listdir(sandboxes):
-        if entry.startswith(f".{sandbox_id}."):
-            with contextlib.suppress(OSError):
-                unmount_all(os.path.join(sandboxes, entry))
-                volume.remove(os.path.join(sandboxes, entry))
-    if group is not None:  # (its members are gone or going: btrfs drops a deleted subvolume's qgroup)
-        with contextlib.suppress(OSError):
-            volume.group_remove(group)
-    return n
-
-
-def _group_of(d: str) -> int | None:
-    """The sandbox's level-1 qgroup, from the file beside its snapshots (None: none)."""
-    try:
-        with open(os.path.join(d, GROUP_FILE)) as f:
-            group = int(json.load(f)["group"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return group if group > 0 else None
-
-
-def sweep(volume: SandboxVolume, live: set[str]) -> int:
-    """At an edge's start, once its sandboxes are back: snapshots of any other (it ended
-    while no edge was there to drop them) go."""
-    root = os.path.join(volume.mnt, "inplace")
-    gone = 0
-    with contextlib.suppress(FileNotFoundError):
-        for sid in os.listdir(root):
-            if sid not in live:
-                with contextlib.suppress(OSError):
-                    gone += drop_all(volume, sid)
-    return gone
-
-
-class InplaceSnapshots(EdgeCore):
+class InplaceSnapshots:
     """snapshot, list_snapshots, drop_snapshot, rollback (containers on the btrfs volume)."""
 
-    _inplace_spares: dict[str, tuple[str, asyncio.Task[str | None]]]
-    _reroot_built: bool
+    def __init__(self, node: EdgeNode, table: SandboxTable, lifecycle: Lifecycle, cmdlog: CommandLog) -> None:
+        self.node = node
+        self.volume, self.layers = node.volume, node.layers
+        self.table = table
+        self.lifecycle = lifecycle
+        self.cmdlog = cmdlog
+        # sandbox id -> (snapshot, the task making its spare copy: the next rollback's)
+        self.spares: dict[str, tuple[str, asyncio.Task[str | None]]] = {}
+        self.reroot_built = False  # the rollback's helper binary, compiled at the edge's first snapshot
 
     # ---- where they are ---------------------------------------------------------------
     def _inplace_dir(self, sandbox_id: str) -> str:
         return inplace_dir(self.volume, sandbox_id)
 
-    def _inplace_sandbox(self, sandbox_id: str) -> Sandbox:
+    def _inplace_sandbox(self, op: Op, sandbox_id: str) -> Sandbox:
         """The running container whose snapshots these are, or a typed error saying why not."""
-        sb, _ = self._running(sandbox_id)
+        sb, _ = self.lifecycle.attached(op, sandbox_id)
         if not isinstance(sb.rec.args, ContainerArgs):
             raise NotSupported(f"sandbox {sandbox_id} is a {sb.rec.args.backend}: in-place snapshots are for "
                                "containers for now (a VM's checkpoint keeps its memory: POST .../checkpoint)",
                                field="sandbox_id")
         if not self.volume.is_subvolume(sb.dir):
-            raise NotSupported(f"edge {self.name} has no btrfs sandbox volume ({self.volume.status}): an in-place "
+            raise NotSupported(f"edge {self.node.name} has no btrfs sandbox volume ({self.volume.status}): an in-place "
                                "snapshot needs one (a copy would take time in proportion to the data)",
                                field="sandbox_id")
         return sb
@@ -154,7 +97,7 @@ class InplaceSnapshots(EdgeCore):
             return None
         d = self._inplace_dir(sb.id)
         if os.path.exists(os.path.join(d, GROUP_FILE)):  # decided at its first snapshot
-            return _group_of(d)
+            return group_of(d)
         live = self.volume.subvolume_id(sb.dir)
         assert live is not None
         group = (1 << 48) | live
@@ -210,19 +153,12 @@ class InplaceSnapshots(EdgeCore):
         return snap if self.volume.is_subvolume(path) else None
 
     # ---- a spare copy: the next rollback's copy, made while the sandbox runs ----------------
-    def _spares(self) -> dict[str, tuple[str, asyncio.Task[str | None]]]:
-        """sandbox id -> (snapshot, the task making its spare copy): made on first use, so
-        the edge's construction (a shared file) does not change for it."""
-        if not hasattr(self, "_inplace_spares"):
-            self._inplace_spares = {}
-        return self._inplace_spares
-
     def _make_spare(self, sb: Sandbox, name: str) -> None:
         """Start a writable copy of snapshot ``name``, just rolled back to, for the sandbox's
         next rollback to it (a tree search rolls back to the same node for each of its
         children). One spare per sandbox: the one for another snapshot goes."""
-        spares = self._spares()
-        for sid in [sid for sid in spares if sid not in self.sandboxes]:  # ended: their directory went with them
+        spares = self.spares
+        for sid in [sid for sid in spares if sid not in self.table.sandboxes]:  # ended: their directory went with them
             del spares[sid]
         prev = spares.pop(sb.id, None)
         d = self._inplace_dir(sb.id)
@@ -236,7 +172,7 @@ class InplaceSnapshots(EdgeCore):
             if sb.stopping:
                 return None
             try:
-                await asyncio.to_thread(self.volume.snapshot, os.path.join(d, name), path, _group_of(d))
+                await asyncio.to_thread(self.volume.snapshot, os.path.join(d, name), path, group_of(d))
             except OSError:
                 return None
             return path
@@ -245,7 +181,7 @@ class InplaceSnapshots(EdgeCore):
 
     async def _take_spare(self, sb: Sandbox, name: str) -> str | None:
         """The spare copy of ``name`` if there is one (waiting for it if it is being made)."""
-        entry = self._spares().pop(sb.id, None)
+        entry = self.spares.pop(sb.id, None)
         if entry is None:
             return None
         path = await entry[1]
@@ -267,7 +203,7 @@ class InplaceSnapshots(EdgeCore):
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SandboxSnapshot:
         """Freeze the container, snapshot its writable layer's subvolume, thaw: its files as
         they are now, kept on this edge until dropped, rolled back to, or the sandbox ends."""
-        sb = self._inplace_sandbox(sandbox_id)
+        sb = self._inplace_sandbox(Op.SNAPSHOT, sandbox_id)
         if name is not None:
             self._check_name(name)
         async with sb.lock:
@@ -288,14 +224,14 @@ class InplaceSnapshots(EdgeCore):
             os.makedirs(d, exist_ok=True)
             frozen = sb.rec.info.state == SandboxState.paused
             if not frozen:
-                await self.containers.freeze(sb)
+                await self.node.containers.freeze(sb)
             t0, wall = time.perf_counter(), time.time()
             try:
                 await asyncio.to_thread(self.volume.snapshot, sb.dir, os.path.join(d, name), group)
                 freeze_ms = (time.perf_counter() - t0) * 1e3
             finally:
                 if not frozen:
-                    await self.containers.thaw(sb)
+                    await self.node.containers.thaw(sb)
             agent = sb.agent
             snap = SandboxSnapshot(
                 sandbox_id=sb.id, name=name, taken_at=wall, freeze_ms=freeze_ms,
@@ -303,10 +239,10 @@ class InplaceSnapshots(EdgeCore):
                 sessions={n: s.cwd for n, s in agent.sessions.items()} if agent else {})
             with open(os.path.join(d, f"{name}.json"), "w") as f:
                 f.write(snap.model_dump_json())
-        if not getattr(self, "_reroot_built", False):  # the first rollback's helper, compiled now
-            self._reroot_built = True
-            asyncio.get_running_loop().run_in_executor(None, self.containers.reroot_binary)
-        self.on_event(sb.id, "snapshot", f"{name}: frozen {freeze_ms:.1f} ms")
+        if not self.reroot_built:  # the first rollback's helper, compiled now
+            self.reroot_built = True
+            asyncio.get_running_loop().run_in_executor(None, self.node.containers.reroot_binary)
+        self.node.on_event(sb.id, "snapshot", f"{name}: frozen {freeze_ms:.1f} ms")
         return snap
 
     def _check_quota(self, sb: Sandbox, snaps: list[SandboxSnapshot], group: int | None) -> None:
@@ -327,11 +263,11 @@ class InplaceSnapshots(EdgeCore):
                                 f"its whole disk quota ({limit_mb} MiB): drop one first", field="name")
 
     async def list_snapshots(self, sandbox_id: str) -> list[SandboxSnapshot]:
-        sb = self._inplace_sandbox(sandbox_id)
+        sb = self._inplace_sandbox(Op.LIST_SNAPSHOTS, sandbox_id)
         return await asyncio.to_thread(lambda: self._measured(self._read_snapshots(sb.id)))
 
     async def drop_snapshot(self, sandbox_id: str, name: str) -> None:
-        sb = self._inplace_sandbox(sandbox_id)
+        sb = self._inplace_sandbox(Op.DROP_SNAPSHOT, sandbox_id)
         self._check_name(name)
         async with sb.lock:
             path = os.path.join(self._inplace_dir(sb.id), name)
@@ -351,8 +287,9 @@ class InplaceSnapshots(EdgeCore):
         the workload is killed (dsec-init stays), shell sessions restart at the working
         directory they had then, and command log records after it are dropped."""
         t_start = time.perf_counter()
-        sb, _ = await self._ready(sandbox_id)  # a paused sandbox resumes first (any request resumes it)
-        sb = self._inplace_sandbox(sandbox_id)
+        # a paused sandbox resumes first (any request resumes it)
+        sb, _ = await self.lifecycle.ready(Op.ROLLBACK, sandbox_id)
+        sb = self._inplace_sandbox(Op.ROLLBACK, sandbox_id)
         self._check_name(snapshot)
         src = os.path.join(self._inplace_dir(sb.id), snapshot)
         async with sb.lock:
@@ -384,7 +321,7 @@ class InplaceSnapshots(EdgeCore):
             steps["sessions_and_log"] = round((time.perf_counter() - t) * 1e3, 3)
         ms = (time.perf_counter() - t_start) * 1e3
         self._make_spare(sb, snapshot)
-        self.on_event(sb.id, "rollback", f"to {snapshot} in {ms:.1f} ms (frozen {frozen_ms:.1f} ms): {killed} "
+        self.node.on_event(sb.id, "rollback", f"to {snapshot} in {ms:.1f} ms (frozen {frozen_ms:.1f} ms): {killed} "
                       f"processes killed, {len(sessions)} sessions restarted, {dropped} command records dropped")
         return RollbackResult(sandbox_id=sb.id, snapshot=snapshot, rollback_ms=ms, frozen_ms=frozen_ms, killed=killed,
                               sessions=sessions, commands_dropped=dropped, steps_ms=steps)
@@ -402,36 +339,36 @@ class InplaceSnapshots(EdgeCore):
             steps[step] = round((now - t) * 1e3, 3)
             t = now
 
-        lowers = await self.containers.lowers(sb)
+        lowers = await self.node.containers.lowers(sb)
         spare = await self._take_spare(sb, os.path.basename(src))
         if spare is not None:
             os.rename(spare, fresh)
         else:
-            await asyncio.to_thread(self.volume.snapshot, src, fresh, _group_of(os.path.dirname(src)))
+            await asyncio.to_thread(self.volume.snapshot, src, fresh, group_of(os.path.dirname(src)))
         lap("copy")  # (a snapshot takes its source's qgroup limit: the copy has the sandbox's)
         try:
             await asyncio.to_thread(self._mount_copy, sb, fresh, lowers)
             lap("mount")
-            await self.containers.freeze(sb)
+            await self.node.containers.freeze(sb)
             lap("freeze")
         except BaseException:
             await asyncio.to_thread(self._discard, fresh)
             raise
         t0 = time.perf_counter()
         try:
-            killed = self.containers.signal_workload(sb)
+            killed = self.node.containers.signal_workload(sb)
             # init is frozen too: pivot_root moves its root all the same, and nothing of the
             # workload runs again before it dies
-            await self.containers.reroot(sb, os.path.join(fresh, "rootfs"))
+            await self.node.containers.reroot(sb, os.path.join(fresh, "rootfs"))
             lap("reroot")
         except BaseException:
-            await self.containers.thaw(sb)
+            await self.node.containers.thaw(sb)
             await asyncio.to_thread(self._discard, fresh)
             raise
-        await self.containers.thaw(sb)
+        await self.node.containers.thaw(sb)
         frozen_ms = (time.perf_counter() - t0) * 1e3
         try:
-            await asyncio.to_thread(self.containers.workload_gone, sb, KILL_TIMEOUT_S)
+            await asyncio.to_thread(self.node.containers.workload_gone, sb, KILL_TIMEOUT_S)
             lap("killed")
         finally:
             # the container runs on the copy from here whatever happens (a process slow to
@@ -451,11 +388,11 @@ class InplaceSnapshots(EdgeCore):
         ``FULL_SLACK`` for the mount only (the old root's blocks go once it is destroyed).
         An overlay that went read-only anyway is refused, not swapped in."""
         assert isinstance(sb.rec.args, ContainerArgs)
-        group, limit = _group_of(self._inplace_dir(sb.id)), sb.rec.args.disk_limit_mb
+        group, limit = group_of(self._inplace_dir(sb.id)), sb.rec.args.disk_limit_mb
         if group is not None and limit is not None:
             self.volume.group_limit(group, limit + (FULL_SLACK >> 20))
         try:
-            self.containers.mount_root(fresh, lowers)
+            self.node.containers.mount_root(fresh, lowers)
         finally:
             if group is not None and limit is not None:
                 self.volume.group_limit(group, limit)
@@ -474,7 +411,7 @@ class InplaceSnapshots(EdgeCore):
                 mp = os.path.join(old, "lower", str(i))
                 if os.path.ismount(mp):
                     linux.mount(mp, os.path.join(sb.dir, "lower", str(i)), "", MS_MOVE)
-        self.containers.directory_replaced(sb)
+        self.node.containers.directory_replaced(sb)
         return old
 
     def _discard(self, path: str) -> None:

@@ -4,18 +4,15 @@ scrubbed of build residue) and the access lists of sandboxes that record what th
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 
-from dsec.node.edge.core import EdgeCore
-from dsec.node.edge.sandbox import Sandbox
+from dsec.node.edge.accesslists import AccessLists
+from dsec.node.edge.core import EdgeNode
+from dsec.node.edge.lifecycle import Lifecycle, Op
 from dsec.node.layers.store import ImportOptions, Layer, layer_kind
 from dsec.shared.errors import InvalidRequest
 from dsec.shared.faults import failpoint
 from dsec.shared.wire.models import ContainerArgs
-
-log = logging.getLogger("dsec.edge")
-
 
 # build residue that pack_diff leaves out unless told otherwise (regexes on paths
 # relative to the sandbox root)
@@ -37,16 +34,21 @@ def scrub_regexes(paths: list[str], defaults: bool) -> list[str]:
         out.append(f"^{re.escape(os.path.normpath(p).lstrip('/'))}(/.*)?$")
     return out
 
-class Snapshots(EdgeCore):
-    """pack_diff and access lists."""
+class Snapshots:
+    """pack_diff and the access lists asked for."""
+
+    def __init__(self, node: EdgeNode, lifecycle: Lifecycle, access: AccessLists) -> None:
+        self.node = node
+        self.lifecycle = lifecycle
+        self.access = access
 
     async def pack_diff(self, sandbox_id: str, ref: str, scrub_paths: list[str] | None = None,
                         default_scrub: bool = True, source: str | None = None) -> Layer:
         """Publish the sandbox's writes (its overlay upper dir: new and changed files,
         whiteouts for deletions, opaque dirs) as workspace layer ``ref``, incremental
         over the stack it runs on. The sandbox is frozen while the image is built."""
-        sb, _ = await self._ready(sandbox_id)
-        if (upper := self.backend_of(sb).writable_dir(sb)) is None:
+        sb, _ = await self.lifecycle.ready(Op.PACK_DIFF, sandbox_id)
+        if (upper := self.node.backend_of(sb).writable_dir(sb)) is None:
             raise InvalidRequest("pack_diff works on container sandboxes; a VM's writes are on its own ext4 disk",
                                  field="sandbox_id")
         try:
@@ -56,41 +58,25 @@ class Snapshots(EdgeCore):
         if kind == "base":
             raise InvalidRequest(f"pack_diff makes workspace (ws/...) or toolkit (tk/...) layers, not {ref!r}",
                                  field="ref")
-        if self.layers.has(ref):
+        if self.node.layers.has(ref):
             raise InvalidRequest(f"layer {ref!r} already exists; layers are immutable", field="ref")
         opts = ImportOptions(exclude_regex=scrub_regexes(scrub_paths or [], default_scrub))
         async with sb.lock:
-            await self.containers.freeze(sb)
+            await self.node.containers.freeze(sb)
             try:
                 await failpoint("pack_diff.frozen")
                 layer = await asyncio.to_thread(
-                    self.layers.import_dir, upper, ref, kind, opts,
+                    self.node.layers.import_dir, upper, ref, kind, opts,
                     sb.rec.args.image, sb.rec.args.layers, source or f"pack_diff of {sb.id}")
                 await failpoint("pack_diff.built")
             finally:
-                await self.containers.thaw(sb)
-        self.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
+                await self.node.containers.thaw(sb)
+        self.node.on_event(sb.id, "pack_diff", f"{layer.ref} {layer.digest[:12]} {layer.size} bytes")
         return layer
 
     async def save_access_lists(self, sandbox_id: str) -> dict[str, int]:
         """Save what a ``record_access`` sandbox read so far as its layers' access lists."""
-        sb, _ = self._running(sandbox_id)
+        sb, _ = self.lifecycle.attached(Op.SAVE_ACCESS_LISTS, sandbox_id)
         if not isinstance(sb.rec.args, ContainerArgs) or not sb.rec.args.record_access:
             raise InvalidRequest(f"sandbox {sandbox_id} was not created with record_access", field="record_access")
-        return await self._save_access_lists(sb)
-
-    async def _save_access_lists(self, sb: Sandbox, forget: bool = False) -> dict[str, int]:
-        saved: dict[str, int] = {}
-        for d in sb.rec.digests:
-            try:
-                got = await self.node_layers.recorded(d, sb.id, forget=forget)
-            except (TimeoutError, OSError, RuntimeError) as e:
-                log.warning("sandbox %s: access list of %s not saved: %s", sb.id, d[:12], e)
-                continue
-            if got and got[1]:
-                data, chunks = got
-                self.layers.set_access_list(data, chunks, f"recorded by {sb.id}")
-                saved[data] = len(chunks)
-        if saved:
-            self.on_event(sb.id, "access_list", f"saved {sum(saved.values())} chunks for {len(saved)} blob(s)")
-        return saved
+        return await self.access.save(sb)

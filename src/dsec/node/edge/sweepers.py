@@ -9,8 +9,14 @@ import logging
 import random
 import time
 
-from dsec.node.edge.core import EdgeCore
+from dsec.node.edge.auditing import Auditing
+from dsec.node.edge.checkpointing import Checkpointing
+from dsec.node.edge.cmdlog import CommandLog
+from dsec.node.edge.core import EdgeNode
+from dsec.node.edge.lifecycle import Lifecycle
 from dsec.node.edge.sandbox import Sandbox
+from dsec.node.edge.table import SandboxTable
+from dsec.node.edge.teardown import Teardown
 from dsec.node.host import memory
 from dsec.shared.errors import (
     SandboxBusy,
@@ -26,17 +32,38 @@ RECOUNT_S = 600.0  # the reservations summed from scratch, against a missed upda
 log = logging.getLogger("dsec.edge")
 
 
-class Sweepers(EdgeCore):
-    """One loop, every ttl_check_interval_s."""
+class Sweepers:
+    """One loop, every ttl_check_interval_s (:meth:`start` and :meth:`close`)."""
 
-    _recounted = 0.0
+    def __init__(self, node: EdgeNode, table: SandboxTable, lifecycle: Lifecycle, teardown: Teardown,
+                 auditing: Auditing, checkpointing: Checkpointing, cmdlog: CommandLog) -> None:
+        self.node = node
+        self.table = table
+        self.lifecycle = lifecycle
+        self.teardown = teardown
+        self.auditing = auditing
+        self.checkpointing = checkpointing
+        self.cmdlog = cmdlog
+        self._task: asyncio.Task[None] | None = None
+        self._recounted = 0.0
+        self._quota_checked = 0.0
+        self._audit_swept = 0.0
 
-    def _flush_activity(self) -> None:
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._ttl_loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def flush_activity(self) -> None:
         """Every sandbox's last activity to its record (at close; the sweep does it per visit)."""
-        for sb in self.sandboxes.values():
+        for sb in self.table.sandboxes.values():
             if sb.dirty and not sb.stopping:
                 sb.dirty = False
-                self.state.touch(sb.id, sb.rec.info.last_active_at)
+                self.table.state.touch(sb.id, sb.rec.info.last_active_at)
 
     async def _relieve_pressure(self) -> None:
         """Below ``pause_below_mb`` available, pause the longest-idle best-effort container
@@ -44,10 +71,10 @@ class Sweepers(EdgeCore):
         Latency-sensitive sandboxes (FnCall's pool containers among them), busy ones and
         VMs are left alone; not by a label, which a tenant could set too. One per tick."""
         avail = memory.pressure().get("available_mb", float("inf"))
-        if avail >= self.cfg.pause_below_mb:
+        if avail >= self.node.cfg.pause_below_mb:
             return
         now = time.time()
-        idle = sorted((sb for sb in self.sandboxes.values()
+        idle = sorted((sb for sb in self.table.sandboxes.values()
                        if isinstance(sb.rec.args, ContainerArgs) and sb.rec.args.qos == "best_effort"
                        and sb.rec.info.state == SandboxState.running and not sb.stopping and sb.agent
                        and not sb.ops and now - sb.rec.info.last_active_at > 5),
@@ -55,31 +82,31 @@ class Sweepers(EdgeCore):
         if idle:
             sb = idle[0]
             with contextlib.suppress(SandboxBusy, SandboxError):
-                await self.pause(sb.id)
-                self.on_event(sb.id, "pressure", f"paused: the node had {avail:.0f} MiB available, "
-                              f"below {self.cfg.pause_below_mb} MiB")
+                await self.lifecycle.pause(sb.id)
+                self.node.on_event(sb.id, "pressure", f"paused: the node had {avail:.0f} MiB available, "
+                              f"below {self.node.cfg.pause_below_mb} MiB")
 
     def _limit_events(self, sb: Sandbox) -> None:
         """Events for a sandbox running into its own limits (memory, pids, CPU quota)."""
-        cg, args = self._cgroup(sb), sb.rec.args
+        cg, args = self.node.cgroup(sb), sb.rec.args
         sb.memory_held_mb = memory.cgroup_memory(cg).get("total", 0) >> 20
-        self.held.update(sb)
+        self.table.held.update(sb)
         # pressure inside its own limit is its own business: an event, never a node-wide refusal
         fails = memory.memory_failures(cg)
         if fails > sb.memfail_seen and time.monotonic() - sb.memfail_reported > 60 and sb.memfail_seen:
-            self.on_event(sb.id, "memory_pressure", f"at its {args.memory_limit_mb} MiB limit: the kernel "
+            self.node.on_event(sb.id, "memory_pressure", f"at its {args.memory_limit_mb} MiB limit: the kernel "
                           f"reclaimed its memory {fails - sb.memfail_seen} time(s) since the last look")
             sb.memfail_reported = time.monotonic()
         sb.memfail_seen = fails
         kills = memory.oom_kills(cg)
         if kills > sb.oom_seen:
-            self.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
+            self.node.on_event(sb.id, "oom_killed", f"{kills - sb.oom_seen} process(es) killed at the "
                           f"{args.memory_limit_mb} MiB limit (OOM inside the sandbox only)")
             sb.oom_seen = kills
         refused = memory.pids_limit_hits(cg)
         if refused > sb.pids_seen:
             if isinstance(args, ContainerArgs) and time.monotonic() - sb.pids_reported > 10:
-                self.on_event(sb.id, "pids_limit", f"{refused - sb.pids_seen} fork(s) refused at the "
+                self.node.on_event(sb.id, "pids_limit", f"{refused - sb.pids_seen} fork(s) refused at the "
                               f"{args.pids_limit}-process limit")
                 sb.pids_reported = time.monotonic()
             sb.pids_seen = refused
@@ -87,7 +114,7 @@ class Sweepers(EdgeCore):
         then, before = sb.cpu_seen
         if now - then >= 10:
             if then and throttled - before > 0.3 * (now - then) and now - sb.cpu_reported > 60:
-                self.on_event(sb.id, "cpu_throttled", f"held at its {args.cpu_cores_limit} CPU limit "
+                self.node.on_event(sb.id, "cpu_throttled", f"held at its {args.cpu_cores_limit} CPU limit "
                               f"{100 * (throttled - before) / (now - then):.0f}% of the last {now - then:.0f} s")
                 sb.cpu_reported = now
             sb.cpu_seen = (now, throttled)
@@ -101,10 +128,10 @@ class Sweepers(EdgeCore):
         if now - self._audit_swept < 10:
             return None
         self._audit_swept = now
-        await asyncio.to_thread(self.audit.flush)
-        self.cmdlog.sweep(set(self.sandboxes))  # ended sandboxes' command logs go with their tombstones
+        await asyncio.to_thread(self.node.audit.flush)
+        self.cmdlog.sweep(set(self.table.sandboxes))  # ended sandboxes' command logs go with their tombstones
         if random.random() < 0.01:
-            await asyncio.to_thread(self.audit.prune)
+            await asyncio.to_thread(self.node.audit.prune)
         return since
 
     async def _check_disk_quotas(self) -> None:
@@ -112,24 +139,24 @@ class Sweepers(EdgeCore):
         if time.monotonic() - self._quota_checked < 5:
             return
         self._quota_checked = time.monotonic()
-        quota = [(sb, q) for sb in self.sandboxes.values()
-                 if not sb.stopping and (q := self.backend_of(sb).disk_quota(sb)) is not None]
+        quota = [(sb, q) for sb in self.table.sandboxes.values()
+                 if not sb.stopping and (q := self.node.backend_of(sb).disk_quota(sb)) is not None]
         if not quota:
             return
-        used = await asyncio.to_thread(self.volume.referenced)
+        used = await asyncio.to_thread(self.node.volume.referenced)
         for sb, qgroup in quota:
             limit = sb.rec.args.disk_limit_mb << 20 if isinstance(sb.rec.args, ContainerArgs) else 0
             n = used.get(qgroup, 0)
             if not sb.quota_full and limit and n >= limit * 0.95:
                 sb.quota_full = True
-                self.on_event(sb.id, "disk_quota", f"writable layer full: {n >> 20} of {limit >> 20} MiB "
+                self.node.on_event(sb.id, "disk_quota", f"writable layer full: {n >> 20} of {limit >> 20} MiB "
                               "(writes fail with EDQUOT)")
             elif sb.quota_full and n < limit * 0.8:
                 sb.quota_full = False
 
     async def _ttl_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.ttl_check_interval_s)
+            await asyncio.sleep(self.node.cfg.ttl_check_interval_s)
             try:
                 await self._sweep_round()
             except Exception:
@@ -141,25 +168,25 @@ class Sweepers(EdgeCore):
         audit_since = await self._audit_sweep()
         if time.monotonic() - self._recounted >= RECOUNT_S:
             self._recounted = time.monotonic()
-            self.held.recount(self.sandboxes.values())
+            self.table.held.recount(self.table.sandboxes.values())
         # one pass a round over the sandboxes (activity, limits, checkpoints, TTLs), one clock
         # read, names bound once: at a node's density this loop visits thousands of mostly
         # idle sandboxes (~1-3 us each; five passes a round were most of the hollow fleet's
         # CPU at 230K sandboxes, bench/scale.py)
-        now, mono, limits = time.time(), time.monotonic(), self.hollow is None
+        now, mono, limits = time.time(), time.monotonic(), self.node.hollow is None
         paused, running = SandboxState.paused, SandboxState.running
-        for sb in list(self.sandboxes.values()):
+        for sb in list(self.table.sandboxes.values()):
             if sb.stopping:
                 continue
             args, info = sb.rec.args, sb.rec.info
             if sb.dirty:  # its last activity, to its record
                 sb.dirty = False
-                self.state.touch(sb.id, info.last_active_at)
+                self.table.state.touch(sb.id, info.last_active_at)
             state = info.state
             if sb.agent is None and state != paused:
                 continue
             if audit_since is not None and state == running and (sb.ops or info.last_active_at >= audit_since):
-                await self._run_detectors(sb)
+                await self.auditing.run_detectors(sb)
             # its limit events (five cgroup reads): every round while it was active in the last
             # LIMITS_ACTIVE_S, else every LIMITS_IDLE_S. At a node's density most sandboxes idle,
             # and reading every one every second cost more than the rest of the edge (bench/scale.py)
@@ -169,24 +196,24 @@ class Sweepers(EdgeCore):
                 sb.limits_at = mono
                 self._limit_events(sb)
             if state == running:
-                self._schedule_checkpoint(sb, now)
+                self.checkpointing.schedule(sb, now)
             if state == paused:  # idle by definition: lifetime and paused TTL only
                 if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s \
                         and args.on_expiry == "stop":
-                    await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                    await self.teardown.teardown(sb, SandboxState.stopped, "max lifetime reached")
                 elif args.ttl_paused_stop and now - (info.paused_at or now) > args.ttl_paused_stop:
-                    await self._teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
+                    await self.teardown.teardown(sb, SandboxState.stopped, "paused too long (ttl_paused_stop)")
                 continue
             if sb.ops:
                 info.last_active_at = now
             if args.max_lifetime_s and now - info.created_at > args.max_lifetime_s:
                 if args.on_expiry == "pause":
                     with contextlib.suppress(SandboxBusy, SandboxError):
-                        await self.pause(sb.id)
+                        await self.lifecycle.pause(sb.id)
                 else:
-                    await self._teardown(sb, SandboxState.stopped, "max lifetime reached")
+                    await self.teardown.teardown(sb, SandboxState.stopped, "max lifetime reached")
             elif args.ttl_running_stop and now - info.last_active_at > args.ttl_running_stop:
-                await self._teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
+                await self.teardown.teardown(sb, SandboxState.stopped, "idle timeout (ttl_running_stop)")
             elif args.ttl_running_pause and now - info.last_active_at > args.ttl_running_pause:
                 with contextlib.suppress(SandboxBusy, SandboxError):
-                    await self.pause(sb.id)
+                    await self.lifecycle.pause(sb.id)
