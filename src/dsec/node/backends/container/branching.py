@@ -171,8 +171,8 @@ def _explain(errors: str, pid: int) -> str:
     m = re.search(r"Unix socket (\d+) not found", errors)
     if m:
         holder = _holder_of(int(m.group(1)), pid)
-        return (f"{holder} holds a unix socket of the host (a running command's output channel): end the "
-                "command first")
+        return (f"{holder} holds a unix socket of the host (the output channel of a one-shot command, running "
+                "or left in the background holding it): end it first")
     if re.search(r"Can't get 1:(16|34) opt", errors):  # SO_PASSCRED, SO_PASSSEC
         return ("a process holds an inet (TCP or UDP) socket, which CRIU cannot dump on this kernel (it cannot "
                 "read the socket's SO_PASSCRED option): close it first")
