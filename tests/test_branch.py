@@ -12,6 +12,7 @@ another project's token (404)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import glob
 import os
 import subprocess
@@ -24,7 +25,7 @@ import httpx
 import pytest
 
 import dsec
-from tests.conftest import TOKEN, Platform, leftovers, qemu_pids
+from tests.conftest import TOKEN, Platform, leftovers, qemu_pids, wait_for
 
 BUSYBOX = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.25)
 
@@ -296,8 +297,12 @@ def test_container_branch_refusals_and_a_paused_parent_are_409(platform: Platfor
     with dsec.Client(url=platform.url, token=TOKEN) as c:
         before = {i.sandbox_id for i in c.list()}
         # an established TCP connection (over its loopback): its peer may be anywhere
-        box.run_shell("(sleep 600 | nc -l -p 7001 >/dev/null 2>&1 &); sleep 0.3; "
-                      "(sleep 600 | nc 127.0.0.1 7001 >/dev/null 2>&1 &); sleep 0.3")
+        r = box.run_shell("(sleep 600 | nc -l -p 7001 >/dev/null 2>&1 &); "
+                          "for i in $(seq 100); do netstat -tln | grep -q :7001 && break; sleep 0.05; done; "
+                          "(sleep 600 | nc 127.0.0.1 7001 >/dev/null 2>&1 &); "
+                          "for i in $(seq 100); do [ $(netstat -tn | grep -c ESTABLISHED) -ge 2 ] && break; "
+                          "sleep 0.05; done; netstat -tn | grep -c ESTABLISHED")
+        assert r.stdout.strip() == "2", r  # both ends of one connection
         with pytest.raises(dsec.BranchUnsupported) as e:
             box.branch(2)
         assert e.value.status == 409 and "established TCP connection" in e.value.message, e.value.message
@@ -307,6 +312,14 @@ def test_container_branch_refusals_and_a_paused_parent_are_409(platform: Platfor
                               "--url", platform.url, "--token", TOKEN], capture_output=True, text=True, timeout=60)
         assert cli.returncode != 0 and "established TCP connection" in cli.stdout + cli.stderr, cli
         assert box.run_shell("echo alive").stdout.strip() == "alive"  # thawed: it runs on
+        # a shell session running a command (its caller waits on that shell): refused, naming it
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(box.run_shell, "sleep 2.5; echo done", session="busy")
+            assert wait_for(lambda: "sleep 2.5" in box.exec("ps -o args").stdout, 10, 0.05)
+            with pytest.raises(dsec.BranchUnsupported) as e:
+                box.branch(1)
+            assert e.value.status == 409 and "shell session 'busy' is running a command" in e.value.message
+            assert running.result(timeout=30).stdout.strip() == "done"  # untouched
         box.pause()
         with pytest.raises(dsec.SandboxNotRunning) as e2:
             box.branch(1)
