@@ -4,13 +4,15 @@ whole story, one more covers a cold-booted parent) branched into children that s
 files and carry on its running process with its memory, while it runs on and each
 diverges; the children's own identity and entropy, their command log, job, project,
 quotas and events; a child's pause, resume and own branch; and nothing left behind
-(files, QEMU processes) once all have stopped. Then the refusals: a container (409 until
-the edge drives CRIU), a paused parent (409), a bad ``n`` (400 naming it), another
-project's token (404)."""
+(files, QEMU processes) once all have stopped. Then a container (CRIU) through the same
+story, its shell sessions carried; the refusals: what CRIU cannot carry (an established
+TCP connection, 409 naming it), a paused parent (409), a bad ``n`` (400 naming it),
+another project's token (404)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import glob
 import os
 import subprocess
@@ -23,7 +25,7 @@ import httpx
 import pytest
 
 import dsec
-from tests.conftest import TOKEN, Platform, leftovers, qemu_pids
+from tests.conftest import TOKEN, Platform, leftovers, qemu_pids, wait_for
 
 BUSYBOX = dict(image="base/busybox", memory_limit_mb=64, cpu_cores_limit=0.25)
 
@@ -40,7 +42,7 @@ def _branches_dir(platform: Platform) -> list[str]:
 async def _state(sb: dsec.AsyncSandbox) -> tuple[str, int]:
     """The background loop's secret and counter, as it last wrote them (it renames each
     write into place: a read never sees a half-written file)."""
-    secret, count = (await sb.read_file("/tmp/loop")).decode().split()
+    secret, count, *_ = (await sb.read_file("/tmp/loop")).decode().split()
     return secret, int(count)
 
 
@@ -198,16 +200,126 @@ def box(platform: Platform) -> Iterator[dsec.Sandbox]:
                 s.stop()
 
 
-def test_branch_of_a_container_or_a_paused_sandbox_is_409(platform: Platform, box: dsec.Sandbox) -> None:
+async def test_container_branch_carries_processes_sessions_and_files(platform: Platform) -> None:
+    """The container's story (CRIU), as the microVM's above: through the SDK, REST once."""
+    project = f"bc{uuid.uuid4().hex[:6]}"
+    async with dsec.AsyncClient(url=platform.url, token=TOKEN) as admin:
+        await admin.projects.create(project, dsec.ProjectQuota(sandboxes=4))
+        token = (await admin.create_token(project, "admin")).token
+    async with dsec.AsyncClient(url=platform.url, token=token) as client:
+        await client.create_job("search-c", quota=dsec.JobQuota(sandboxes=3))
+        box = await client.run_container(dsec.ContainerArgs(**BUSYBOX, labels={"team": "search"},  # type: ignore[arg-type]
+                                                            job="search-c"))
+        children: list[dsec.AsyncSandbox] = []
+        try:
+            await box.write_file("/root/seed", b"s3cret")
+            await box.write_file("/root/base.txt", b"from the parent")
+            # a process holding state only in its memory (the seed file is gone before the
+            # branch), its pid in what it writes; then a session with a cwd and a variable
+            await box.run_shell("(sh -c 'secret=$(cat /root/seed); i=0; while true; do i=$((i+1)); "
+                                "echo \"$secret $i $$\" > /tmp/loop.new; mv /tmp/loop.new /tmp/loop; sleep 0.2; "
+                                "done' >/dev/null 2>&1 &); sleep 1; rm /root/seed")
+            await box.run_shell("cd /tmp && export K=v")
+            loop_pid = (await box.read_file("/tmp/loop")).decode().split()[2]
+            logged = await box.exec("cat /proc/sys/kernel/random/uuid", key="k-before")  # differs per run
+            _, count_at_branch = await _state(box)
+
+            t0 = time.monotonic()
+            children = await box.branch(n=2)
+            took = time.monotonic() - t0
+            assert len(children) == 2 and len({c.sandbox_id for c in children}) == 2
+            assert box.sandbox_id not in {c.sandbox_id for c in children}
+            for c in children:
+                info = c.info
+                assert info.state == "running" and info.branched_from == box.sandbox_id
+                assert info.backend == "container"
+                assert info.labels["team"] == "search" and info.labels["dsec.project"] == project
+                assert info.job == "search-c"
+                assert info.memory_limit_mb == box.info.memory_limit_mb
+                assert (await c.exec("hostname")).stdout.strip() == c.sandbox_id
+                # the parent's files, and its running process with the memory it held
+                assert await c.read_file("/root/base.txt") == b"from the parent"
+                assert (await c.exec("test -e /root/seed")).exit_code != 0
+                assert (await c.exec(f"kill -0 {loop_pid}")).exit_code == 0
+                secret, count = await _state(c)
+                assert secret == "s3cret" and count >= count_at_branch
+                assert await _wait_count_above(c, count)  # ... counting on in the child
+                # the shell session carried over: the same shell, its cwd and variables
+                assert (await c.run_shell("echo $PWD $K")).stdout.split() == ["/tmp", "v"]
+                # the command log starts from the parent's: the keyed command replays its result
+                assert [r.key for r in await c.command_log()] == ["k-before"]
+                again = await c.exec("cat /proc/sys/kernel/random/uuid", key="k-before")
+                assert again.stdout == logged.stdout and len(logged.stdout) == 37
+                assert any(e.kind == "branched" and box.sandbox_id in e.message for e in await c.events())
+            # the parent runs on, its session too, and its event names the children
+            assert (await box.exec(f"kill -0 {loop_pid}")).exit_code == 0
+            assert await _wait_count_above(box, count_at_branch)
+            assert (await box.run_shell("echo $PWD $K")).stdout.split() == ["/tmp", "v"]
+            ev = [e for e in await box.events() if e.kind == "branched"]
+            assert ev and all(c.sandbox_id in ev[-1].message for c in children)
+            # each diverges on its own
+            await box.write_file("/root/who", b"parent")
+            for i, c in enumerate(children):
+                await c.write_file("/root/who", f"child{i}".encode())
+                await c.run_shell("export K=child")
+            assert await box.read_file("/root/who") == b"parent"
+            assert [await c.read_file("/root/who") for c in children] == [b"child0", b"child1"]
+            assert (await box.run_shell("echo $K")).stdout.strip() == "v"
+            # the children count in the parent's job (3 of its 3 held) and its project
+            with pytest.raises(dsec.QuotaExceeded) as q:
+                await box.branch(n=1)
+            assert "search-c" in q.value.message
+            assert _branches_dir(platform) == []  # the image went once the children were made
+            # a child branches in turn, over REST: 201 and the list of the new sandboxes
+            await children[1].stop()
+            async with httpx.AsyncClient(timeout=120) as http:
+                r = await http.post(f"{platform.url}/v1/sandboxes/{children[0].sandbox_id}/branch", json={"n": 1},
+                                    headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 201, r.text
+            (grand_info,) = r.json()
+            grand = await client.connect(grand_info["sandbox_id"])
+            children.append(grand)
+            assert grand_info["branched_from"] == children[0].sandbox_id and grand_info["state"] == "running"
+            assert await grand.read_file("/root/who") == b"child0"
+            assert (await grand.run_shell("echo $PWD $K")).stdout.split() == ["/tmp", "child"]
+            assert await _wait_count_above(grand, (await _state(grand))[1])
+            print(f"branch of 2 container children: {took:.2f} s")
+        finally:
+            for s in (*children, box):
+                await s.stop()
+    for s in (box, *children):
+        assert leftovers(platform, s.sandbox_id) == []
+    assert _branches_dir(platform) == []
+
+
+def test_container_branch_refusals_and_a_paused_parent_are_409(platform: Platform, box: dsec.Sandbox) -> None:
+    """What cannot be carried is refused, naming it, and nothing is left (the parent runs on)."""
     with dsec.Client(url=platform.url, token=TOKEN) as c:
         before = {i.sandbox_id for i in c.list()}
+        # an established TCP connection (over its loopback): its peer may be anywhere
+        r = box.run_shell("(sleep 600 | nc -l -p 7001 >/dev/null 2>&1 &); "
+                          "for i in $(seq 100); do netstat -tln | grep -q :7001 && break; sleep 0.05; done; "
+                          "(sleep 600 | nc 127.0.0.1 7001 >/dev/null 2>&1 &); "
+                          "for i in $(seq 100); do [ $(netstat -tn | grep -c ESTABLISHED) -ge 2 ] && break; "
+                          "sleep 0.05; done; netstat -tn | grep -c ESTABLISHED")
+        assert r.stdout.strip() == "2", r  # both ends of one connection
         with pytest.raises(dsec.BranchUnsupported) as e:
             box.branch(2)
-        assert e.value.status == 409 and "CRIU" in e.value.message and not e.value.infra
+        assert e.value.status == 409 and "established TCP connection" in e.value.message, e.value.message
+        assert not e.value.infra
         # the CLI says the same
         cli = subprocess.run([sys.executable, "-m", "dsec.client.cli.main", "branch", box.sandbox_id, "-n", "2",
                               "--url", platform.url, "--token", TOKEN], capture_output=True, text=True, timeout=60)
-        assert cli.returncode != 0 and "CRIU" in cli.stdout + cli.stderr, cli
+        assert cli.returncode != 0 and "established TCP connection" in cli.stdout + cli.stderr, cli
+        assert box.run_shell("echo alive").stdout.strip() == "alive"  # thawed: it runs on
+        # a shell session running a command (its caller waits on that shell): refused, naming it
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(box.run_shell, "sleep 2.5; echo done", session="busy")
+            assert wait_for(lambda: "sleep 2.5" in box.exec("ps -o args").stdout, 10, 0.05)
+            with pytest.raises(dsec.BranchUnsupported) as e:
+                box.branch(1)
+            assert e.value.status == 409 and "shell session 'busy' is running a command" in e.value.message
+            assert running.result(timeout=30).stdout.strip() == "done"  # untouched
         box.pause()
         with pytest.raises(dsec.SandboxNotRunning) as e2:
             box.branch(1)

@@ -4,8 +4,9 @@ holds a counter in memory and writes files, then children made from that image w
 ``prepare(restore=...)`` + ``launch`` + ``connect``, as the edge makes them. Real CRIU
 (scripts/criu.sh), crun, btrfs and cgroups: the child runs the same process from the
 same state, with the files of that instant, in its own network namespace, cgroup and
-hostname; the parent keeps running; what CRIU refuses is a BranchUnsupported in CRIU's
-words; nothing is left behind."""
+hostname, its shell sessions carried; the parent keeps running; what CRIU refuses is a
+BranchUnsupported in CRIU's words (and a session running a command, in ours); nothing is
+left behind."""
 
 from __future__ import annotations
 
@@ -114,6 +115,9 @@ async def test_child_continues_the_parents_process_with_its_files_in_its_own_nam
         host: DebianHost, work: str) -> None:
     rt = _rt(host)
     parent = await _started_counter(host)
+    # a shell session with a cwd, a variable and a background job of its own
+    p_agent = host.agents[parent.id]
+    await p_agent.exec(ExecRequest(cmd="cd /root && export K=v && (sleep 600 &)", session="s1"))
     restore = await rt.branch_image(parent, work)
     assert restore == {"kind": branching.KIND, "image": work}
     captured = branching.Image.load(os.path.join(work, "criu", "dsec.json"))
@@ -136,6 +140,11 @@ async def test_child_continues_the_parents_process_with_its_files_in_its_own_nam
         got = await host.sh(child, "python3 -c 'import socket; "
                                    "print(socket.create_connection((\"127.0.0.1\", 7000)).recv(64).decode())'")
         assert got.split()[0] == token
+        # the session came along (its shell and its channels), taken back as after an edge restart
+        agent = host.agents[child.id]
+        assert await agent.recover_sessions() == ["s1"]
+        r = await agent.exec(ExecRequest(cmd="echo $PWD $K; pgrep -x sleep | wc -l", session="s1"))
+        assert r.stdout.split() == ["/root", "v", "1"], r
         # the files of the captured instant
         assert (await host.sh(child, "cat /root/data.txt; ls /root")).split()[0] == "before"
         assert "after.txt" not in await host.sh(child, "ls /root")
@@ -176,8 +185,9 @@ async def test_child_continues_the_parents_process_with_its_files_in_its_own_nam
     assert (await host.sh(grandchild, "cat /root/mine.txt")).strip() == children[0].id
     children.append(grandchild)
 
-    # the parent ran on throughout, and still answers
+    # the parent ran on throughout, and still answers, its session too
     assert (await _count(host, parent))[1] > n_parent
+    assert (await p_agent.exec(ExecRequest(cmd="echo $PWD $K", session="s1"))).stdout.split() == ["/root", "v"]
     assert (await host.sh(parent, "cat /root/after.txt")).strip() == "after"
 
     ids = [parent.id, *(c.id for c in children)]
@@ -231,14 +241,23 @@ async def test_what_criu_refuses_is_branch_unsupported_and_the_parent_runs_on(ho
             await running
     assert not os.path.exists(work)
 
-    # an open shell session: its shell's channels (which dsec-init holds for it) are the host's
+    # a shell session running a command: refused, naming it (its caller waits on this shell;
+    # CRIU would carry it, so the backend asks the sandbox's agent, as the edge holds it)
+    parent.agent = agent
     assert (await agent.exec(ExecRequest(cmd="cd /root && pwd", session="s1"))).stdout.strip() == "/root"
-    with pytest.raises(BranchUnsupported) as e:
-        await rt.branch_image(parent, work)
-    assert "unix socket of the host" in e.value.message, e.value.message
+    busy = asyncio.create_task(agent.exec(ExecRequest(cmd="sleep 30", session="s1", timeout_s=60)))
+    await asyncio.sleep(0.3)
+    try:
+        with pytest.raises(BranchUnsupported) as e:
+            await rt.branch_image(parent, work)
+        assert "shell session 's1' is running a command" in e.value.message, e.value.message
+    finally:
+        busy.cancel()
+        with contextlib.suppress(BaseException):
+            await busy
     assert not os.path.exists(work)
+    assert not Cgroup(rt.cgroup_path(parent.id)).frozen()
     assert alive(parent.rec.init_pid)
-    assert (await agent.exec(ExecRequest(cmd="pwd", session="s1"))).stdout.strip() == "/root"
     await host.release(parent)
     assert leftovers(host.node, parent.id) == []
 

@@ -38,7 +38,11 @@ from tests.test_api import (  # noqa: F401
     test_tty,
     test_unknown_and_malformed_ids,
 )
-from tests.test_branch import box, test_branch_of_a_container_or_a_paused_sandbox_is_409  # noqa: F401
+from tests.test_branch import (  # noqa: F401
+    box,
+    test_container_branch_carries_processes_sessions_and_files,
+    test_container_branch_refusals_and_a_paused_parent_are_409,
+)
 from tests.test_density import test_pause_and_resume_a_job, test_pause_pushes_memory_out_and_resume_brings_it_back  # noqa: F401
 from tests.test_e2b import (  # noqa: F401
     test_code_interpreter,

@@ -15,7 +15,9 @@ per sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 from dsec.node.agent.commands import run_once
 from dsec.node.agent.files import ProcRootFiles
@@ -76,6 +78,23 @@ class Aether:
             self.sessions[name] = ShellSession.reattach(self.init, self.ctx, name, pid, exited, fds)
             recovered.append(name)
         return recovered
+
+    @contextlib.asynccontextmanager
+    async def sessions_quiet(self) -> AsyncIterator[list[str]]:
+        """Within: no session starts a command (a capture of the sandbox's processes takes
+        each shell idle). Yields the sessions running one now, which it cannot stop."""
+        busy, held = [], []
+        try:
+            for name, sess in sorted(self.sessions.items()):
+                if sess._lock.locked():
+                    busy.append(name)
+                else:
+                    await sess._lock.acquire()
+                    held.append(sess)
+            yield busy
+        finally:
+            for sess in held:
+                sess._lock.release()
 
     # ---- exec -------------------------------------------------------------
     async def exec(self, req: ExecRequest, on_data: OnData | None = None) -> ExecResult:

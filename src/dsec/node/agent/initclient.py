@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import socket
 import time
@@ -185,6 +186,16 @@ class InitClient:
                                    operation=what) from None
         finally:
             fut.cancel()  # no-op once answered; otherwise its reply, when it comes, is dropped in turn
+
+    def channels(self, n: int) -> list[tuple[int, int]]:
+        """``n`` channels (see :func:`channel`) for a process that lives on in the sandbox (a
+        shell session's): made in the sandbox's network namespace, where a CRIU dump of its
+        processes finds both ends, the process's and the one init holds (a live branch then
+        carries the session into its children: node/backends/container/branching.py)."""
+        if self.netns is not None:
+            with contextlib.suppress(OSError):  # (init gone: the spawn says so)
+                return linux.in_netns(self.netns, lambda: [channel() for _ in range(n)])
+        return [channel() for _ in range(n)]
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
                     flags: int = SETSID, user: tuple[int, int] | None = None) -> tuple[int, asyncio.Future[int]]:

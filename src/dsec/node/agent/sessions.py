@@ -16,7 +16,7 @@ import time
 
 from dsec.node.agent.capture import Capture
 from dsec.node.agent.fdio import FdWait
-from dsec.node.agent.initclient import SETSID, ChannelLost, boottime_ticks, channel, exit_code
+from dsec.node.agent.initclient import SETSID, ChannelLost, boottime_ticks, exit_code
 from dsec.node.agent.interfaces import AgentContext, InitChannel, OnData
 from dsec.shared.errors import SandboxError
 from dsec.shared.wire.models import ExecRequest, ExecResult
@@ -38,10 +38,8 @@ class ShellSession:
 
     async def _start(self) -> None:
         init = self.init
-        in_r, stdin_w = channel()
-        out_r, out_w = channel()
-        err_r, err_w = channel()
-        ctl_r, ctl_w = channel()
+        # made where init can see them (a container's netns): a live branch carries the session
+        (in_r, stdin_w), (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = init.channels(4)
         try:
             self.pid, exited = await init.spawn(
                 [self.ctx.shell], self.ctx.env, self.cwd, [in_r, out_w, err_w, ctl_w], SETSID)

@@ -15,15 +15,19 @@ What of a container belongs to the host, and how a child gets its own:
   and the workload cgroup's ``cgroup.procs`` files it holds (host cgroupfs): external files,
   handed to the child as the same binary and the child's own ``S/w/cgroup.procs``;
 - the masked paths of /proc and /sys (bind mounts of the host's /dev/null): external mounts;
-- init's listening socket (bound at a host path) and its connections to the edge: the
-  child's own listener at its own path, and for each connection a socket whose peer is
-  already closed, so the restored init drops it and the edge connects afresh.
+- init's listening socket (bound at a host path) and its connections to the edge (the
+  SOCK_SEQPACKET ones): the child's own listener at its own path, and for each connection
+  a socket whose peer is already closed, so the restored init drops it and the edge
+  connects afresh.
 
 Everything else (memory, threads, pids, the mount tree over the overlay root, /dev's tmpfs,
-pipes and sockets among its processes, its cgroups' limits) CRIU carries itself. A process
-holding any other channel to the host (a command's output channel while it runs, a shell
-session's, which dsec-init holds) has a socket CRIU cannot find in the sandbox's namespace:
-the dump fails and says which.
+pipes and sockets among its processes, its cgroups' limits) CRIU carries itself. That
+includes shell sessions: a session's channels are made in the sandbox's network namespace
+(InitClient.channels) and both ends of each are the sandbox's (the shell's, and the copy
+dsec-init holds for the edge), so CRIU restores each pair as it is, queued bytes included,
+and the child's edge takes the session back from its init as after an edge restart. A
+process holding any other channel to the host (a command's output channel while it runs)
+has a socket CRIU cannot find in the sandbox's namespace: the dump fails and says which.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ def externals(pid: int, cgroup: str) -> tuple[Image, list[str]]:
         external_file(os.readlink(f"/proc/{pid}/exe"), f"/proc/self/fdinfo/{exe}", os.fstat(exe))
     finally:
         os.close(exe)
+    types = _unix_types(pid)
     for name in os.listdir(f"/proc/{pid}/fd"):
         path = f"/proc/{pid}/fd/{name}"
         try:
@@ -122,15 +127,29 @@ def externals(pid: int, cgroup: str) -> tuple[Image, list[str]]:
             if link.startswith("socket:["):
                 if name == "4":  # (crun --preserve-fds: the listener is init's fd 4)
                     img.listener = link
-                else:  # its connections to the edge (a session's channels it holds, CRIU refuses)
+                elif types.get(int(link[8:-1])) == socket.SOCK_SEQPACKET:  # its connections to the edge
                     img.conns.append(link)
                     args.append(f"unix[{link[8:-1]}]")
+                # else a session's channel it holds for the edge: its peer is the shell's, in the
+                # tree, so CRIU carries the pair (one of the host's namespace: not found, refused)
             elif link.startswith("/"):
                 external_file(link, f"/proc/{pid}/fdinfo/{name}", os.stat(path))
         except FileNotFoundError:
             continue  # closed as it was read
     args.append(f"net[{os.stat(f'/proc/{pid}/ns/net').st_ino}]:{NET_KEY}")
     return img, args
+
+
+def _unix_types(pid: int) -> dict[int, int]:
+    """The socket type of each unix socket of ``pid``'s network namespace, by inode."""
+    types = {}
+    with open(f"/proc/{pid}/net/unix") as f:
+        next(f)  # Num RefCount Protocol Flags Type St Inode Path
+        for line in f:
+            cols = line.split()
+            if len(cols) >= 7:
+                types[int(cols[6])] = int(cols[4], 16)
+    return types
 
 
 def _criu_errors(log_path: str, limit: int = 4) -> str:
@@ -152,8 +171,8 @@ def _explain(errors: str, pid: int) -> str:
     m = re.search(r"Unix socket (\d+) not found", errors)
     if m:
         holder = _holder_of(int(m.group(1)), pid)
-        return (f"{holder} holds a unix socket of the host (a running command's output channel, or a shell "
-                "session's, which dsec-init keeps): end the command or close the session first")
+        return (f"{holder} holds a unix socket of the host (the output channel of a one-shot command, running "
+                "or left in the background holding it): end it first")
     if re.search(r"Can't get 1:(16|34) opt", errors):  # SO_PASSCRED, SO_PASSSEC
         return ("a process holds an inet (TCP or UDP) socket, which CRIU cannot dump on this kernel (it cannot "
                 "read the socket's SO_PASSCRED option): close it first")

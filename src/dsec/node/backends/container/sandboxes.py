@@ -200,15 +200,23 @@ class ContainerSandboxes:
         cg = Cgroup(self.cgroup_path(sb.id))
         paused = cg.frozen()  # (a paused sandbox is captured as it is, and stays paused)
         try:
-            if not paused:
-                await self.freeze(sb)
-            try:
-                self.volume.snapshot(sb.dir, os.path.join(work, "root"))
-                with tracing.span("criu.dump", sandbox_id=sb.id):
-                    await branching.dump(sb.rec.init_pid, self.cgroup_path(sb.id), cg.dir("freezer"), images)
-            finally:
+            async with contextlib.AsyncExitStack() as stack:
+                # each shell session idle through the capture (CRIU carries them): a command in
+                # flight in one would run on in each child, its output reaching none of its
+                # callers, so it is refused as a running one-shot command is (by its channel)
+                busy = await stack.enter_async_context(sb.agent.sessions_quiet()) if sb.agent else []
+                if busy:
+                    raise BranchUnsupported(f"shell session {busy[0]!r} is running a command: let it finish "
+                                            "(or time out) first")
                 if not paused:
-                    await self.thaw(sb)
+                    await self.freeze(sb)
+                try:
+                    self.volume.snapshot(sb.dir, os.path.join(work, "root"))
+                    with tracing.span("criu.dump", sandbox_id=sb.id):
+                        await branching.dump(sb.rec.init_pid, self.cgroup_path(sb.id), cg.dir("freezer"), images)
+                finally:
+                    if not paused:
+                        await self.thaw(sb)
         except BaseException:
             await asyncio.to_thread(self.drop_branch_image, work)
             raise

@@ -19,7 +19,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from dsec.node.agent.initclient import SETSID
+from dsec.node.agent.initclient import SETSID, channel
 from dsec.node.agent.watch import DirWatch
 from dsec.node.backends.api import Adopted, BackendState, InitLink, Launched, Sandbox, SandboxLost
 from dsec.shared.errors import BranchUnsupported, InvalidRequest, NotFound
@@ -55,6 +55,9 @@ class HollowInit:
 
     async def held_keys(self) -> list[str]:
         return list(self._held)
+
+    def channels(self, n: int) -> list[tuple[int, int]]:
+        return [channel() for _ in range(n)]
 
     async def adopt(self, pid: int) -> asyncio.Future[int] | None:
         return None

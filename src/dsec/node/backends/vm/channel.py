@@ -29,7 +29,7 @@ import tty
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsec.node.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks
+from dsec.node.agent.initclient import CTTY, ChannelLost, SpawnFailed, boottime_ticks, channel
 from dsec.node.agent.watch import DirWatch
 from dsec.node.backends.vm.qemu import connect_unix
 from dsec.shared.errors import DeadlineExceeded, InvalidRequest, NotFound, SandboxError
@@ -530,6 +530,10 @@ class GuestChannel:
     async def held_keys(self) -> list[str]:
         reply = await self.request("L")
         return [k.decode(errors="replace") for k in reply[1:] if k]
+
+    def channels(self, n: int) -> list[tuple[int, int]]:
+        """The edge's ends of a session's pipes (the guest's are made by the mux)."""
+        return [channel() for _ in range(n)]
 
     async def adopt(self, pid: int) -> asyncio.Future[int] | None:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
