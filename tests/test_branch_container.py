@@ -1,4 +1,4 @@
-"""Live branches of a running container through CRIU (docs/snapshots.md, "Containers: CRIU"),
+"""Live branches of a running container through CRIU (docs/snapshots.md, "Live branch of a container: CRIU"),
 at the backend boundary: ``branch_image`` of a container running a Python process that
 holds a counter in memory and writes files, then children made from that image with
 ``prepare(restore=...)`` + ``launch`` + ``connect``, as the edge makes them. Real CRIU

@@ -1,5 +1,5 @@
 """Live branches of a running container through CRIU: the container backend's half of
-``branch_image`` and of starting a child from one (docs/snapshots.md, "Containers: CRIU").
+``branch_image`` and of starting a child from one (docs/snapshots.md, "Live branch of a container: CRIU").
 
 Owns finding the criu binary, the dump of a container's process tree (dsec-init, PID 1 of
 its pid namespace, and everything under it) with ``--leave-running``, what of that tree is
