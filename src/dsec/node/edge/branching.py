@@ -30,12 +30,14 @@ from typing import Protocol
 
 from dsec.node.backends.api import Sandbox, SandboxRuntime
 from dsec.node.edge.cmdlog import CommandLog
-from dsec.shared.errors import InvalidRequest, SandboxNotRunning
+from dsec.shared.errors import InsufficientStorage, InvalidRequest, SandboxNotRunning
 from dsec.shared.wire.models import ContainerArgs, MicroVMArgs, SandboxInfo, SandboxState, VMArgs
 from dsec.shared.wire.snapshots import MAX_BRANCH
 
 log = logging.getLogger("dsec.edge")
 AnyArgs = ContainerArgs | MicroVMArgs | VMArgs
+CAPTURES_AT_ONCE = 2  # a capture writes the parent's memory out (CRIU's pages, a VM's RAM file): disk and I/O
+SPARE_MB = 1024  # free space a capture leaves on the sandbox volume for everyone else's writes
 
 
 class CreateChild(Protocol):
@@ -60,6 +62,7 @@ class Brancher:
         self.cmdlog = cmdlog
         self.on_event = on_event
         self.max_n = max_n
+        self._captures = asyncio.Semaphore(CAPTURES_AT_ONCE)
         # next to the sandboxes' directories (one filesystem: a child links the image's RAM
         # file into its own directory rather than copying it)
         self.work_dir = work_dir
@@ -78,8 +81,9 @@ class Brancher:
         backend = self.backend_of(sb)
         work = os.path.join(self.work_dir, f"{sb.id}.{secrets.token_hex(4)}")
         t0 = time.monotonic()
-        async with sb.lock:  # no pause, checkpoint or rollback of the parent meanwhile
+        async with self._captures, sb.lock:  # no pause, checkpoint or rollback of the parent meanwhile
             self._check_running(sb)
+            self._check_space(sb, args)
             at = time.time()  # the capture's instant, at the latest (the parent stops right after)
             image = await backend.branch_image(sb, work)
         captured_s = time.monotonic() - t0
@@ -117,6 +121,17 @@ class Brancher:
             raise
         self.on_event(info.sandbox_id, "branched", f"branched from {parent.id}")
         return info
+
+    def _check_space(self, sb: Sandbox, args: AnyArgs) -> None:
+        """Room on the sandbox volume for the image (up to the parent's memory: CRIU's pages,
+        a VM's RAM file) with :data:`SPARE_MB` left over, or a 507 before anything is frozen:
+        the image sits on the volume every sandbox of the edge writes to."""
+        need = args.memory_admitted_mb + SPARE_MB
+        free = shutil.disk_usage(self.work_dir).free >> 20
+        if free < need:
+            raise InsufficientStorage(f"a live branch of {sb.id} needs up to {args.memory_admitted_mb} MiB for its "
+                                      f"image and {SPARE_MB} MiB to spare on the sandbox volume; {free} MiB are free",
+                                      field="sandbox_id")
 
     @staticmethod
     def _check_running(sb: Sandbox) -> None:

@@ -40,7 +40,8 @@ def routes(api: Apiserver) -> APIRouter:
     @router.post("/v1/sandboxes/{sandbox_id}/branch", status_code=201)
     async def branch(sandbox_id: str, req: BranchRequest | None = None) -> list[SandboxInfo]:
         """Live branch: ``n`` new sandboxes continuing from this running one's state, its processes and memory
-        included (microVMs and VMs; a container answers 409 branch_unsupported), on its edge; it runs on.
+        included (microVMs and VMs through QEMU, containers through CRIU; what cannot be carried answers 409
+        branch_unsupported naming it), on its edge; it runs on.
         Each child is counted in the parent's project and job like a create."""
         return await api.branch(sandbox_id, req.n if req else 1)
 

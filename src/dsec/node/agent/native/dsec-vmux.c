@@ -502,7 +502,10 @@ static void do_identity(const char *id, char **f, int nf) {
         for (size_t i = 0; i < hl; i++) { unsigned v; sscanf(f[3] + 2 * i, "%2x", &v); ent.b[i] = (unsigned char)v; }
         ent.count = (int)hl * 8; ent.size = (int)hl;
         int r = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
-        if (r >= 0) { ioctl(r, RNDADDENTROPY, &ent); close(r); }
+        /* adding entropy to a ready RNG does not reseed it (only the next scheduled reseed,
+           up to a minute later, would): force it, so a clone or branch child never goes on
+           with its template's or parent's RNG state */
+        if (r >= 0) { ioctl(r, RNDADDENTROPY, &ent); ioctl(r, RNDRESEEDCRNG); close(r); }
     }
     reply(id, "K 0");
 }

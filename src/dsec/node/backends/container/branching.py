@@ -283,8 +283,6 @@ async def restore(images: str, rootfs: str, cgroup: str, sock_path: str, workdir
             inherit(opened[-1], key)
         for key, path in img.mounts.items():
             args.append(f"--ext-mount-map={key}:{path}")
-        for fd in fds:
-            os.set_inheritable(fd, True)
         pidfile, log = os.path.join(workdir, "init.pid"), os.path.join(workdir, "restore.log")
         argv = [criu, "restore", "--no-default-config", "-D", images, "-W", workdir, "-o", log,
                 "--root", rootfs, "--restore-detached", "--pidfile", pidfile, "--network-lock", "skip",

@@ -20,7 +20,7 @@ from dsec.node.backends.api import Adopted, BackendState, InitLink, Launched, Sa
 from dsec.node.backends.container import branching
 from dsec.node.backends.container.runtime import CrunRuntime, Limits, oci_config
 from dsec.node.host import linux, memory
-from dsec.node.host.cgroup import WORKLOAD, Cgroup
+from dsec.node.host.cgroup import WORKLOAD, Cgroup, is_v2
 from dsec.node.host.process import alive, wait_gone
 from dsec.node.host.volume import SandboxVolume
 from dsec.node.storage.node import NodeLayers
@@ -100,7 +100,7 @@ class ContainerSandboxes:
             if not self.volume.available:
                 raise BranchUnsupported(f"no btrfs sandbox volume here ({self.volume.status})")
             image = restore["image"]
-            self.volume.snapshot(os.path.join(image, "root"), sb.dir)
+            await asyncio.to_thread(self.volume.snapshot, os.path.join(image, "root"), sb.dir)
             if args.disk_limit_mb is not None:
                 self.volume.limit(sb.dir, args.disk_limit_mb)
             state.qgroup, state.branch = self.volume.subvolume_id(sb.dir), image
@@ -188,6 +188,11 @@ class ContainerSandboxes:
         removes it with :meth:`drop_branch_image` once its children are made (they hold
         nothing of it)."""
         branching.criu_binary()  # (BranchUnsupported before anything is frozen)
+        if is_v2():
+            # CRIU re-creates the child's cgroup itself and restores v1's device list, not v2's
+            # device program (crun's eBPF filter): the child would open any device node
+            raise BranchUnsupported("a container's live branch needs cgroup v1 on its node: on cgroup v2, CRIU does "
+                                    "not restore the device filter of the sandbox's cgroup")
         if not self.volume.available or not self.volume.is_subvolume(sb.dir):
             raise BranchUnsupported(f"sandbox {sb.id} is not on a btrfs sandbox volume ({self.volume.status}): a "
                                     "live branch snapshots its writable layer")
@@ -211,7 +216,7 @@ class ContainerSandboxes:
                 if not paused:
                     await self.freeze(sb)
                 try:
-                    self.volume.snapshot(sb.dir, os.path.join(work, "root"))
+                    await asyncio.to_thread(self.volume.snapshot, sb.dir, os.path.join(work, "root"))
                     with tracing.span("criu.dump", sandbox_id=sb.id):
                         await branching.dump(sb.rec.init_pid, self.cgroup_path(sb.id), cg.dir("freezer"), images)
                 finally:

@@ -116,7 +116,11 @@ class VMSpec:
              "-chardev", f"file,id=con,path={console_log}", "-serial", "chardev:con",
              "-chardev", f"socket,id=agent,path={agent_sock},server=on,wait=off",
              "-device", f"virtio-serial-{dev},max_ports=2", "-device", "virtserialport,chardev=agent,name=dsec.agent",
-             "-device", f"virtio-balloon-{dev},free-page-reporting=on",
+             # no free-page reporting (nor balloon inflation): QEMU discards a reported page by
+             # punching a hole in the RAM's file even where it maps it private, and a template
+             # clone's or a branch child's RAM file is one inode shared by its siblings (and by
+             # other tenants' clones of the same template): the hole would zero their pages
+             "-device", f"virtio-balloon-{dev}",
              "-object", "rng-random,id=rng,filename=/dev/urandom", "-device", f"virtio-rng-{dev},rng=rng"]
         if self.mem_path:
             a += ["-object", f"memory-backend-file,id={self.mem_id},size={self.memory_mb}M,mem-path={self.mem_path},"
