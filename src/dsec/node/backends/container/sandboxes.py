@@ -35,17 +35,25 @@ _REROOT_BUILD = threading.Lock()  # dsec-reroot's compile, once (a snapshot star
 
 
 def _listener(path: str) -> socket.socket:
-    """dsec-init's listening socket at ``path`` (made in the namespace of the calling thread)."""
+    """dsec-init's listening socket at ``path`` (made in the namespace of the calling thread).
+
+    It is bound through a descriptor of its directory (``/proc/self/fd/N/NAME``): the
+    sandbox's network namespace lists the sockets made in it (``/proc/net/unix``) by the
+    path they were bound with, and the host's layout is not the sandbox's to read (nor
+    is that path anything it can reach: its own ``/proc/self/fd/N`` is not this one)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    d = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        lsock.bind(path)
+        lsock.bind(f"/proc/self/fd/{d}/{os.path.basename(path)}")
         os.chmod(path, 0o600)
         lsock.listen(64)
     except BaseException:
         lsock.close()
         raise
+    finally:
+        os.close(d)
     return lsock
 
 
