@@ -413,7 +413,7 @@ async def main() -> None:
     same = out_rb == out_rc and len(out_rb) == a.expansions
     body = render(a, rb, rc, sizes, same) + ("\n" + render_live(lb, out_lb == out_rb) if a.live else "")
     report(body, a.write, "treesearch.py", "treesearch",
-           "Tree search: in-place rollback against recreate + replay (`bench/treesearch.py`)")
+           "Tree search: in-place rollback, live branch and recreate + replay (`bench/treesearch.py`)")
 
 
 if __name__ == "__main__":
