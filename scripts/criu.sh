@@ -21,15 +21,8 @@ fi
 DEPS=(dpkg-dev patch gcc make pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
       python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libaio-dev libgnutls28-dev
       libnftables-dev uuid-dev)
-missing=()
-for p in "${DEPS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "== apt: installing CRIU's build dependencies: ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+. "$(dirname "$0")/apt.sh"
+apt_ensure "CRIU's build dependencies: " "${DEPS[@]}"
 
 # the Debian mirror this machine already uses (deb822 or one-line sources)
 MIRROR=$(grep -hoE '^URIs:[[:space:]]*[^[:space:]]+/debian/?$' /etc/apt/sources.list.d/*.sources 2>/dev/null \

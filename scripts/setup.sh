@@ -13,15 +13,8 @@ cd "$(dirname "$0")/.."
 PKGS=(crun erofs-utils mmdebstrap busybox-static nftables iproute2 gcc libc6-dev util-linux procps psmisc
       docker-registry fuse3 libfuse3-dev pkg-config moosefs-master moosefs-chunkserver moosefs-client curl python3-dev
       qemu-system-x86 btrfs-progs postgresql-15 chromium)
-missing=()
-for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "== apt: installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+. scripts/apt.sh
+apt_ensure "" "${PKGS[@]}"
 
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"

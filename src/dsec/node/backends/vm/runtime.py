@@ -400,16 +400,9 @@ class VMRuntime:
         t0 = time.monotonic()
         with tracing.span("qemu.launch", sandbox_id=vm.sid, machine=vm.spec.machine, accel=vm.spec.accel):
             await self.launch(vm)
-        ch = GuestChannel(vm.agent_sock)
         # the guest kernel's boot up to its agent's first answer
         with tracing.span("agent.handshake", sandbox_id=vm.sid):
-            try:
-                await ch.connect(timeout=timeout, alive=lambda: not vm.exited.is_set())
-            except SandboxError:
-                await self.kill(vm)
-                raise SandboxError(f"VM did not boot: {self.console_tail(vm)}") from None
-            await ch.identity(hostname, time.time_ns())
-        vm.channel = ch
+            ch = await self._greet(vm, hostname, timeout, "VM did not boot")
         vm.timings["boot_s"] = time.monotonic() - t0
         return ch
 
@@ -614,15 +607,8 @@ class VMRuntime:
         with tracing.span("qemu.restore", sandbox_id=vm.sid, machine=vm.spec.machine, accel=vm.spec.accel):
             await self.restore(vm, os.path.join(tdir, "state"), os.path.join(tdir, "state.json"),
                                ignore_shared=True)
-        ch = GuestChannel(vm.agent_sock)
         with tracing.span("agent.handshake", sandbox_id=vm.sid):
-            try:
-                await ch.connect(timeout=30, alive=lambda: not vm.exited.is_set())
-            except SandboxError:
-                await self.kill(vm)
-                raise SandboxError(f"cloned VM's agent did not answer: {self.console_tail(vm)}") from None
-            await ch.identity(hostname, time.time_ns())  # fresh clock, hostname and entropy per clone
-        vm.channel = ch
+            ch = await self._greet(vm, hostname, 30, "cloned VM's agent did not answer")
         vm.timings["clone_s"] = time.monotonic() - t0
         return ch
 
@@ -722,15 +708,22 @@ class VMRuntime:
         vm.spec.mem_path, vm.spec.mem_shared, vm.spec.mem_id = ram, False, image["mem_id"]
         await self.make_upper(vm.spec.disks[0].path, 0, copy_of=image["disk"])
         await self.restore(vm, image["state"], image["meta"], ignore_shared=True)
+        ch = await self._greet(vm, hostname, 30, "branched VM's agent did not answer")
+        vm.timings["clone_s"] = time.monotonic() - t0
+        return ch
+
+    async def _greet(self, vm: VMInstance, hostname: str, timeout: float, failure: str) -> GuestChannel:
+        """The guest's agent connected and given its identity (hostname, the host's clock, fresh
+        entropy: per boot, clone and branch child), as ``vm.channel``; a guest whose agent does
+        not answer is killed, and the error says ``failure`` with its console's tail."""
         ch = GuestChannel(vm.agent_sock)
         try:
-            await ch.connect(timeout=30, alive=lambda: not vm.exited.is_set())
+            await ch.connect(timeout=timeout, alive=lambda: not vm.exited.is_set())
         except SandboxError:
             await self.kill(vm)
-            raise SandboxError(f"branched VM's agent did not answer: {self.console_tail(vm)}") from None
+            raise SandboxError(f"{failure}: {self.console_tail(vm)}") from None
         await ch.identity(hostname, time.time_ns())
         vm.channel = ch
-        vm.timings["clone_s"] = time.monotonic() - t0
         return ch
 
     def remove_templates(self) -> None:
