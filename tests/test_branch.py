@@ -46,6 +46,50 @@ async def _state(sb: dsec.AsyncSandbox) -> tuple[str, int]:
     return secret, int(count)
 
 
+async def _check_branch(parent: dsec.AsyncSandbox, children: list[dsec.AsyncSandbox], *, project: str, job: str,
+                        loop_pid: str, count_at_branch: int, logged: dsec.ExecResult,
+                        session: tuple[str, list[str]]) -> None:
+    """What a branch of 2 shows, whatever the backend: each child is the parent's (its
+    arguments, files, running loop with the memory it held, shell session, command log)
+    under its own identity; the parent runs on and names its children; each then diverges.
+    ``session``: a command for the parent's session and the words it printed before."""
+    assert len(children) == 2 and len({c.sandbox_id for c in children}) == 2
+    assert parent.sandbox_id not in {c.sandbox_id for c in children}
+    for c in children:
+        info = c.info
+        assert info.state == "running" and info.branched_from == parent.sandbox_id
+        assert info.labels["team"] == "search" and info.labels["dsec.project"] == project
+        assert info.job == job
+        assert info.memory_limit_mb == parent.info.memory_limit_mb
+        # its own identity: the hostname is its own id
+        assert (await c.exec("hostname")).stdout.strip() == c.sandbox_id
+        # the parent's files, and its running process with the memory it held
+        assert await c.read_file("/root/base.txt") == b"from the parent"
+        assert (await c.exec("test -e /root/seed")).exit_code != 0
+        assert (await c.exec(f"kill -0 {loop_pid}")).exit_code == 0
+        secret, count = await _state(c)
+        assert secret == "s3cret" and count >= count_at_branch
+        assert await _wait_count_above(c, count)  # ... still running in the child: its counter goes on
+        # the shell session carried over: the same shell, its cwd and variables
+        assert (await c.run_shell(session[0])).stdout.split() == session[1]
+        # the command log starts from the parent's: the keyed command replays its result
+        assert [r.key for r in await c.command_log()] == ["k-before"]
+        again = await c.exec("cat /proc/sys/kernel/random/uuid", key="k-before")
+        assert again.stdout == logged.stdout and len(logged.stdout) == 37
+        assert any(e.kind == "branched" and parent.sandbox_id in e.message for e in await c.events())
+    # the parent runs on, untouched, its session too, and its event names the children
+    assert (await parent.exec(f"kill -0 {loop_pid}")).exit_code == 0
+    assert await _wait_count_above(parent, count_at_branch)
+    assert (await parent.run_shell(session[0])).stdout.split() == session[1]
+    ev = [e for e in await parent.events() if e.kind == "branched"]
+    assert ev and all(c.sandbox_id in ev[-1].message for c in children)
+    # each diverges on its own
+    await parent.write_file("/root/who", b"parent")
+    for i, c in enumerate(children):
+        await c.write_file("/root/who", f"child{i}".encode())
+    assert await parent.read_file("/root/who") == b"parent"
+
+
 async def test_microvm_branch_carries_processes_memory_and_files(platform: Platform) -> None:
     project = f"br{uuid.uuid4().hex[:6]}"
     async with dsec.AsyncClient(url=platform.url, token=TOKEN) as admin:
@@ -72,44 +116,11 @@ async def test_microvm_branch_carries_processes_memory_and_files(platform: Platf
             t0 = time.monotonic()
             children = await vm.branch(n=2)
             took = time.monotonic() - t0
-            assert len(children) == 2 and len({c.sandbox_id for c in children}) == 2
-            assert vm.sandbox_id not in {c.sandbox_id for c in children}
             for c in children:
-                info = c.info
-                assert info.state == "running" and info.branched_from == vm.sandbox_id
-                assert info.backend == "microvm" and info.vm is not None and info.vm.started_from == "branch"
-                assert info.labels["team"] == "search" and info.labels["dsec.project"] == project
-                assert info.job == "search-1"
-                assert info.memory_limit_mb == vm.info.memory_limit_mb
-                # its own identity: the hostname is its own id
-                assert (await c.exec("hostname")).stdout.strip() == c.sandbox_id
-                # the parent's files, and its running process with the memory it held
-                assert await c.read_file("/root/base.txt") == b"from the parent"
-                assert (await c.exec("test -e /root/seed")).exit_code != 0
-                assert (await c.exec(f"kill -0 {loop_pid}")).exit_code == 0
-                secret, count = await _state(c)
-                assert secret == "s3cret" and count >= count_at_branch
-                # ... still running in the child: its counter goes on
-                assert await _wait_count_above(c, count)
-                # the shell session carried over, with its cwd and variables
-                assert (await c.run_shell("echo $PWD $KEEP")).stdout.split() == ["/srv", "kept"]
-                # the command log starts from the parent's: the keyed command replays its result
-                log = await c.command_log()
-                assert [r.key for r in log] == ["k-before"]
-                again = await c.exec("cat /proc/sys/kernel/random/uuid", key="k-before")
-                assert again.stdout == logged.stdout and len(logged.stdout) == 37
-                assert any(e.kind == "branched" and vm.sandbox_id in e.message for e in await c.events())
-            # the parent runs on, untouched, and its event names the children
-            assert (await vm.exec(f"kill -0 {loop_pid}")).exit_code == 0
-            assert await _wait_count_above(vm, count_at_branch)
-            assert (await vm.run_shell("echo $PWD $KEEP")).stdout.split() == ["/srv", "kept"]
-            ev = [e for e in await vm.events() if e.kind == "branched"]
-            assert ev and all(c.sandbox_id in ev[-1].message for c in children)
-            # each diverges on its own: files and the RNG (reseeded per child)
-            await vm.write_file("/root/who", b"parent")
-            for i, c in enumerate(children):
-                await c.write_file("/root/who", f"child{i}".encode())
-            assert await vm.read_file("/root/who") == b"parent"
+                assert c.info.backend == "microvm" and c.info.vm is not None and c.info.vm.started_from == "branch"
+            await _check_branch(vm, children, project=project, job="search-1", loop_pid=loop_pid,
+                                count_at_branch=count_at_branch, logged=logged,
+                                session=("echo $PWD $KEEP", ["/srv", "kept"]))
             assert [await c.read_file("/root/who") for c in children] == [b"child0", b"child1"]
             rand = [(await s.exec("head -c 16 /dev/urandom | od -An -tx1")).stdout for s in (vm, *children)]
             assert len(set(rand)) == 3
@@ -227,42 +238,12 @@ async def test_container_branch_carries_processes_sessions_and_files(platform: P
             t0 = time.monotonic()
             children = await box.branch(n=2)
             took = time.monotonic() - t0
-            assert len(children) == 2 and len({c.sandbox_id for c in children}) == 2
-            assert box.sandbox_id not in {c.sandbox_id for c in children}
+            assert all(c.info.backend == "container" for c in children)
+            await _check_branch(box, children, project=project, job="search-c", loop_pid=loop_pid,
+                                count_at_branch=count_at_branch, logged=logged,
+                                session=("echo $PWD $K", ["/tmp", "v"]))
             for c in children:
-                info = c.info
-                assert info.state == "running" and info.branched_from == box.sandbox_id
-                assert info.backend == "container"
-                assert info.labels["team"] == "search" and info.labels["dsec.project"] == project
-                assert info.job == "search-c"
-                assert info.memory_limit_mb == box.info.memory_limit_mb
-                assert (await c.exec("hostname")).stdout.strip() == c.sandbox_id
-                # the parent's files, and its running process with the memory it held
-                assert await c.read_file("/root/base.txt") == b"from the parent"
-                assert (await c.exec("test -e /root/seed")).exit_code != 0
-                assert (await c.exec(f"kill -0 {loop_pid}")).exit_code == 0
-                secret, count = await _state(c)
-                assert secret == "s3cret" and count >= count_at_branch
-                assert await _wait_count_above(c, count)  # ... counting on in the child
-                # the shell session carried over: the same shell, its cwd and variables
-                assert (await c.run_shell("echo $PWD $K")).stdout.split() == ["/tmp", "v"]
-                # the command log starts from the parent's: the keyed command replays its result
-                assert [r.key for r in await c.command_log()] == ["k-before"]
-                again = await c.exec("cat /proc/sys/kernel/random/uuid", key="k-before")
-                assert again.stdout == logged.stdout and len(logged.stdout) == 37
-                assert any(e.kind == "branched" and box.sandbox_id in e.message for e in await c.events())
-            # the parent runs on, its session too, and its event names the children
-            assert (await box.exec(f"kill -0 {loop_pid}")).exit_code == 0
-            assert await _wait_count_above(box, count_at_branch)
-            assert (await box.run_shell("echo $PWD $K")).stdout.split() == ["/tmp", "v"]
-            ev = [e for e in await box.events() if e.kind == "branched"]
-            assert ev and all(c.sandbox_id in ev[-1].message for c in children)
-            # each diverges on its own
-            await box.write_file("/root/who", b"parent")
-            for i, c in enumerate(children):
-                await c.write_file("/root/who", f"child{i}".encode())
                 await c.run_shell("export K=child")
-            assert await box.read_file("/root/who") == b"parent"
             assert [await c.read_file("/root/who") for c in children] == [b"child0", b"child1"]
             assert (await box.run_shell("echo $K")).stdout.strip() == "v"
             # the children count in the parent's job (3 of its 3 held) and its project
